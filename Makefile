@@ -1,0 +1,40 @@
+# The two commands: `make run` and `make test`. Everything they need is installed here.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  := models/smollm2-135m-instruct/inferline-model.json
+PIP    := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: install run test test-fast bench lint clean
+
+install: $(STAMP) $(MODEL)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test,convert]'
+	touch $(STAMP)
+
+# Idempotent: the script returns at once when the model is already in place.
+$(MODEL): $(STAMP) scripts/fetch_model.py
+	$(PY) scripts/fetch_model.py
+
+run: install
+	$(VENV)/bin/inferline validate pipelines/
+	$(VENV)/bin/inferline run hello --input "What can Inferline do for my team?" --trace
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+bench: install
+	$(PY) bench/runner.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

@@ -1,0 +1,150 @@
+"""``RequestContext``: the one object that flows through a pipeline's stages.
+
+Stages communicate only by reading and writing the typed *flow fields* listed
+in :data:`FIELDS`. Each stage type declares which of them it reads and writes,
+and the loader checks at load time that every field a stage reads is either
+provided by the request (``initial``) or written by an earlier stage.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.cost import CostLedger
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One chat turn, as in the OpenAI API."""
+
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class Principal:
+    """Who is calling: an API key's id (never the key), its role and tenant."""
+
+    key_id: str
+    role: str
+    tenant: str = ""
+
+
+@dataclass(slots=True)
+class Document:
+    """A retrieved passage with where it came from."""
+
+    id: str
+    text: str
+    source: str = ""
+    title: str = ""
+    score: float = 0.0
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts for one request."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StageRecord:
+    """What one stage did for one request; returned to the caller and audited."""
+
+    id: str
+    type: str
+    status: str  # ok | skipped | failed | timeout | cancelled | denied
+    started_s: float = 0.0
+    duration_s: float = 0.0
+    cost_usd: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldInfo:
+    """Describes one flow field for load-time checks and error messages."""
+
+    type: str
+    doc: str
+    initial: bool = False
+
+
+#: The flow fields of :class:`RequestContext`. ``initial`` fields come with the request.
+FIELDS: dict[str, FieldInfo] = {
+    "request_id": FieldInfo("str", "unique id of this request", initial=True),
+    "pipeline": FieldInfo("str", "name of the pipeline serving the request", initial=True),
+    "input": FieldInfo("str", "text of the last user message", initial=True),
+    "input_messages": FieldInfo("list[ChatMessage]", "the chat turns the client sent", initial=True),
+    "principal": FieldInfo("Principal | None", "the caller, when authenticated", initial=True),
+    "role": FieldInfo("str", "the caller's role ('' when anonymous)", initial=True),
+    "tenant": FieldInfo("str", "the caller's tenant ('' when none)", initial=True),
+    "tags": FieldInfo("dict[str, str]", "free-form request tags from the client", initial=True),
+    "params": FieldInfo("dict[str, Any]", "sampling overrides from the client", initial=True),
+    "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
+    "documents": FieldInfo("list[Document]", "retrieved passages"),
+    "model": FieldInfo("str", "name of the model chosen for the request"),
+    "prompt_ids": FieldInfo("list[int]", "prompt token ids"),
+    "prompt_tokens": FieldInfo("int", "number of prompt tokens"),
+    "token_stream": FieldInfo("AsyncIterator[int]", "generated token ids, as they come"),
+    "output_text": FieldInfo("str", "the text sent to the client"),
+    "finish_reason": FieldInfo("str", "why generation stopped"),
+}
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """State of one request as it flows through one pipeline."""
+
+    pipeline: str
+    input_messages: list[ChatMessage]
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    principal: Principal | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    messages: list[ChatMessage] = field(default_factory=list)
+    documents: list[Document] = field(default_factory=list)
+    model: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    token_stream: AsyncIterator[int] | None = None
+    output_text: str = ""
+    finish_reason: str = ""
+    usage: Usage = field(default_factory=Usage)
+    ledger: CostLedger = field(default_factory=CostLedger)
+    stages: list[StageRecord] = field(default_factory=list)
+    #: ok | denied | failed | cancelled: how the request is going so far.
+    status: str = "ok"
+    #: The error that failed or denied the request, if any.
+    error: BaseException | None = None
+    trace_id: str = ""
+
+    @classmethod
+    def from_text(cls, pipeline: str, text: str, **kwargs: Any) -> RequestContext:
+        """A context for a single user message."""
+        return cls(pipeline=pipeline, input_messages=[ChatMessage("user", text)], **kwargs)
+
+    @property
+    def input(self) -> str:
+        for message in reversed(self.input_messages):
+            if message.role == "user":
+                return message.content
+        return ""
+
+    @property
+    def role(self) -> str:
+        return self.principal.role if self.principal else ""
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant if self.principal else ""
+
+    def field_value(self, name: str) -> Any:
+        """The value of flow field *name* (used by expressions and templates)."""
+        if name not in FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)

@@ -1,0 +1,101 @@
+"""The one error tree of Inferline.
+
+Everything we raise on purpose derives from :class:`InferlineError`. The HTTP
+layer maps these types to problem-details responses; stages never raise HTTP
+errors themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InferlineError(Exception):
+    """Base of every error Inferline raises on purpose."""
+
+    #: A short machine-readable kind, used in events, audit records and problem types.
+    kind = "inferline_error"
+
+
+@dataclass(frozen=True, slots=True)
+class SpecIssue:
+    """One located problem in a YAML file."""
+
+    file: str
+    line: int
+    col: int
+    loc: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.loc}: " if self.loc else ""
+        return f"{self.file}:{self.line}:{self.col}: {where}{self.message}"
+
+
+class SpecError(InferlineError):
+    """A YAML file failed to load; carries every problem found in it."""
+
+    kind = "spec_error"
+
+    def __init__(self, issues: list[SpecIssue]):
+        self.issues = list(issues)
+        super().__init__("\n".join(str(issue) for issue in self.issues))
+
+
+class ExpressionError(InferlineError):
+    """A ``when:`` expression is malformed or uses something not allowed."""
+
+    kind = "expression_error"
+
+    def __init__(self, message: str, col: int = 0):
+        self.col = col
+        super().__init__(message)
+
+
+class TemplateError(InferlineError):
+    """A prompt template is malformed or names a field that does not exist."""
+
+    kind = "template_error"
+
+
+class PluginError(InferlineError):
+    """A plugin or entry point could not be imported or registered."""
+
+    kind = "plugin_error"
+
+
+class StageError(InferlineError):
+    """A stage failed while running a request."""
+
+    kind = "stage_error"
+
+    def __init__(self, stage_id: str, message: str):
+        self.stage_id = stage_id
+        super().__init__(message)
+
+
+class StageTimeout(StageError):
+    """A stage ran past its ``timeout_s``."""
+
+    kind = "stage_timeout"
+
+
+class PolicyDenied(InferlineError):
+    """A policy decided the request must not proceed. Not a failure of the system."""
+
+    kind = "policy_denied"
+
+    def __init__(self, message: str, *, rule: str = "", category: str = ""):
+        self.rule = rule
+        self.category = category
+        super().__init__(message)
+
+
+class Overloaded(InferlineError):
+    """A backend refused new work because its queue is full; retry later."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)

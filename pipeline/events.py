@@ -1,0 +1,71 @@
+"""What the runner tells its caller while a request runs.
+
+Per executed stage: :class:`StageStarted` then :class:`StageFinished`; a
+skipped stage gets only :class:`StageFinished` with status ``skipped``. Text for
+the client comes as :class:`TextDelta`. The last event is always exactly one
+:class:`Done` or :class:`Error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.context import StageRecord, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class StageStarted:
+    stage_id: str
+    type: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageFinished:
+    stage_id: str
+    type: str
+    #: ok | skipped | failed | timeout | cancelled | denied
+    status: str
+    duration_s: float
+    cost_usd: float
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    stage_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What every request returns to its caller, success or not."""
+
+    request_id: str
+    trace_id: str
+    pipeline: str
+    duration_s: float
+    ttft_s: float | None
+    cost_usd: float
+    stages: tuple[StageRecord, ...]
+    usage: Usage
+    output_text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    summary: Summary
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    #: denied | failed | cancelled
+    status: str
+    #: the error's kind (``policy_denied``, ``stage_timeout``, ...)
+    kind: str
+    message: str
+    stage_id: str
+    summary: Summary
+
+
+Event = StageStarted | StageFinished | TextDelta | Done | Error

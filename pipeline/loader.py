@@ -1,0 +1,236 @@
+"""Load and validate YAML files, collecting every error with its line and column.
+
+A pipeline is validated completely before it serves a request: YAML syntax,
+the pipeline schema, each stage's ``with:`` against its own config, stage
+types, duplicate ids, ``when:`` expressions, model and index names, and the
+typed data flow between stages. All problems of a file are raised together as
+one :class:`~pipeline.errors.SpecError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pipeline.context import FIELDS
+from pipeline.diagnostics import suggest, validation_issues
+from pipeline.errors import ExpressionError, SpecError, SpecIssue
+from pipeline.expr import Expression
+from pipeline.expr import parse as parse_expression
+from pipeline.protocols import Catalog, ModelInfo
+from pipeline.refs import find_refs
+from pipeline.registry import StageRegistry
+from pipeline.spec import PipelineSpec, ServerSpec, StageSpec
+from pipeline.stage import Stage
+from pipeline.yamlsrc import YamlSource, parse
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One validated stage: its spec, class, parsed config and condition."""
+
+    spec: StageSpec
+    cls: type[Stage]
+    config: BaseModel
+    when: Expression | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPipeline:
+    """A pipeline that passed every load-time check."""
+
+    spec: PipelineSpec
+    file: str
+    sha256: str
+    plans: tuple[StagePlan, ...]
+
+
+def load_server(path: str | Path) -> ServerSpec:
+    """Load ``inferline.yaml``; raises :class:`SpecError` with every problem."""
+    file = str(path)
+    src = _read(file, Path(path).read_text(encoding="utf-8"))
+    data = {} if src.data is None else src.data
+    if not isinstance(data, dict):
+        raise SpecError([src.issue((), "expected a mapping of settings (models:, database:, ...)")])
+    try:
+        return ServerSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(validation_issues(src, exc, ServerSpec, data)) from None
+
+
+def catalog_of(server: ServerSpec) -> Catalog:
+    """The names pipelines may refer to, from the server config."""
+    models = {
+        name: ModelInfo(name, spec.price.to_price(), spec.context_window)
+        for name, spec in server.models.items()
+    }
+    return Catalog(models=models, indexes=frozenset(server.indexes))
+
+
+def load_pipeline(path: str | Path, registry: StageRegistry, catalog: Catalog | None = None) -> LoadedPipeline:
+    """Load and validate one pipeline file."""
+    return load_pipeline_text(Path(path).read_text(encoding="utf-8"), str(path), registry, catalog)
+
+
+def load_pipeline_text(text: str, file: str, registry: StageRegistry,
+                       catalog: Catalog | None = None) -> LoadedPipeline:
+    """Validate pipeline YAML *text* (named *file* in messages)."""
+    src = _read(file, text)
+    data = src.data
+    if not isinstance(data, dict):
+        what = "the file is empty" if data is None else f"the top level is a {type(data).__name__}"
+        raise SpecError([src.issue((), f"{what}; a pipeline is a mapping with at least "
+                                       f"'name:' and 'stages:'")])
+    checker = _PipelineChecker(src, registry, catalog or Catalog())
+    spec, plans = checker.check(data)
+    if checker.issues or spec is None:
+        raise SpecError(sorted(checker.issues, key=lambda i: (i.line, i.col)))
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return LoadedPipeline(spec, file, digest, tuple(plans))
+
+
+def dump_pipeline(spec: PipelineSpec) -> str:
+    """YAML for *spec* that loads back into an equal spec."""
+    return yaml.safe_dump(spec.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def _read(file: str, text: str) -> YamlSource:
+    src, issues = parse(file, text)
+    if src is None or issues:
+        raise SpecError(issues)
+    return src
+
+
+class _PipelineChecker:
+    """Runs every check of one pipeline file, collecting issues rather than stopping."""
+
+    def __init__(self, src: YamlSource, registry: StageRegistry, catalog: Catalog):
+        self.src = src
+        self.registry = registry
+        self.catalog = catalog
+        self.issues: list[SpecIssue] = []
+
+    def check(self, data: dict[str, Any]) -> tuple[PipelineSpec | None, list[StagePlan]]:
+        spec = None
+        try:
+            spec = PipelineSpec.model_validate(data)
+        except ValidationError as exc:
+            self.issues += validation_issues(self.src, exc, PipelineSpec, data)
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list):
+            return spec, []
+        plans = [self._stage(i, raw) for i, raw in enumerate(raw_stages)]
+        self._duplicate_ids(raw_stages)
+        if all(plan is not None for plan in plans):
+            self._data_flow(plans)  # type: ignore[arg-type]
+        return spec, [p for p in plans if p is not None]
+
+    def _stage(self, index: int, raw: Any) -> StagePlan | None:
+        # Check type, with: and when: even when the stage entry has other schema
+        # errors (reported by the whole-file validation), to show every problem at once.
+        if not isinstance(raw, dict):
+            return None
+        type_name, options, condition = raw.get("type"), raw.get("with", {}), raw.get("when")
+        cls = self._type(index, type_name) if isinstance(type_name, str) else None
+        config = self._config(index, cls, options) if cls is not None and isinstance(options, dict) else None
+        when = self._when(index, condition) if isinstance(condition, str) else None
+        try:
+            stage = StageSpec.model_validate(raw)
+        except ValidationError:
+            return None
+        if cls is None or config is None or (stage.when is not None and when is None):
+            return None
+        return StagePlan(stage, cls, config, when)
+
+    def _type(self, index: int, type_name: str) -> type[Stage] | None:
+        cls = self.registry.get(type_name)
+        if cls is None:
+            names = self.registry.names()
+            self._issue(("stages", index, "type"), f"unknown stage type {type_name!r}"
+                        f"{suggest(type_name, names)} (registered: {', '.join(names)})")
+        return cls
+
+    def _config(self, index: int, cls: type[Stage], raw: dict[str, Any]) -> BaseModel | None:
+        prefix = ("stages", index, "with")
+        try:
+            config = cls.Config.model_validate(raw)
+        except ValidationError as exc:
+            self.issues += validation_issues(self.src, exc, cls.Config, raw, prefix)
+            return None
+        problems = [(loc, msg) for loc, msg in cls.check(config, self.catalog)]
+        problems += self._refs(config)
+        for loc, message in problems:
+            self._issue((*prefix, *loc), message)
+        return None if problems else config
+
+    def _refs(self, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
+        known = {"model": sorted(self.catalog.models), "index": sorted(self.catalog.indexes)}
+        plural = {"model": "models", "index": "indexes"}
+        problems = []
+        for loc, kind, name in find_refs(config):
+            if name not in known[kind]:
+                listed = ", ".join(known[kind]) or "none"
+                problems.append((loc, f"unknown {kind} {name!r}{suggest(name, known[kind])} "
+                                      f"({plural[kind]} in inferline.yaml: {listed})"))
+        return problems
+
+    def _when(self, index: int, source: str) -> Expression | None:
+        try:
+            expression = parse_expression(source)
+        except ExpressionError as exc:
+            self._issue(("stages", index, "when"), f"bad expression: {exc}", col_offset=exc.col)
+            return None
+        unknown = sorted(expression.names - FIELDS.keys())
+        for name in unknown:
+            self._issue(("stages", index, "when"), f"unknown field {name!r} in expression"
+                        f"{suggest(name, list(FIELDS))} (fields: {', '.join(FIELDS)})")
+        return None if unknown else expression
+
+    def _duplicate_ids(self, raw_stages: list[Any]) -> None:
+        first: dict[str, int] = {}
+        for index, raw in enumerate(raw_stages):
+            stage_id = raw.get("id") if isinstance(raw, dict) else None
+            if not isinstance(stage_id, str):
+                continue
+            if stage_id in first:
+                self._issue(("stages", index, "id"), f"duplicate stage id {stage_id!r} "
+                            f"(first used by stages[{first[stage_id]}]); stage ids must be unique")
+            first.setdefault(stage_id, index)
+
+    def _data_flow(self, plans: list[StagePlan]) -> None:
+        available = {name for name, info in FIELDS.items() if info.initial}
+        for index, plan in enumerate(plans):
+            needs = [("type", f) for f in sorted(plan.cls.required_reads(plan.config))]
+            needs += [("when", f) for f in sorted(plan.when.names)] if plan.when else []
+            for key, field in needs:
+                if field not in available:
+                    self._issue(("stages", index, key), self._missing(plans, index, field))
+            available |= plan.cls.writes
+
+    def _missing(self, plans: list[StagePlan], index: int, field: str) -> str:
+        stage = plans[index].spec
+        head = (f"stage {stage.id!r} ({stage.type}) reads {field!r} ({FIELDS[field].type}), "
+                f"which no earlier stage writes")
+        later = [p.spec for p in plans[index + 1:] if field in p.cls.writes]
+        if later:
+            return f"{head}; stage {later[0].id!r} ({later[0].type}) writes it: move it before {stage.id!r}"
+        providers = self.registry.providers(field)
+        if providers:
+            return f"{head}; add a stage of type {' or '.join(providers)} before it"
+        return f"{head}; no registered stage type writes it"
+
+    def _issue(self, loc: tuple[str | int, ...], message: str, col_offset: int = 0) -> None:
+        issue = self.src.issue(loc, message)
+        if col_offset > 0:
+            issue = SpecIssue(issue.file, issue.line, issue.col + col_offset - 1 + self._quote(loc),
+                              issue.loc, issue.message)
+        self.issues.append(issue)
+
+    def _quote(self, loc: tuple[str | int, ...]) -> int:
+        # A quoted scalar's text starts one column after its mark.
+        return 1 if self.src.char_at(*self.src.position(loc)) in ("'", '"') else 0

@@ -1,0 +1,117 @@
+"""Pydantic models of the two YAML files: ``inferline.yaml`` and a pipeline.
+
+These are plain schemas (``extra="forbid"`` everywhere, so a typo is an error,
+not a silently ignored key). Loading with located errors lives in
+:mod:`pipeline.loader`; what each stage's ``with:`` accepts is that stage's own
+``Config`` model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from pipeline.cost import Price
+
+_NAME = r"^[a-z][a-z0-9_-]*$"
+
+
+class Strict(BaseModel):
+    """Base of every spec model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --- inferline.yaml -----------------------------------------------------------
+
+
+class PriceSpec(Strict):
+    """Prices used for cost accounting, in USD."""
+
+    input_per_1k: float = Field(0.0, ge=0)
+    output_per_1k: float = Field(0.0, ge=0)
+    compute_per_s: float = Field(0.0, ge=0)
+
+    def to_price(self) -> Price:
+        return Price(self.input_per_1k, self.output_per_1k, self.compute_per_s)
+
+
+class KVCacheSpec(Strict):
+    block_size: PositiveInt = 16
+    max_blocks: PositiveInt | Literal["auto"] = "auto"
+
+
+class ModelSpec(Strict):
+    """One model the server can run or reach."""
+
+    source: str | None = None
+    backend: Literal["local", "openai", "ray"] = "local"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    context_window: PositiveInt | None = None
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    price: PriceSpec = Field(default_factory=PriceSpec)
+
+
+class IndexSpec(Strict):
+    """A vector index the ``retrieve`` stage may name."""
+
+    path: str
+
+
+class TelemetrySpec(Strict):
+    exporter: Literal["none", "console", "otlp"] = "none"
+    endpoint: str | None = None
+    service_name: str = "inferline"
+
+
+class AuthSpec(Strict):
+    enabled: bool = True
+
+
+class ServerSpec(Strict):
+    """``inferline.yaml``: resources shared by every pipeline of one server."""
+
+    models: dict[str, ModelSpec] = Field(default_factory=dict)
+    indexes: dict[str, IndexSpec] = Field(default_factory=dict)
+    database: str = "sqlite:///inferline.db"
+    pipelines: str = "pipelines/"
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    plugins: list[str] = Field(default_factory=list)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+
+
+# --- pipelines/*.yaml ---------------------------------------------------------
+
+
+class StageSpec(Strict):
+    """One entry of a pipeline's ``stages:`` list."""
+
+    id: str = Field(pattern=_NAME)
+    type: str
+    with_: dict[str, Any] = Field(default_factory=dict, alias="with")
+    when: str | None = None
+    always: bool = False
+    on_error: Literal["fail", "skip"] = "fail"
+    timeout_s: PositiveFloat | None = None
+
+
+class AccessSpec(Strict):
+    roles: list[str] = Field(default_factory=lambda: ["caller"])
+
+
+class PipelineSpec(Strict):
+    """One pipeline file: one endpoint."""
+
+    name: str = Field(pattern=_NAME)
+    description: str = ""
+    version: str = "1"
+    access: AccessSpec = Field(default_factory=AccessSpec)
+    stages: list[StageSpec] = Field(min_length=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that loads back into an equal spec (used by ``dump``)."""
+        return self.model_dump(by_alias=True, exclude_defaults=True, mode="json")

@@ -1,0 +1,58 @@
+"""OpenTelemetry set-up and the attribute names we use.
+
+One span per request (``pipeline NAME``) with one child span per stage
+(``stage ID``). Stages add GenAI semantic-convention attributes to their own
+span through ``scope.set_attribute`` with the names below.
+"""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+# OpenTelemetry GenAI semantic conventions.
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+
+# Ours.
+PIPELINE_NAME = "inferline.pipeline.name"
+PIPELINE_VERSION = "inferline.pipeline.version"
+REQUEST_ID = "inferline.request.id"
+REQUEST_STATUS = "inferline.request.status"
+STAGE_ID = "inferline.stage.id"
+STAGE_TYPE = "inferline.stage.type"
+STAGE_STATUS = "inferline.stage.status"
+COST_USD = "inferline.cost_usd"
+
+
+def make_tracer_provider(exporter: str = "none", endpoint: str | None = None,
+                         service_name: str = "inferline") -> TracerProvider:
+    """A tracer provider exporting to ``none``, ``console`` or ``otlp`` (HTTP).
+
+    With ``none`` spans are still recorded, so every request has a real trace
+    id to return to its caller; they are just not sent anywhere.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    processor = _processor(exporter, endpoint)
+    if processor is not None:
+        provider.add_span_processor(processor)
+    return provider
+
+
+def _processor(exporter: str, endpoint: str | None) -> SpanProcessor | None:
+    if exporter == "none":
+        return None
+    if exporter == "console":
+        return BatchSpanProcessor(ConsoleSpanExporter())
+    if exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter())
+    raise ValueError(f"unknown telemetry exporter {exporter!r}; use none, console or otlp")

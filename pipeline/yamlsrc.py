@@ -1,0 +1,112 @@
+"""YAML with source positions: parse once, then point at any ``loc`` path.
+
+PyYAML's composed node tree keeps a mark (line, column) on every node, which
+is what lets a validation error deep in ``stages[2].with.top_k`` name the line
+and column the user has to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from pipeline.errors import SpecIssue
+
+Loc = Sequence[str | int]
+
+
+@dataclass(slots=True)
+class YamlSource:
+    """A parsed YAML document and the node tree it came from."""
+
+    file: str
+    text: str
+    data: Any
+    root: yaml.Node | None
+
+    def issue(self, loc: Loc, message: str, *, at_key: bool = False) -> SpecIssue:
+        """A :class:`SpecIssue` located at *loc* (at the key itself when *at_key*)."""
+        line, col = self.position(loc, at_key=at_key)
+        return SpecIssue(self.file, line, col, format_loc(loc), message)
+
+    def position(self, loc: Loc, *, at_key: bool = False) -> tuple[int, int]:
+        """1-based line and column of the deepest node on *loc* that exists."""
+        node = self.root
+        if node is None:
+            return 1, 1
+        mark = node.start_mark
+        for step in loc:
+            child, key_node = _child(node, step)
+            if child is None:
+                break
+            node = child
+            mark = key_node.start_mark if (at_key and key_node is not None) else child.start_mark
+        return mark.line + 1, mark.column + 1
+
+    def char_at(self, line: int, col: int) -> str:
+        """The character at 1-based *line* and *col*, or ``''``."""
+        lines = self.text.splitlines()
+        if 0 < line <= len(lines) and 0 < col <= len(lines[line - 1]):
+            return lines[line - 1][col - 1]
+        return ""
+
+
+def parse(file: str, text: str) -> tuple[YamlSource | None, list[SpecIssue]]:
+    """Parse *text*; on a syntax error return no source and the located issue."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        issues = [] if root is None else _duplicate_keys(file, root)
+        data = None if root is None else loader.construct_document(root)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = exc.problem or exc.context or "invalid YAML"
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        return None, [SpecIssue(file, line, col, "", f"YAML syntax error: {problem}{context}")]
+    finally:
+        loader.dispose()
+    return YamlSource(file, text, data, root), issues
+
+
+def format_loc(loc: Loc) -> str:
+    """``('stages', 2, 'with', 'top_k')`` -> ``stages[2].with.top_k``."""
+    out = ""
+    for step in loc:
+        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else str(step))
+    return out
+
+
+def _child(node: yaml.Node, step: str | int) -> tuple[yaml.Node | None, yaml.Node | None]:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.value == str(step):
+                return value_node, key_node
+    elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and 0 <= step < len(node.value):
+        return node.value[step], None
+    return None, None
+
+
+def _duplicate_keys(file: str, node: yaml.Node, path: tuple[str | int, ...] = ()) -> list[SpecIssue]:
+    # YAML allows a repeated key and keeps the last one silently; in a config
+    # file that is almost always a mistake, so it is an error here.
+    issues: list[SpecIssue] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            if key in seen:
+                first = seen[key].start_mark.line + 1
+                mark = key_node.start_mark
+                loc = format_loc((*path, key))
+                issues.append(SpecIssue(file, mark.line + 1, mark.column + 1, loc,
+                                        f"duplicate key {key!r} (first defined on line {first})"))
+            seen[key] = key_node
+            issues += _duplicate_keys(file, value_node, (*path, key))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            issues += _duplicate_keys(file, item, (*path, index))
+    return issues

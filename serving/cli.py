@@ -1,0 +1,171 @@
+"""The ``inferline`` command line.
+
+    inferline validate PATH...                  check pipeline files (or folders of them)
+    inferline run PIPELINE --input TEXT         run one request in-process
+    inferline --version
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from pipeline import __version__
+from pipeline.context import RequestContext
+from pipeline.errors import InferlineError, SpecError
+from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
+from pipeline.runner import Pipeline, Runner
+from pipeline.tracing import make_tracer_provider
+from serving.wiring import Workspace, open_workspace
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except SpecError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        return EXIT_FAILED
+    except (InferlineError, FileNotFoundError) as exc:
+        print(f"inferline: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inferline", description="Serve YAML-declared AI pipelines.",
+        epilog="Exit codes: 0 success, 1 invalid spec or failed request, 2 usage error.")
+    parser.add_argument("--version", action="version", version=f"inferline {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
+                              description="Validate pipeline YAML files against the server config. "
+                                          "Prints 'ok' per valid file on stdout and every error on "
+                                          "stderr as FILE:LINE:COL: LOC: MESSAGE; exits 1 if any is invalid.")
+    validate.add_argument("paths", nargs="+", metavar="PATH", help="a pipeline file, or a folder of them")
+    _config_option(validate)
+    validate.set_defaults(handler=_validate)
+
+    run = sub.add_parser("run", help="run one request through a pipeline, in-process",
+                         description="Run one request through PIPELINE and stream its text to stdout. "
+                                     "PIPELINE is a YAML file or the name of one in the pipelines folder.")
+    run.add_argument("pipeline", metavar="PIPELINE")
+    run.add_argument("--input", "-i", required=True, metavar="TEXT", help="the user's message")
+    run.add_argument("--trace", action="store_true",
+                     help="print each stage's status, duration and cost, and the trace id, to stderr")
+    _config_option(run)
+    run.set_defaults(handler=_run)
+    return parser
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", metavar="FILE",
+                        help="server config (default: $INFERLINE_CONFIG, else ./inferline.yaml if present, "
+                             "else built-in defaults)")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    workspace = open_workspace(args.config)
+    files = _expand(args.paths)
+    if not files:
+        print("inferline: no .yaml files found in " + " ".join(args.paths), file=sys.stderr)
+        return EXIT_FAILED
+    failed = 0
+    for path in files:
+        try:
+            loaded = workspace.load(path)
+        except SpecError as exc:
+            failed += 1
+            for issue in exc.issues:
+                print(issue, file=sys.stderr)
+        except OSError as exc:
+            failed += 1
+            print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+        else:
+            print(f"ok {path} ({loaded.spec.name}, {len(loaded.plans)} stages)")
+    if failed:
+        print(f"{failed} of {len(files)} file(s) invalid", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _expand(paths: Sequence[str]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+        else:
+            files.append(path)
+    return files
+
+
+def _run(args: argparse.Namespace) -> int:
+    workspace = open_workspace(args.config)
+    loaded = workspace.load(workspace.resolve(args.pipeline))
+    return asyncio.run(_run_once(workspace, Pipeline(loaded), args.input, args.trace))
+
+
+async def _run_once(workspace: Workspace, pipeline: Pipeline, text: str, show_trace: bool) -> int:
+    telemetry = workspace.server.telemetry
+    provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
+    runner = Runner(provider.get_tracer("inferline"))
+    ctx = RequestContext.from_text(pipeline.name, text)
+    streamed = False
+    final: Done | Error | None = None
+    try:
+        async for event in runner.stream(pipeline, ctx):
+            if isinstance(event, TextDelta):
+                streamed = True
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, (Done, Error)):
+                final = event
+            elif isinstance(event, StageFinished) and event.status in ("failed", "timeout"):
+                print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
+    finally:
+        provider.shutdown()
+    if streamed:
+        sys.stdout.write("\n")
+    elif isinstance(final, Done):
+        _print_messages(ctx, sys.stdout)
+    if final is not None and show_trace:
+        _print_trace(final.summary, sys.stderr)
+    if isinstance(final, Error):
+        print(f"inferline: request {final.status} ({final.kind}): {final.message}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _print_messages(ctx: RequestContext, out: TextIO) -> None:
+    # A pipeline without a streaming stage (prompt only, say) has no text for
+    # the client; show what it built instead of printing nothing.
+    print("(no stage streamed text; the messages the pipeline built:)", file=sys.stderr)
+    for message in ctx.messages:
+        print(f"[{message.role}] {message.content}", file=out)
+
+
+def _print_trace(summary: Summary, out: TextIO) -> None:
+    rows = [("stage", "type", "status", "start ms", "ms", "cost usd")]
+    rows += [(s.id, s.type, s.status, f"{s.started_s * 1e3:.2f}", f"{s.duration_s * 1e3:.2f}",
+              f"{s.cost_usd:.6f}") for s in summary.stages]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)
+    ttft = "-" if summary.ttft_s is None else f"{summary.ttft_s * 1e3:.2f} ms"
+    print(f"total {summary.duration_s * 1e3:.2f} ms, ttft {ttft}, cost {summary.cost_usd:.6f} usd, "
+          f"trace {summary.trace_id}", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Wire the layers together: server config, stage registry and pipeline files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import SpecError, SpecIssue
+from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server
+from pipeline.registry import StageRegistry
+from pipeline.spec import ServerSpec
+from stages import register_builtins
+
+DEFAULT_CONFIG = "inferline.yaml"
+
+
+@dataclass(slots=True)
+class Workspace:
+    """A server config, its registry, and where its pipelines live."""
+
+    server: ServerSpec
+    registry: StageRegistry
+    root: Path
+
+    @property
+    def pipelines_dir(self) -> Path:
+        return self.root / self.server.pipelines
+
+    def load(self, path: str | Path) -> LoadedPipeline:
+        return load_pipeline(path, self.registry, catalog_of(self.server))
+
+    def resolve(self, pipeline: str) -> Path:
+        """A pipeline given as a file path, or by name in the pipelines folder."""
+        candidate = Path(pipeline)
+        if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+            return candidate
+        for suffix in (".yaml", ".yml"):
+            named = self.pipelines_dir / f"{pipeline}{suffix}"
+            if named.exists():
+                return named
+        raise FileNotFoundError(f"no pipeline {pipeline!r}: not a file, and no {pipeline}.yaml "
+                                f"in {self.pipelines_dir}")
+
+
+def build_registry(server: ServerSpec) -> StageRegistry:
+    """Built-in stages, then entry points, then the operator's ``plugins:``."""
+    registry = register_builtins(StageRegistry())
+    registry.load_entry_points()
+    registry.load_plugins(server.plugins)
+    return registry
+
+
+def open_workspace(config: str | None = None) -> Workspace:
+    """Load *config* (default: ``$INFERLINE_CONFIG``, else ./inferline.yaml if present)."""
+    path = config or os.environ.get("INFERLINE_CONFIG")
+    if path is None and Path(DEFAULT_CONFIG).exists():
+        path = DEFAULT_CONFIG
+    if path is None:
+        server, root = ServerSpec(), Path(".")
+    elif not Path(path).exists():
+        raise SpecError([SpecIssue(str(path), 1, 1, "", "server config file not found")])
+    else:
+        server, root = load_server(path), Path(path).parent
+    return Workspace(server, build_registry(server), root)

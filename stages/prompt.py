@@ -1,0 +1,113 @@
+"""The ``prompt`` stage: builds the chat messages the model will see.
+
+YAML::
+
+    - id: prompt
+      type: prompt
+      with:
+        system: "You answer questions about {{ tags.product or 'our product' }}."
+        user: "{{ input }}"          # the default
+        history: true                # keep the client's earlier turns (default)
+
+Templates are sandboxed Jinja and may name request-context fields only
+(``input``, ``documents``, ``tags``, ``role``...); a name that does not exist,
+or that no earlier stage writes, is a load-time error.
+
+When retrieved ``documents`` are present and the system template does not
+place them itself, they are appended to the system message as numbered
+sources (``[1]``, ``[2]``...) that the answer can cite. A pipeline that sets
+``system:`` drops the client's own system messages, so a caller cannot replace
+the pipeline owner's instructions.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import cast
+
+from pydantic import BaseModel
+
+from pipeline.context import FIELDS, ChatMessage, Document, RequestContext
+from pipeline.errors import TemplateError
+from pipeline.protocols import Catalog
+from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
+from pipeline.template import Template, compile_template
+
+
+class PromptConfig(NoConfig):
+    system: str | None = None
+    user: str = "{{ input }}"
+    history: bool = True
+    sources_heading: str = "Answer from these numbered sources and cite them as [n]:"
+
+    @cached_property
+    def templates(self) -> dict[str, Template]:
+        sources = {"user": self.user} if self.system is None else {"system": self.system, "user": self.user}
+        return {key: compile_template(text) for key, text in sources.items()}
+
+
+class PromptStage(Stage):
+    """Builds ``messages`` from the templates, the client's turns and any documents."""
+
+    type_name = "prompt"
+    Config = PromptConfig
+    reads = frozenset({"input_messages"})
+    writes = frozenset({"messages"})
+
+    @classmethod
+    def required_reads(cls, config: BaseModel) -> frozenset[str]:
+        names = set().union(*(t.names for t in cast(PromptConfig, config).templates.values()))
+        return cls.reads | (names & FIELDS.keys())
+
+    @classmethod
+    def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
+        try:
+            templates = cast(PromptConfig, config).templates
+        except TemplateError as exc:
+            return [((), str(exc))]
+        issues: list[CheckIssue] = []
+        for key, template in templates.items():
+            for name in sorted(template.names - FIELDS.keys()):
+                issues.append(((key,), f"template names unknown field {name!r} "
+                                       f"(fields: {', '.join(FIELDS)})"))
+        return issues
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config = cast(PromptConfig, self.config)
+        templates = config.templates
+        messages: list[ChatMessage] = []
+        system = templates.get("system")
+        if system is not None:
+            messages.append(ChatMessage("system", _render(system, ctx)))
+        if ctx.documents and not (system is not None and "documents" in system.names):
+            block = _sources(config.sources_heading, ctx.documents)
+            if messages:
+                messages[0].content = f"{messages[0].content}\n\n{block}"
+            else:
+                messages.append(ChatMessage("system", block))
+        if config.history:
+            earlier = ctx.input_messages[:_last_user(ctx.input_messages)]
+            messages += [ChatMessage(m.role, m.content) for m in earlier
+                         if not (m.role == "system" and system is not None)]
+        messages.append(ChatMessage("user", _render(templates["user"], ctx)))
+        ctx.messages = messages
+
+
+def _render(template: Template, ctx: RequestContext) -> str:
+    return template.render({name: ctx.field_value(name) for name in template.names}).strip()
+
+
+def _sources(heading: str, documents: list[Document]) -> str:
+    lines = [heading]
+    for number, doc in enumerate(documents, start=1):
+        title = f" {doc.title}" if doc.title else ""
+        source = f" ({doc.source})" if doc.source else ""
+        lines.append(f"[{number}]{title}{source}\n{doc.text}")
+    return "\n\n".join(lines)
+
+
+def _last_user(messages: list[ChatMessage]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].role == "user":
+            return index
+    return len(messages)

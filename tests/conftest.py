@@ -1,0 +1,24 @@
+"""Shared fixtures: a registry with the built-ins plus small test stages."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.protocols import Catalog, ModelInfo
+from pipeline.registry import StageRegistry
+from stages import register_builtins
+from tests.fakes import TEST_STAGES
+
+
+@pytest.fixture
+def registry() -> StageRegistry:
+    registry = register_builtins(StageRegistry())
+    for cls in TEST_STAGES:
+        registry.register(cls)
+    return registry
+
+
+@pytest.fixture
+def catalog() -> Catalog:
+    return Catalog(models={"smol": ModelInfo("smol"), "big": ModelInfo("big")},
+                   indexes=frozenset({"handbook"}))

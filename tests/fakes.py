@@ -1,0 +1,136 @@
+"""Small stage types for testing the loader and the runner (fakes of real stages)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import Field
+
+from pipeline.context import Document, RequestContext
+from pipeline.errors import PolicyDenied
+from pipeline.refs import IndexRef, ModelRef
+from pipeline.stage import NoConfig, Stage, StageScope
+
+
+class RecordConfig(NoConfig):
+    note: str = ""
+    delay_s: float = 0.0
+    cost_usd: float = 0.0
+
+
+#: Every RecordStage run appends its stage id here (tests clear it).
+CALLS: list[str] = []
+
+
+class RecordStage(Stage):
+    """Appends its id to CALLS, optionally sleeps and reports a cost."""
+
+    type_name = "record"
+    Config = RecordConfig
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config: RecordConfig = self.config  # type: ignore[assignment]
+        CALLS.append(self.id)
+        if config.delay_s:
+            await asyncio.sleep(config.delay_s)
+        if config.cost_usd:
+            scope.add_cost(config.cost_usd, "compute", config.note)
+
+
+class FailStage(Stage):
+    type_name = "fail"
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        CALLS.append(self.id)
+        raise ValueError("boom")
+
+
+class DenyStage(Stage):
+    type_name = "deny"
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        CALLS.append(self.id)
+        raise PolicyDenied("not allowed here", rule="r1", category="test")
+
+
+class EchoConfig(NoConfig):
+    chunks: int = 3
+    delay_s: float = 0.0
+
+
+class EchoStage(Stage):
+    """Streams the input back in chunks, like a tiny model."""
+
+    type_name = "echo"
+    Config = EchoConfig
+    reads = frozenset({"input"})
+    writes = frozenset({"output_text"})
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config: EchoConfig = self.config  # type: ignore[assignment]
+        CALLS.append(self.id)
+        text = ctx.input
+        size = max(1, len(text) // config.chunks)
+        for start in range(0, len(text), size):
+            if config.delay_s:
+                await asyncio.sleep(config.delay_s)
+            await scope.emit_text(text[start:start + size])
+        ctx.output_text = text
+
+
+class RouteConfig(NoConfig):
+    default: ModelRef
+    fallback: list[ModelRef] = Field(default_factory=list)
+
+
+class RouteStage(Stage):
+    """Picks ``default``: enough of a router to test model references."""
+
+    type_name = "pick"
+    Config = RouteConfig
+    writes = frozenset({"model"})
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        CALLS.append(self.id)
+        ctx.model = self.config.default  # type: ignore[attr-defined]
+        scope.set_attribute("gen_ai.request.model", ctx.model)
+
+
+class SearchConfig(NoConfig):
+    index: IndexRef
+    top_k: int = 4
+
+
+class SearchStage(Stage):
+    """Writes fixed documents; stands in for retrieve in loader and prompt tests."""
+
+    type_name = "search"
+    Config = SearchConfig
+    reads = frozenset({"input"})
+    writes = frozenset({"documents"})
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        CALLS.append(self.id)
+        ctx.documents = [Document("d1", "Paris is the capital of France.", "atlas.md", "Atlas", 0.9)]
+
+
+class NeedsTokensStage(Stage):
+    """Reads prompt_ids, which only a tokenize stage would write."""
+
+    type_name = "needs-tokens"
+    reads = frozenset({"prompt_ids"})
+
+
+class TokenizeStage(Stage):
+    type_name = "tokenize-fake"
+    reads = frozenset({"messages"})
+    writes = frozenset({"prompt_ids", "prompt_tokens"})
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        CALLS.append(self.id)
+        ctx.prompt_ids = [ord(c) for c in ctx.input]
+        ctx.prompt_tokens = len(ctx.prompt_ids)
+
+
+TEST_STAGES = (RecordStage, FailStage, DenyStage, EchoStage, RouteStage, SearchStage,
+               NeedsTokensStage, TokenizeStage)

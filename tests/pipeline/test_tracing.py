@@ -1,0 +1,78 @@
+"""The span tree and costs, through OpenTelemetry's in-memory exporter."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from pipeline import tracing
+from pipeline.context import RequestContext
+from pipeline.loader import load_pipeline_text
+from pipeline.runner import Pipeline, Runner
+
+PIPELINE = """
+name: traced
+version: "7"
+stages:
+  - {id: pick, type: pick, with: {default: smol}}
+  - {id: a, type: record, with: {cost_usd: 0.002}}
+  - {id: skipped, type: record, when: "role == 'admin'"}
+  - {id: bad, type: fail, on_error: skip}
+  - {id: echo, type: echo}
+"""
+
+
+@pytest.fixture
+def exporter():
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def runner(exporter):
+    provider = tracing.make_tracer_provider("none")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield Runner(provider.get_tracer("test"))
+    provider.shutdown()
+
+
+async def test_span_tree_and_costs(registry, catalog, runner, exporter):
+    pipeline = Pipeline(load_pipeline_text(textwrap.dedent(PIPELINE), "t.yaml", registry, catalog))
+    final = await runner.run(pipeline, RequestContext.from_text("traced", "hi there"))
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"pipeline traced", "stage pick", "stage a", "stage bad", "stage echo"}
+    root = spans["pipeline traced"]
+    assert root.parent is None
+    for name in ("stage pick", "stage a", "stage bad", "stage echo"):
+        assert spans[name].parent.span_id == root.context.span_id
+        assert spans[name].context.trace_id == root.context.trace_id
+    assert format(root.context.trace_id, "032x") == final.summary.trace_id
+    assert root.attributes[tracing.PIPELINE_NAME] == "traced"
+    assert root.attributes[tracing.PIPELINE_VERSION] == "7"
+    assert root.attributes[tracing.COST_USD] == pytest.approx(0.002)
+    assert spans["stage a"].attributes[tracing.COST_USD] == pytest.approx(0.002)
+    assert spans["stage a"].attributes[tracing.STAGE_TYPE] == "record"
+    assert spans["stage pick"].attributes[tracing.GEN_AI_REQUEST_MODEL] == "smol"
+    bad = spans["stage bad"]
+    assert bad.status.status_code == StatusCode.ERROR
+    assert bad.attributes[tracing.STAGE_STATUS] == "failed"
+    assert [e.name for e in bad.events] == ["exception"]
+    assert final.summary.cost_usd == pytest.approx(0.002)
+
+
+async def test_failed_request_marks_the_root_span(registry, runner, exporter):
+    pipeline = Pipeline(load_pipeline_text("name: t\nstages: [{id: bad, type: fail}]\n", "t.yaml", registry))
+    await runner.run(pipeline, RequestContext.from_text("t", "x"))
+    root = next(s for s in exporter.get_finished_spans() if s.name == "pipeline t")
+    assert root.status.status_code == StatusCode.ERROR
+    assert root.attributes[tracing.REQUEST_STATUS] == "failed"
+
+
+def test_exporter_choices():
+    assert tracing.make_tracer_provider("console") is not None
+    assert tracing.make_tracer_provider("otlp", "http://127.0.0.1:4318/v1/traces") is not None
+    with pytest.raises(ValueError, match="unknown telemetry exporter 'jaeger'"):
+        tracing.make_tracer_provider("jaeger")
