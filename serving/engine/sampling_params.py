@@ -1,0 +1,50 @@
+"""Per-request sampling parameters, validated before anything is queued."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.engine.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 means off."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return this many top log-probabilities per token (None: none)."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise :class:`InvalidRequest` naming the first bad parameter."""
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(0 <= t < vocab_size for t in self.stop_token_ids),
+             f"stop_token_ids must be token ids in [0, {vocab_size})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)

@@ -1,0 +1,73 @@
+"""One request's state inside the engine. Plain Python: no torch."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from serving.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A prompt and the tokens generated for it so far.
+
+    ``num_computed_tokens`` counts the leading tokens whose keys and values are
+    in the KV cache (from the prefix cache or earlier steps); the tokens after
+    it still have to go through the model. A prefill may take several steps
+    (chunked prefill); a sequence samples a token only in the step that
+    computes its last token.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str = ""
+    """Mixed into prefix-cache hashes: sequences with different salts never share blocks."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Prefix-cache hashes of the leading full blocks of ``block_table`` (block manager's)."""
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at (the latest) admission."""
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    """stop (EOS or a stop token) | length (max_tokens or max_model_len) | abort"""
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
