@@ -91,6 +91,18 @@ class PolicyDenied(InferlineError):
         super().__init__(message)
 
 
+class InvalidInput(InferlineError):
+    """The request itself is unacceptable (too long, bad parameters); the client must change it."""
+
+    kind = "invalid_input"
+
+
+class BackendError(InferlineError):
+    """A model backend failed or is unavailable while serving the request."""
+
+    kind = "backend_error"
+
+
 class Overloaded(InferlineError):
     """A backend refused new work because its queue is full; retry later."""
 

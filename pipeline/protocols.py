@@ -33,34 +33,70 @@ class Catalog:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample; what ``generate`` hands the engine."""
+    """How to sample; what ``generate`` hands the engine. ``temperature`` 0 is greedy."""
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class TokenEvent(Protocol):
+    """One generated token; the last event of a request carries its finish reason."""
+
+    token_id: int | None
+    """None only on a last event that ends the request without a new token."""
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class TokenStream(Protocol):
+    """The token events of one request; ``aclose()`` aborts it and frees its resources."""
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def aclose(self) -> None: ...
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text to token ids and back, with the model's chat template."""
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of *messages* under the chat template, ready for the assistant's turn."""
+        ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """A batched generator of tokens for one model."""
+    """A batched token generator for one model."""
 
     tokenizer: Tokenizer
 
-    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[int]:
-        """Start generating; cancelling the iterator frees the request's resources."""
+    async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                     cache_salt: str = "") -> TokenStream:
+        """Queue a request; raises Overloaded or InvalidInput before queueing anything."""
         ...
+
+
+class EngineProvider(Protocol):
+    """Gives stages the engine of a named model (starting it on first use)."""
+
+    default_model: str
+
+    async def get(self, name: str) -> Engine: ...
 
 
 @runtime_checkable
@@ -85,6 +121,6 @@ class Resources:
     """The live objects a pipeline's stages use, wired in by ``serving``."""
 
     catalog: Catalog = field(default_factory=Catalog)
-    engines: Mapping[str, Engine] = field(default_factory=dict)
+    engines: EngineProvider | None = None
     indexes: Mapping[str, VectorIndex] = field(default_factory=dict)
     audit: AuditSink | None = None

@@ -38,8 +38,23 @@ class PriceSpec(Strict):
 
 
 class KVCacheSpec(Strict):
+    """The paged KV cache, fixed at start."""
+
     block_size: PositiveInt = 16
+    #: Blocks in the pool; ``auto``: as many as ``memory_gb`` holds.
     max_blocks: PositiveInt | Literal["auto"] = "auto"
+    memory_gb: PositiveFloat = 1.0
+    prefix_cache: bool = True
+
+
+class BatchingSpec(Strict):
+    """Continuous batching limits of a local engine."""
+
+    max_num_seqs: PositiveInt = 64
+    #: Token budget per step: prefill chunks plus decodes (chunked prefill).
+    max_num_batched_tokens: PositiveInt = 512
+    #: Requests allowed to wait; beyond it new requests get 429 Overloaded.
+    max_waiting: PositiveInt = 256
 
 
 class ModelSpec(Strict):
@@ -53,6 +68,7 @@ class ModelSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     context_window: PositiveInt | None = None
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
     price: PriceSpec = Field(default_factory=PriceSpec)
 
 

@@ -18,6 +18,8 @@ from pipeline import __version__
 from pipeline.context import RequestContext
 from pipeline.errors import InferlineError, SpecError
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
+from pipeline.loader import LoadedPipeline, catalog_of
+from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
 from pipeline.tracing import make_tracer_provider
 from serving.wiring import Workspace, open_workspace
@@ -113,13 +115,17 @@ def _expand(paths: Sequence[str]) -> list[Path]:
 def _run(args: argparse.Namespace) -> int:
     workspace = open_workspace(args.config)
     loaded = workspace.load(workspace.resolve(args.pipeline))
-    return asyncio.run(_run_once(workspace, Pipeline(loaded), args.input, args.trace))
+    return asyncio.run(_run_once(workspace, loaded, args.input, args.trace))
 
 
-async def _run_once(workspace: Workspace, pipeline: Pipeline, text: str, show_trace: bool) -> int:
+async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
+    from serving.model_pool import ModelPool  # imports torch: only for commands that run models
+
     telemetry = workspace.server.telemetry
     provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
     runner = Runner(provider.get_tracer("inferline"))
+    pool = ModelPool(workspace.server, workspace.root)
+    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool))
     ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None
@@ -134,9 +140,11 @@ async def _run_once(workspace: Workspace, pipeline: Pipeline, text: str, show_tr
             elif isinstance(event, StageFinished) and event.status in ("failed", "timeout"):
                 print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
     finally:
+        await pool.close()
         provider.shutdown()
     if streamed:
         sys.stdout.write("\n")
+        sys.stdout.flush()
     elif isinstance(final, Done):
         _print_messages(ctx, sys.stdout)
     if final is not None and show_trace:

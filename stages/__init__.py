@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pipeline.registry import StageRegistry
+from stages.generate import GenerateStage
 from stages.prompt import PromptStage
+from stages.stream import StreamStage
+from stages.tokenize import TokenizeStage
 
-BUILTIN_STAGES = (PromptStage,)
+BUILTIN_STAGES = (PromptStage, TokenizeStage, GenerateStage, StreamStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

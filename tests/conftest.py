@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Before anything imports torch: see serving/engine/__init__.py for why.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from pipeline.protocols import Catalog, ModelInfo

@@ -1,0 +1,114 @@
+"""Attention over the paged KV cache, for a ragged batch of prefill chunks and decodes.
+
+The KV cache of one layer is a tensor of *slots* ``[num_blocks * block_size,
+num_kv_heads, head_dim]``; slot ``b * block_size + i`` holds token ``i`` of block
+``b``. A step's new keys and values are written to their slots first, then:
+
+* all decoding sequences (one new token each) attend together in one SDPA
+  call: their context slots are gathered into a padded ``[B, max_ctx]`` batch
+  with a padding mask; the grouped query heads of one KV head ride along as
+  the query length, so no KV head is ever copied per query head;
+* each prefill chunk attends on its own: a chunk with no earlier context uses
+  its fresh keys directly under a causal mask, a later chunk gathers its
+  context from the cache and uses an offset causal mask.
+
+The gather indices and masks are built once per step (``AttentionMetadata``)
+and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's prefill chunk inside the step's flattened token batch."""
+
+    start: int
+    """Index of the chunk's first token in the step's token batch."""
+    num_tokens: int
+    num_context: int
+    """Tokens already in the cache before this chunk."""
+    context_slots: torch.Tensor | None
+    """Slots of all ``num_context + num_tokens`` keys, when ``num_context > 0``."""
+    mask: torch.Tensor | None
+    """Offset causal mask ``[num_tokens, num_context + num_tokens]``, when ``num_context > 0``."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything a layer needs to attend for one step, built once per step."""
+
+    slot_mapping: torch.Tensor
+    """``[num_tokens]``: the cache slot each new token's key and value go to."""
+    decode_token_ids: torch.Tensor | None
+    """Positions (in the token batch) of the decode tokens, or None when there are none."""
+    decode_slots: torch.Tensor | None
+    """``[num_decodes, max_context]`` context slots of each decoding sequence (padded)."""
+    decode_mask: torch.Tensor | None
+    """``[num_decodes, 1, 1, max_context]``: True where a slot is real, not padding."""
+    decodes_are_contiguous: bool
+    """True when the decode tokens are exactly the first ``num_decodes`` tokens of the batch."""
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values ``[T, Hkv, D]`` in their slots."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention output ``[T, Hq * D]`` for queries ``q`` ``[T, Hq, D]``.
+
+    ``k`` and ``v`` are this step's fresh keys and values (already written to
+    the cache), used directly by chunks that have no earlier context.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if meta.decode_token_ids is not None:
+        _decode(q, k_cache, v_cache, meta, out, num_kv_heads)
+    for chunk in meta.prefills:
+        _prefill(q, k, v, k_cache, v_cache, chunk, out)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            out: torch.Tensor, num_kv_heads: int) -> None:
+    _, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    slots, ids = meta.decode_slots, meta.decode_token_ids
+    num_decodes = slots.shape[0]
+    q_dec = q[:num_decodes] if meta.decodes_are_contiguous else q.index_select(0, ids)
+    # [B, Hq, D] -> [B, Hkv, G, D]: query heads h = kv * G + g share KV head kv (HF's repeat_kv).
+    q_dec = q_dec.view(num_decodes, num_kv_heads, group, head_dim)
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, ctx, D]
+    values = v_cache[slots].transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=meta.decode_mask)
+    attn = attn.reshape(num_decodes, num_heads * head_dim)
+    if meta.decodes_are_contiguous:
+        out[:num_decodes] = attn
+    else:
+        out.index_copy_(0, ids, attn)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+    q_c = q[rows].transpose(0, 1)  # [Hq, n, D]
+    if chunk.num_context == 0:
+        keys, values, mask, causal = k[rows], v[rows], None, True
+    else:
+        keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+        mask, causal = chunk.mask, False
+    attn = F.scaled_dot_product_attention(q_c, keys.transpose(0, 1), values.transpose(0, 1),
+                                          attn_mask=mask, is_causal=causal, enable_gqa=True)
+    out[rows] = attn.transpose(0, 1).reshape(chunk.num_tokens, num_heads * head_dim)

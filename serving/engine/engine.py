@@ -1,0 +1,209 @@
+"""The engine: a step loop over scheduler, model runner and sampler.
+
+``LLMEngine`` is synchronous and single-threaded: ``add_request``, ``abort``
+and ``step``, plus ``generate`` for offline batches. One step reads top-down:
+schedule → run → sample → postprocess → collect finished.
+``AsyncEngine`` (in ``async_engine.py``) drives it from a background thread
+for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
+
+import torch
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.config import EngineConfig
+from serving.engine.errors import InvalidRequest
+from serving.engine.metrics import EngineMetrics
+from serving.engine.model_runner import ModelRunner, kv_bytes_per_block
+from serving.engine.models import LoadedModel, load_model
+from serving.engine.sampler import Sampler, TokenLogprobs
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One new token of one request, and whether the request is done."""
+
+    seq_id: int
+    token_id: int | None
+    """None when the request ends without a new token (it outgrew the KV cache)."""
+    finish_reason: str | None
+    logprobs: TokenLogprobs | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A finished request, as ``generate`` returns it."""
+
+    seq_id: int
+    token_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """Load ``config.model`` (or use *loaded*, already in memory) and size the KV pool."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
+        self.max_model_len = min(config.max_model_len or self.model.shape.max_position,
+                                 self.model.shape.max_position)
+        # The scheduler ends sequences at the model's real limit, not only a configured one.
+        self.config = config = replace(config, max_model_len=self.max_model_len)
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // kv_bytes_per_block(
+            self.model, config.block_size))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics(_model_name(config.model))
+        self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "") -> Sequence:
+        """Validate and queue a request; raises InvalidRequest or EngineOverloaded."""
+        seq = self.make_sequence(prompt_ids, sampling, cache_salt)
+        self.scheduler.add(seq)
+        self._seqs[seq.seq_id] = seq
+        return seq
+
+    def make_sequence(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "") -> Sequence:
+        """A validated, not yet queued sequence (the async front validates on the caller's side)."""
+        self.validate(prompt_ids, sampling)
+        return Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, self.eos_token_ids,
+                        cache_salt)
+
+    def validate(self, prompt_ids: Seq[int], sampling: SamplingParams) -> None:
+        vocab = self.model.shape.vocab_size
+        sampling.validate(vocab)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model takes at most "
+                                 f"{self.max_model_len - 1} plus at least one generated token")
+        if not self.block_manager.fits_pool(len(prompt_ids) + 1):
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache "
+                                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}) holds")
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            self._release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one batched forward; return the tokens it produced."""
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            self.metrics.add_preemptions(len(plan.preempted))
+        ended = [self._ended(seq) for seq in plan.finished]
+        if not plan.scheduled:
+            return ended
+        ordered = self.runner.order(plan.scheduled)
+        logits = self.runner.run(ordered)
+        sampling_seqs = [item.seq for item in ordered if item.samples]
+        sampled = self.sampler(logits, sampling_seqs)
+        token_by_seq = dict(zip((s.seq_id for s in sampling_seqs), sampled.token_ids, strict=True))
+        self.scheduler.update(plan, token_by_seq)
+        return ended + self._collect(sampling_seqs, sampled.logprobs)
+
+    def _ended(self, seq: Sequence) -> StepOutput:
+        """The last output of a sequence the scheduler finished without running it."""
+        self._release(seq)
+        return StepOutput(seq.seq_id, None, seq.finish_reason, None, seq.num_prompt_tokens,
+                          seq.num_cached_tokens, seq.num_output_tokens)
+
+    def _collect(self, seqs: list[Sequence], logprobs: list[TokenLogprobs | None]) -> list[StepOutput]:
+        now = time.perf_counter()
+        outputs, itls = [], []
+        for seq, lp in zip(seqs, logprobs, strict=True):
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+                self.metrics.observe_first_token(now - seq.arrival_s, (seq.first_scheduled_s or now) - seq.arrival_s)
+            else:
+                itls.append(now - (seq.last_token_s or now))
+            seq.last_token_s = now
+            outputs.append(StepOutput(seq.seq_id, seq.last_token_id, seq.finish_reason, lp,
+                                      seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens))
+            if seq.is_finished:
+                self.metrics.observe_finished(now - seq.arrival_s)
+                self.metrics.add_tokens(seq.num_prompt_tokens, seq.num_output_tokens)
+                self._release(seq)
+        self.metrics.observe_tokens(itls)
+        self._update_gauges()
+        return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        self.sampler.release(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+
+    def _update_gauges(self) -> None:
+        bm = self.block_manager
+        self.metrics.set_gauges(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage)
+        self.metrics.set_prefix_totals(bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens)
+
+    # -- offline use ---------------------------------------------------------
+
+    def generate(self, prompts: Seq[Seq[int]], params: Seq[SamplingParams] | SamplingParams,
+                 cache_salt: str = "") -> list[RequestOutput]:
+        """Run every prompt to completion, all submitted at once; outputs in prompt order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        seqs = [self.add_request(p, s, cache_salt) for p, s in zip(prompts, params_list, strict=True)]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return [RequestOutput(s.seq_id, s.output_token_ids, s.finish_reason or "", s.num_cached_tokens,
+                              (s.first_token_s or 0.0) - s.arrival_s, (s.last_token_s or 0.0) - s.arrival_s)
+                for s in seqs]
+
+    def stats(self) -> dict[str, object]:
+        """Health and load figures: queue depths, KV usage, metric snapshot."""
+        bm = self.block_manager
+        return {
+            "model": self.config.model, "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting, "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks, "kv_usage": bm.usage, **self.metrics.snapshot(),
+        }
+
+
+def _model_name(model: str) -> str:
+    return model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    ids = [i for i in ids if i is not None]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)

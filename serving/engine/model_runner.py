@@ -1,0 +1,126 @@
+"""One batched forward per step over a ragged batch of prefill chunks and decodes.
+
+The runner owns the KV cache (preallocated once, never resized) and turns the
+scheduler's choice into tensors: the flattened new tokens, their positions and
+cache slots, and the attention metadata every layer reuses. Decode tokens are
+placed first so that the decode group is one contiguous slice of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+
+from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from serving.engine.scheduler import ScheduledSeq
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    """Bytes of K and V one block holds across all layers."""
+    shape = model.shape
+    element = torch.tensor([], dtype=model.dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
+
+
+class ModelRunner:
+    """Holds the model and its paged KV cache; runs one step's forward."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        shape, device = model.shape, model.device
+        num_slots = num_blocks * block_size
+        self.k_caches = [torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=model.dtype,
+                                     device=device) for _ in range(shape.num_layers)]
+        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+
+    @torch.inference_mode()
+    def run(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
+        """Logits ``[num_sampling, vocab]``, one row per item that samples, in batch order.
+
+        The batch order is decodes first, then prefill chunks; :meth:`order`
+        gives it so the caller can match rows to sequences.
+        """
+        items = self.order(scheduled)
+        input_ids, positions, slots, logits_rows = _flatten(items, self.block_size)
+        device = self.model.device
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        meta = self._metadata(items, index(slots))
+        return self.model.forward(index(input_ids), index(positions), meta, self.k_caches, self.v_caches,
+                                  index(logits_rows))
+
+    @staticmethod
+    def order(scheduled: Seq[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Decodes (one new token after some context) first, then prefill chunks."""
+        decodes = [s for s in scheduled if _is_decode(s)]
+        return decodes + [s for s in scheduled if not _is_decode(s)]
+
+    def _metadata(self, items: list[ScheduledSeq], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        decodes = [s for s in items if _is_decode(s)]
+        decode_ids = decode_slots = decode_mask = None
+        if decodes:
+            decode_ids = torch.arange(len(decodes), device=slot_mapping.device)
+            decode_slots, decode_mask = self._decode_slots(decodes)
+        prefills, start = [], len(decodes)
+        for item in items[len(decodes):]:
+            prefills.append(self._chunk(item, start))
+            start += item.num_new_tokens
+        return AttentionMetadata(slot_mapping, decode_ids, decode_slots, decode_mask, True, prefills)
+
+    def _decode_slots(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Built with tensor ops, not per-token Python: this runs for up to
+        # max_num_seqs sequences of up to max_model_len tokens every step.
+        device, bs = self.model.device, self.block_size
+        context = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+        num_blocks = (int(context.max()) + bs - 1) // bs
+        tables = torch.zeros(len(decodes), num_blocks, dtype=torch.int64)
+        for row, item in enumerate(decodes):
+            table = item.seq.block_table[:num_blocks]
+            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int64)
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)
+        max_context = int(context.max())
+        mask = torch.arange(max_context)[None, :] < context[:, None]
+        return slots[:, :max_context].to(device), mask[:, None, None, :].to(device)
+
+    def _chunk(self, item: ScheduledSeq, start: int) -> PrefillChunk:
+        num_context, num_new = item.seq.num_computed_tokens, item.num_new_tokens
+        if num_context == 0:
+            return PrefillChunk(start, num_new, 0, None, None)
+        device, total = self.model.device, num_context + num_new
+        slots = torch.tensor(_slots(item.seq.block_table, 0, total, self.block_size), dtype=torch.int64,
+                             device=device)
+        query_pos = torch.arange(num_context, total, device=device)[:, None]
+        mask = torch.arange(total, device=device)[None, :] <= query_pos
+        return PrefillChunk(start, num_new, num_context, slots, mask)
+
+
+def _is_decode(item: ScheduledSeq) -> bool:
+    return item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
+
+
+def _flatten(items: list[ScheduledSeq], block_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    for item in items:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += _slots(seq.block_table, start, end, block_size)
+        if item.samples:
+            logits_rows.append(len(input_ids) - 1)
+    return input_ids, positions, slots, logits_rows
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,0 +1,106 @@
+"""The ``generate`` stage: submits the prompt to the model's engine.
+
+YAML::
+
+    - id: gen
+      type: generate
+      with:
+        max_tokens: 256
+        temperature: 0.7        # 0 = greedy
+        top_p: 0.95
+        seed: 7                 # same seed and prompt -> same output
+        client_params: [max_tokens, temperature, top_p, seed]   # what a caller may override
+        isolate_tenants: true   # tenants never share prefix-cache blocks
+
+Writes ``token_stream``; the ``stream`` stage consumes it. A caller's
+``params`` may override only the options listed in ``client_params``, and
+``max_tokens`` never above this stage's own value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, cast
+
+from pydantic import BaseModel, Field, ValidationError
+
+from pipeline.context import RequestContext
+from pipeline.errors import InvalidInput
+from pipeline.protocols import Catalog, SamplingParams
+from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
+from pipeline.tracing import (
+    GEN_AI_OPERATION_NAME,
+    GEN_AI_REQUEST_MAX_TOKENS,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_REQUEST_TEMPERATURE,
+    GEN_AI_REQUEST_TOP_P,
+)
+from stages.engines import engine_for
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+class Sampling(NoConfig):
+    """Sampling options, validated both in YAML and in a caller's overrides."""
+
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class GenerateConfig(Sampling):
+    client_params: list[str] = Field(
+        default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                                 "presence_penalty", "frequency_penalty", "logprobs"])
+    isolate_tenants: bool = False
+
+
+class GenerateStage(Stage):
+    type_name = "generate"
+    Config = GenerateConfig
+    reads = frozenset({"prompt_ids", "model"})
+    writes = frozenset({"token_stream"})
+
+    @classmethod
+    def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
+        unknown = sorted(set(cast(GenerateConfig, config).client_params) - _SAMPLING_FIELDS)
+        return [(("client_params",), f"unknown sampling options {unknown}; known: {sorted(_SAMPLING_FIELDS)}")
+                ] if unknown else []
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config = cast(GenerateConfig, self.config)
+        sampling = _sampling(config, ctx.params)
+        ctx.model, engine = await engine_for(self.resources, ctx.model)
+        salt = ctx.tenant if config.isolate_tenants else ""
+        ctx.token_stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
+        scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
+        scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
+        scope.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, sampling.max_tokens)
+        scope.set_attribute(GEN_AI_REQUEST_TEMPERATURE, sampling.temperature)
+        scope.set_attribute(GEN_AI_REQUEST_TOP_P, sampling.top_p)
+
+
+def _sampling(config: GenerateConfig, params: dict[str, Any]) -> SamplingParams:
+    values = config.model_dump(include=_SAMPLING_FIELDS)
+    refused = sorted(set(params) - set(config.client_params))
+    if refused:
+        raise InvalidInput(f"this pipeline does not let callers set {refused}; allowed: {config.client_params}")
+    try:
+        merged = Sampling.model_validate({**values, **params})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InvalidInput(f"invalid sampling parameters: {problems}") from None
+    if merged.max_tokens > config.max_tokens:
+        raise InvalidInput(f"max_tokens {merged.max_tokens} is over this pipeline's limit of {config.max_tokens}")
+    data = merged.model_dump()
+    data["stop_token_ids"] = tuple(data["stop_token_ids"])
+    return SamplingParams(**data)

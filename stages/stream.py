@@ -1,0 +1,91 @@
+"""The ``stream`` stage: token ids to text for the client, as they come.
+
+YAML::
+
+    - id: out
+      type: stream
+      with:
+        stop: ["\\n\\nUser:"]     # stop strings, matched across chunk boundaries
+
+Detokenizes incrementally (a delta never splits a multi-byte character),
+applies stop strings (which are not sent), sends text deltas to the client,
+and records usage, finish reason and cost. The cost is the model's token
+prices plus its compute price for the time spent generating. Leaving early
+(a stop string, a client disconnect) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+from pydantic import Field
+
+from pipeline.context import RequestContext, Usage
+from pipeline.protocols import TokenStream
+from pipeline.stage import NoConfig, Stage, StageScope
+from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
+from stages.engines import engine_for
+from stages.text import IncrementalDetokenizer, StopStrings
+
+
+class StreamConfig(NoConfig):
+    stop: list[str] = Field(default_factory=list)
+
+
+class StreamStage(Stage):
+    type_name = "stream"
+    Config = StreamConfig
+    reads = frozenset({"token_stream", "model"})
+    writes = frozenset({"output_text", "finish_reason"})
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config = cast(StreamConfig, self.config)
+        stream = cast(TokenStream, ctx.token_stream)
+        _, engine = await engine_for(self.resources, ctx.model)
+        detokenizer = IncrementalDetokenizer(engine.tokenizer.decode, ctx.prompt_ids)
+        stops = StopStrings(config.stop)
+        started = time.perf_counter()
+        try:
+            ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope)
+        finally:
+            await stream.aclose()
+            self._account(ctx, scope, time.perf_counter() - started)
+
+    def _account(self, ctx: RequestContext, scope: StageScope, seconds: float) -> None:
+        info = self.resources.catalog.models.get(ctx.model)
+        if info is not None:
+            price = info.price
+            scope.add_cost(price.tokens_usd(ctx.usage.input_tokens, ctx.usage.output_tokens), "tokens",
+                           f"{ctx.model}: {ctx.usage.input_tokens} in, {ctx.usage.output_tokens} out")
+            scope.add_cost(price.compute_usd(seconds), "compute", f"{ctx.model}: {seconds:.3f} s")
+        scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, ctx.usage.input_tokens)
+        scope.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, ctx.usage.output_tokens)
+        if ctx.finish_reason:
+            scope.set_attribute(GEN_AI_RESPONSE_FINISH_REASONS, [ctx.finish_reason])
+
+
+async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops: StopStrings,
+                ctx: RequestContext, scope: StageScope) -> str:
+    """Send text until the engine finishes or a stop string appears; return the finish reason."""
+    parts: list[str] = []
+    finish = ""
+    async for event in stream:
+        ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
+        text, hit = stops.feed(detokenizer.add(event.token_id) if event.token_id is not None else "")
+        if text:
+            parts.append(text)
+            ctx.output_text = "".join(parts)
+            await scope.emit_text(text)
+        if hit:
+            return "stop"
+        if event.finish_reason is not None:
+            finish = event.finish_reason
+            break
+    tail, hit = stops.feed(detokenizer.flush())
+    tail += "" if hit else stops.flush()
+    if tail:
+        parts.append(tail)
+        ctx.output_text = "".join(parts)
+        await scope.emit_text(tail)
+    return "stop" if hit else finish

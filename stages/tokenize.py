@@ -1,0 +1,68 @@
+"""The ``tokenize`` stage: the chat messages, through the model's chat template, to token ids.
+
+YAML::
+
+    - id: tok
+      type: tokenize
+      with:
+        model: smol               # default: the routed model, else the server's first model
+        max_input_tokens: 2048    # default: no limit beyond the model's own
+        overflow: drop_oldest     # error (default) | drop_oldest: drop the oldest
+                                  #   non-system turns until the prompt fits
+
+Writes ``prompt_ids``, ``prompt_tokens`` and the resolved ``model``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, cast
+
+from pydantic import BaseModel, Field
+
+from pipeline.context import ChatMessage, RequestContext
+from pipeline.errors import InvalidInput
+from pipeline.protocols import Catalog, Tokenizer
+from pipeline.refs import ModelRef
+from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
+from pipeline.tracing import GEN_AI_REQUEST_MODEL, GEN_AI_USAGE_INPUT_TOKENS
+from stages.engines import engine_for
+
+
+class TokenizeConfig(NoConfig):
+    model: ModelRef | None = None
+    max_input_tokens: int | None = Field(None, gt=0)
+    overflow: Literal["error", "drop_oldest"] = "error"
+
+
+class TokenizeStage(Stage):
+    type_name = "tokenize"
+    Config = TokenizeConfig
+    reads = frozenset({"messages"})
+    writes = frozenset({"prompt_ids", "prompt_tokens", "model"})
+
+    @classmethod
+    def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
+        if cast(TokenizeConfig, config).model is None and not catalog.models:
+            return [((), "no model to tokenize for: inferline.yaml has no models; add one, or set model:")]
+        return []
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        config = cast(TokenizeConfig, self.config)
+        ctx.model, engine = await engine_for(self.resources, ctx.model or config.model or "")
+        ids = _fit(engine.tokenizer, ctx.messages, config.max_input_tokens, config.overflow)
+        ctx.prompt_ids, ctx.prompt_tokens = ids, len(ids)
+        scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
+        scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, len(ids))
+
+
+def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None, overflow: str) -> list[int]:
+    turns = [{"role": m.role, "content": m.content} for m in messages]
+    ids = tokenizer.encode_chat(turns)
+    while limit is not None and len(ids) > limit:
+        droppable = [i for i, t in enumerate(turns[:-1]) if t["role"] != "system"]
+        if overflow == "error" or not droppable:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens, over this pipeline's limit of {limit}"
+                               + ("" if overflow == "error" else " even with only the last turn kept"))
+        del turns[droppable[0]]
+        ids = tokenizer.encode_chat(turns)
+    return ids

@@ -1,0 +1,40 @@
+"""The real default model, loaded once for the engine tests (marked slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MODEL = Path(__file__).parents[3] / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    from serving.engine.models import load_model
+
+    # make test fetches the model first: its absence is a failure, not a skip.
+    assert (MODEL / "config.json").exists(), f"no model at {MODEL}; run make install"
+    return load_model(str(MODEL))
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(loaded_model) -> list[list[int]]:
+    """Eight chat prompts of mixed lengths (about 20 to 400 tokens)."""
+    questions = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "Write a haiku about autumn leaves.",
+        "Explain photosynthesis to a ten-year-old in two sentences.",
+        "Summarize this: " + "The quick brown fox jumps over the lazy dog. " * 12,
+        "List the planets of the solar system in order from the sun, with one fact about each.",
+        "Translate into French: Good morning, how are you today?",
+        "Here are my notes: " + "Meeting moved to Tuesday; bring the budget draft and the hiring plan. " * 25
+        + "What should I bring?",
+    ]
+    tokenizer = loaded_model.tokenizer
+    prompts = []
+    for question in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts

@@ -1,0 +1,139 @@
+"""The engine against transformers' greedy generate, token for token, on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from serving.engine.async_engine import AsyncEngine
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.errors import EngineOverloaded, InvalidRequest
+from serving.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+
+
+def make_engine(loaded_model, **options) -> LLMEngine:
+    config = EngineConfig(model="models/smollm2-135m-instruct", **options)
+    return LLMEngine(config, loaded=loaded_model)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(loaded_model, chat_prompts) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding to blur it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained("models/smollm2-135m-instruct", dtype=torch.float32)
+    outputs = []
+    with torch.inference_mode():
+        for ids in chat_prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            tokens = out[0, len(ids):].tolist()
+            eos = loaded_model.tokenizer.eos_token_id
+            outputs.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    return outputs
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="defaults"),
+    pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+    pytest.param({"max_num_batched_tokens": 16}, id="chunk-16-splits-every-prompt"),
+    pytest.param({"num_blocks": 40, "block_size": 16}, id="small-pool-preempts"),
+])
+def test_greedy_matches_transformers(loaded_model, chat_prompts, hf_greedy, options):
+    engine = make_engine(loaded_model, **options)
+    outputs = engine.generate(chat_prompts, GREEDY)
+    for index, (ours, reference) in enumerate(zip(outputs, hf_greedy, strict=True)):
+        assert ours.token_ids == reference, f"prompt {index} differs"
+    assert engine.block_manager.num_used_blocks == 0
+    if "num_blocks" in options:
+        assert engine.metrics.snapshot()["num_preemptions"] > 0
+
+
+def test_prefix_cache_hits_on_a_repeated_prompt(loaded_model, chat_prompts, hf_greedy):
+    engine = make_engine(loaded_model)
+    engine.generate([chat_prompts[7]], GREEDY)
+    again = engine.generate([chat_prompts[7]], GREEDY)[0]
+    assert again.num_cached_tokens >= len(chat_prompts[7]) - 16
+    assert again.token_ids == hf_greedy[7]
+
+
+def test_tenants_do_not_share_the_prefix_cache(loaded_model, chat_prompts):
+    engine = make_engine(loaded_model)
+    engine.generate([chat_prompts[7]], GREEDY, cache_salt="tenant-a")
+    other = engine.generate([chat_prompts[7]], GREEDY, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0
+
+
+def test_finished_and_aborted_requests_return_every_block(loaded_model, chat_prompts):
+    engine = make_engine(loaded_model, max_num_batched_tokens=64)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0)) for p in chat_prompts]
+    for _ in range(4):
+        engine.step()
+    for seq in seqs[::3]:
+        engine.abort(seq.seq_id)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+    assert [s.finish_reason for s in seqs[::3]] == ["abort"] * len(seqs[::3])
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(loaded_model, chat_prompts):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = make_engine(loaded_model).generate([chat_prompts[2]], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0) for _ in chat_prompts]
+    batch = list(chat_prompts)
+    params = [*others[:2], seeded, *others[3:]]
+    in_batch = make_engine(loaded_model).generate(batch, params)[2].token_ids
+    assert in_batch == alone
+
+
+def test_invalid_requests_are_refused_before_queueing(loaded_model):
+    engine = make_engine(loaded_model)
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.add_request([1, 2, 3], SamplingParams(top_p=0))
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(InvalidRequest, match="token ids"):
+        engine.add_request([10**9], GREEDY)
+    assert engine.scheduler.num_waiting == 0
+
+
+def test_overload_is_a_typed_error(loaded_model):
+    engine = make_engine(loaded_model, max_waiting=2)
+    engine.add_request([1, 2, 3], GREEDY)
+    engine.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(EngineOverloaded):
+        engine.add_request([1, 2, 3], GREEDY)
+
+
+async def test_async_streams_and_cancellation_frees_blocks(loaded_model, chat_prompts, hf_greedy):
+    engine = AsyncEngine(engine=make_engine(loaded_model))
+    await engine.start()
+    try:
+        long = await engine.submit(chat_prompts[7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        first = await long.__anext__()
+        assert first.num_output_tokens == 1
+        streams = [await engine.submit(p, GREEDY) for p in chat_prompts[:3]]
+        results = await asyncio.gather(*(_tokens(s) for s in streams))
+        assert results == hf_greedy[:3]
+        await long.aclose()
+        for _ in range(50):
+            if engine.engine.block_manager.num_used_blocks == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.engine.block_manager.num_used_blocks == 0
+        assert engine.stats()["running"] == 0
+    finally:
+        await engine.shutdown()
+
+
+async def _tokens(stream) -> list[int]:
+    return [event.token_id async for event in stream]
