@@ -8,7 +8,8 @@ YAML::
         model: smol               # default: the routed model, else the server's first model
         max_input_tokens: 2048    # default: no limit beyond the model's own
         overflow: drop_oldest     # error (default) | drop_oldest: drop the oldest
-                                  #   non-system turns until the prompt fits
+                                  #   non-system turns until the prompt fits (the
+                                  #   conversation never opens with an assistant turn)
 
 Writes ``prompt_ids``, ``prompt_tokens`` and the resolved ``model``.
 """
@@ -59,10 +60,20 @@ def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None, o
     turns = [{"role": m.role, "content": m.content} for m in messages]
     ids = tokenizer.encode_chat(turns)
     while limit is not None and len(ids) > limit:
-        droppable = [i for i, t in enumerate(turns[:-1]) if t["role"] != "system"]
-        if overflow == "error" or not droppable:
+        if overflow == "error" or not _drop_oldest(turns):
             raise InvalidInput(f"the prompt has {len(ids)} tokens, over this pipeline's limit of {limit}"
                                + ("" if overflow == "error" else " even with only the last turn kept"))
-        del turns[droppable[0]]
         ids = tokenizer.encode_chat(turns)
     return ids
+
+
+def _drop_oldest(turns: list[dict[str, str]]) -> bool:
+    """Drop the oldest non-system turn before the last, and an assistant turn left leading."""
+    earlier = [i for i, t in enumerate(turns[:-1]) if t["role"] != "system"]
+    if not earlier:
+        return False
+    del turns[earlier[0]]
+    # Never leave the conversation opening with an assistant turn.
+    if len(earlier) > 1 and turns[earlier[1] - 1]["role"] == "assistant":
+        del turns[earlier[1] - 1]
+    return True

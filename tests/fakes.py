@@ -134,3 +134,70 @@ class TokenizeStage(Stage):
 
 TEST_STAGES = (RecordStage, FailStage, DenyStage, EchoStage, RouteStage, SearchStage,
                NeedsTokensStage, TokenizeStage)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: enough to test chat encoding and streaming."""
+
+    def encode_chat(self, messages) -> list[int]:
+        return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode())
+
+    def decode(self, token_ids) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+class FakeTokenEvent:
+    __slots__ = ("finish_reason", "num_cached_tokens", "num_output_tokens", "num_prompt_tokens", "token_id")
+
+    def __init__(self, token_id, finish_reason, num_prompt_tokens, num_output_tokens):
+        self.token_id, self.finish_reason = token_id, finish_reason
+        self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = num_prompt_tokens, 0, num_output_tokens
+
+
+class FakeStream:
+    def __init__(self, reply: bytes, num_prompt_tokens: int, max_tokens: int):
+        self.reply, self.num_prompt_tokens, self.max_tokens = reply, num_prompt_tokens, max_tokens
+        self.closed = False
+        self.sent = 0
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        tokens = list(self.reply[:self.max_tokens])
+        for index, token in enumerate(tokens, start=1):
+            await asyncio.sleep(0)
+            self.sent = index
+            last = index == len(tokens)
+            reason = ("length" if len(self.reply) > self.max_tokens else "stop") if last else None
+            yield FakeTokenEvent(token, reason, self.num_prompt_tokens, index)
+
+    async def aclose(self):
+        self.closed = True
+
+
+class FakeEngine:
+    """Answers every prompt with ``reply``; records what it was asked."""
+
+    def __init__(self, reply: str = "Paris is the capital. ¡Olé! 👋"):
+        self.tokenizer = ByteTokenizer()
+        self.reply = reply.encode()
+        self.submitted: list[tuple[list[int], object, str]] = []
+        self.streams: list[FakeStream] = []
+
+    async def submit(self, prompt_ids, sampling, cache_salt=""):
+        self.submitted.append((list(prompt_ids), sampling, cache_salt))
+        stream = FakeStream(self.reply, len(prompt_ids), sampling.max_tokens)
+        self.streams.append(stream)
+        return stream
+
+
+class FakeEngines:
+    """An EngineProvider with one fake engine per model name."""
+
+    def __init__(self, default_model: str = "smol", **engines: FakeEngine):
+        self.default_model = default_model
+        self.engines = engines or {default_model: FakeEngine()}
+
+    async def get(self, name: str) -> FakeEngine:
+        return self.engines[name]

@@ -108,3 +108,15 @@ def test_console_script_version_and_help():
     for command in (["--help"], ["validate", "--help"], ["run", "--help"]):
         result = subprocess.run([exe, *command], capture_output=True, text=True, check=True)
         assert result.stdout.startswith("usage: inferline")
+
+
+@pytest.mark.slow
+def test_run_chat_streams_a_real_answer():
+    exe = Path(sys.executable).with_name("inferline")
+    result = subprocess.run([exe, "run", "pipelines/chat.yaml", "--input", "What is the capital of France?",
+                             "--trace"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris."
+    rows = {line.split()[0]: line.split() for line in result.stderr.splitlines() if line.strip()}
+    assert [rows[s][2] for s in ("prompt", "tok", "gen", "out")] == ["ok"] * 4
+    assert float(rows["out"][5]) > 0  # token and compute cost of the default model's price
