@@ -48,9 +48,9 @@ class AttentionMetadata:
     decode_token_ids: torch.Tensor | None
     """Positions (in the token batch) of the decode tokens, or None when there are none."""
     decode_slots: torch.Tensor | None
-    """``[num_decodes, max_context]`` context slots of each decoding sequence (padded)."""
+    """``[num_decodes * max_context]``: each decoding sequence's context slots, padded, flattened."""
     decode_mask: torch.Tensor | None
-    """``[num_decodes, 1, 1, max_context]``: True where a slot is real, not padding."""
+    """``[num_decodes, 1, 1, max_context]``: True where a slot is real; None when nothing is padding."""
     decodes_are_contiguous: bool
     """True when the decode tokens are exactly the first ``num_decodes`` tokens of the batch."""
     prefills: list[PrefillChunk]
@@ -85,12 +85,13 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     _, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     slots, ids = meta.decode_slots, meta.decode_token_ids
-    num_decodes = slots.shape[0]
+    num_decodes = ids.shape[0]
     q_dec = q[:num_decodes] if meta.decodes_are_contiguous else q.index_select(0, ids)
     # [B, Hq, D] -> [B, Hkv, G, D]: query heads h = kv * G + g share KV head kv (HF's repeat_kv).
     q_dec = q_dec.view(num_decodes, num_kv_heads, group, head_dim)
-    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, ctx, D]
-    values = v_cache[slots].transpose(1, 2)
+    # index_select on flat slots: several times faster than advanced indexing with a 2-D index.
+    keys = k_cache.index_select(0, slots).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, slots).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
     attn = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=meta.decode_mask)
     attn = attn.reshape(num_decodes, num_heads * head_dim)
     if meta.decodes_are_contiguous:
@@ -107,7 +108,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if chunk.num_context == 0:
         keys, values, mask, causal = k[rows], v[rows], None, True
     else:
-        keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+        keys, values = k_cache.index_select(0, chunk.context_slots), v_cache.index_select(0, chunk.context_slots)
         mask, causal = chunk.mask, False
     attn = F.scaled_dot_product_attention(q_c, keys.transpose(0, 1), values.transpose(0, 1),
                                           attn_mask=mask, is_causal=causal, enable_gqa=True)

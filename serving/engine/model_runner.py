@@ -75,7 +75,7 @@ class ModelRunner:
             start += item.num_new_tokens
         return AttentionMetadata(slot_mapping, decode_ids, decode_slots, decode_mask, True, prefills)
 
-    def _decode_slots(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_slots(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Built with tensor ops, not per-token Python: this runs for up to
         # max_num_seqs sequences of up to max_model_len tokens every step.
         device, bs = self.model.device, self.block_size
@@ -87,8 +87,11 @@ class ModelRunner:
             tables[row, :len(table)] = torch.tensor(table, dtype=torch.int64)
         slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)
         max_context = int(context.max())
+        flat = slots[:, :max_context].reshape(-1).to(device)
+        if int(context.min()) == max_context:
+            return flat, None  # no padding: SDPA without a mask is faster
         mask = torch.arange(max_context)[None, :] < context[:, None]
-        return slots[:, :max_context].to(device), mask[:, None, None, :].to(device)
+        return flat, mask[:, None, None, :].to(device)
 
     def _chunk(self, item: ScheduledSeq, start: int) -> PrefillChunk:
         num_context, num_new = item.seq.num_computed_tokens, item.num_new_tokens

@@ -46,7 +46,7 @@ async def test_chat_streams_text_until_the_stop_string(registry):
     assert ctx.finish_reason == "stop" and ctx.output_text == text
     engine = engines.engines["smol"]
     prompt_ids, sampling, salt = engine.submitted[0]
-    assert bytes(prompt_ids) == "<user>Capital of France?".encode()
+    assert bytes(prompt_ids) == b"<user>Capital of France?"
     assert (sampling.max_tokens, sampling.temperature, salt) == (64, 0.0, "acme")
     assert engine.streams[0].closed  # left early at the stop string: the engine request is aborted
     assert ctx.usage.input_tokens == len(prompt_ids)
@@ -124,7 +124,7 @@ async def test_cancelling_mid_stream_aborts_the_engine_request(registry):
 def test_generation_stages_need_their_inputs(registry):
     from pipeline.errors import SpecError
 
-    with pytest.raises(SpecError, match="reads 'prompt_ids'.*add a stage of type tokenize"):
+    with pytest.raises(SpecError, match=r"reads 'prompt_ids'.*add a stage of type tokenize"):
         load_pipeline_text("name: x\nstages: [{id: g, type: generate}]\n", "x.yaml", registry, CATALOG)
     with pytest.raises(SpecError, match="no model to tokenize for"):
         load_pipeline_text("name: x\nstages: [{id: p, type: prompt}, {id: t, type: tokenize}]\n", "x.yaml",
