@@ -1,0 +1,177 @@
+"""The Llama-family forward pass (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over a paged KV cache.
+
+Weights are plain tensors, not ``nn.Module``s: the step runs thirty layers of
+a handful of ops each, and module call overhead would be a visible share of a
+small model's decode step on CPU. Q, K and V are one fused matmul, and so are
+the MLP's gate and up projections.
+
+On CPU, float32 linear layers run through oneDNN with weights packed once at
+load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
+EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
+MKL does not pick its fast kernels on AMD processors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    """The sizes the forward pass needs, read from an HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> LlamaShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=num_heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+            max_position=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 has biases on q, k and v but says so only through its model type.
+            attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        )
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+#: The batch size oneDNN packs weights for; measured best across batch 1 to 512.
+_PACK_FOR_BATCH = 64
+
+
+def use_onednn(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class LlamaModel:
+    """Weights plus the forward pass; the KV cache belongs to the model runner."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.shape = shape = LlamaShape.from_config(config)
+        self.dtype, self.device = dtype, device
+        self.embed = state["model.embed_tokens.weight"]
+        self.norm = state["model.norm.weight"]
+        self.lm_head = self.embed if shape.tie_word_embeddings else state["lm_head.weight"]
+        self.layers = [_layer(state, i, shape.attention_bias) for i in range(shape.num_layers)]
+        self.linear: Linear = F.linear
+        if use_onednn(dtype, device):
+            self._pack()
+        self.cos, self.sin = _rope_tables(config, shape, dtype, device)
+        self._q_size = shape.num_heads * shape.head_dim
+        self._kv_size = shape.num_kv_heads * shape.head_dim
+
+    def _pack(self) -> None:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, pack(getattr(layer, name), _PACK_FOR_BATCH))
+        self.lm_head = pack(self.lm_head, _PACK_FOR_BATCH)  # a packed copy: the embedding stays dense
+        self.linear = _onednn_linear
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` for the selected token positions."""
+        shape, linear = self.shape, self.linear
+        hidden = F.embedding(input_ids, self.embed)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            x = _rms_norm(hidden, layer.input_norm, shape.rms_norm_eps)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            q = _rope(q.view(-1, shape.num_heads, shape.head_dim), cos, sin)
+            k = _rope(k.view(-1, shape.num_kv_heads, shape.head_dim), cos, sin)
+            v = v.view(-1, shape.num_kv_heads, shape.head_dim)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            hidden = hidden + linear(attn, layer.o, None)
+            x = _rms_norm(hidden, layer.post_norm, shape.rms_norm_eps)
+            gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down, None)
+        hidden = _rms_norm(hidden.index_select(0, logits_indices), self.norm, shape.rms_norm_eps)
+        return linear(hidden, self.lm_head, None).float()
+
+
+def _layer(state: dict[str, torch.Tensor], index: int, bias: bool) -> LayerWeights:
+    p = f"model.layers.{index}."
+    qkv = torch.cat([state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    qkv_bias = torch.cat([state.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if bias else None
+    gate_up = torch.cat([state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
+    return LayerWeights(
+        input_norm=state.pop(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=qkv_bias,
+        o=state.pop(p + "self_attn.o_proj.weight"), post_norm=state.pop(p + "post_attention_layernorm.weight"),
+        gate_up=gate_up, down=state.pop(p + "mlp.down_proj.weight"),
+    )
+
+
+def _rope_tables(config, shape: LlamaShape, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # The same arithmetic as transformers' rotary embedding, for every position at once.
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = shape.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    positions = torch.arange(shape.max_position, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm (normalize in float32, then scale), so that
+    # greedy output matches it token for token; one fused op where it is exact.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[T, H, D]`` with per-token ``cos``/``sin`` ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
