@@ -85,6 +85,7 @@ FIELDS: dict[str, FieldInfo] = {
     "tenant": FieldInfo("str", "the caller's tenant ('' when none)", initial=True),
     "tags": FieldInfo("dict[str, str]", "free-form request tags from the client", initial=True),
     "params": FieldInfo("dict[str, Any]", "sampling overrides from the client", initial=True),
+    "stop": FieldInfo("list[str]", "stop strings from the client", initial=True),
     "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
     "documents": FieldInfo("list[Document]", "retrieved passages"),
     "model": FieldInfo("str", "name of the model chosen for the request"),
@@ -106,6 +107,7 @@ class RequestContext:
     principal: Principal | None = None
     tags: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
     messages: list[ChatMessage] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     model: str = ""

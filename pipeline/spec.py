@@ -85,7 +85,19 @@ class TelemetrySpec(Strict):
 
 
 class AuthSpec(Strict):
+    #: API keys required (bearer tokens, see ``inferline keys``). Off is refused on a non-loopback address.
     enabled: bool = True
+
+
+class HttpSpec(Strict):
+    """Where and how ``inferline serve`` listens."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    #: Larger request bodies get 413.
+    max_body_bytes: PositiveInt = 1 << 20
+    #: On SIGTERM, in-flight requests get this long to finish.
+    shutdown_grace_s: PositiveFloat = 30.0
 
 
 class ServerSpec(Strict):
@@ -98,6 +110,7 @@ class ServerSpec(Strict):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     plugins: list[str] = Field(default_factory=list)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    http: HttpSpec = Field(default_factory=HttpSpec)
 
 
 # --- pipelines/*.yaml ---------------------------------------------------------

@@ -1,7 +1,9 @@
 """The ``inferline`` command line.
 
+    inferline serve [--config FILE] [--host H] [--port P]   serve every pipeline over HTTP
     inferline validate PATH...                  check pipeline files (or folders of them)
     inferline run PIPELINE --input TEXT         run one request in-process
+    inferline keys create|list|revoke           manage API keys
     inferline --version
 """
 
@@ -22,6 +24,7 @@ from pipeline.loader import LoadedPipeline, catalog_of
 from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
 from pipeline.tracing import make_tracer_provider
+from serving.keys_cli import add_keys_parser
 from serving.wiring import Workspace, open_workspace
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -51,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"inferline {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    serve = sub.add_parser("serve", help="serve every pipeline over HTTP (and the OpenAI-compatible API)",
+                           description="Load the server config and every pipeline (refusing to start if any is "
+                                       "invalid), start one engine per model, and serve. Settings come from "
+                                       "the config, then INFERLINE_* environment variables, then these flags.")
+    _config_option(serve)
+    serve.add_argument("--host", help="address to bind (default: http.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: http.port, 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=_serve)
+
     validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
                               description="Validate pipeline YAML files against the server config. "
                                           "Prints 'ok' per valid file on stdout and every error on "
@@ -68,7 +81,26 @@ def _parser() -> argparse.ArgumentParser:
                      help="print each stage's status, duration and cost, and the trace id, to stderr")
     _config_option(run)
     run.set_defaults(handler=_run)
+    add_keys_parser(sub)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from serving.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workspace = open_workspace(args.config)
+    http = workspace.server.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
+                                                    if v is not None})
+    workspace.server = workspace.server.model_copy(update={"http": http})
+    app = create_app(workspace)
+    uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=int(http.shutdown_grace_s))
+    return EXIT_OK
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:

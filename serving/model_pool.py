@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import SamplingParams, TokenEvent
 from pipeline.spec import ModelSpec, ServerSpec
@@ -81,9 +83,10 @@ class LocalEngine:
 class ModelPool:
     """Starts each configured local model's engine on first use; one per model."""
 
-    def __init__(self, server: ServerSpec, root: Path = Path(".")):
+    def __init__(self, server: ServerSpec, root: Path = Path("."), registry: CollectorRegistry | None = None):
         self._specs = server.models
         self._root = root
+        self._registry = registry
         self._engines: dict[str, LocalEngine] = {}
         self._lock = asyncio.Lock()
         self.default_model = next(iter(server.models), "")
@@ -102,13 +105,22 @@ class ModelPool:
             raise BackendError(f"no model {name!r} in inferline.yaml (models: {', '.join(self._specs) or 'none'})")
         if spec.backend != "local":
             raise BackendError(f"model {name!r}: backend {spec.backend!r} is not available yet")
-        engine = AsyncEngine(engine_config(spec, self._root))
+        engine = AsyncEngine(engine_config(spec, self._root), name=name, metrics_registry=self._registry)
         try:
             await engine.start()
         except EngineError as exc:
             raise BackendError(f"model {name!r} failed to start: {exc}") from exc
         logger.info("model %s started", name)
         return LocalEngine(name, engine)
+
+    async def start_all(self) -> None:
+        """Start every local model now (the server does, so that it is ready when it says so)."""
+        for name, spec in self._specs.items():
+            if spec.backend == "local":
+                await self.get(name)
+
+    def engines(self) -> dict[str, AsyncEngine]:
+        return {name: local.engine for name, local in self._engines.items()}
 
     async def close(self) -> None:
         for engine in self._engines.values():

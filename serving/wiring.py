@@ -10,6 +10,7 @@ from pipeline.errors import SpecError, SpecIssue
 from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server
 from pipeline.registry import StageRegistry
 from pipeline.spec import ServerSpec
+from serving.settings import apply_environment
 from stages import register_builtins
 
 DEFAULT_CONFIG = "inferline.yaml"
@@ -27,8 +28,34 @@ class Workspace:
     def pipelines_dir(self) -> Path:
         return self.root / self.server.pipelines
 
+    @property
+    def database_url(self) -> str:
+        """``database:``, with a relative SQLite path taken from the config file's folder."""
+        url = self.server.database
+        prefix = "sqlite:///"
+        if url.startswith(prefix) and not url.startswith(prefix + "/") and url != prefix + ":memory:":
+            return prefix + str((self.root / url[len(prefix):]).resolve())
+        return url
+
     def load(self, path: str | Path) -> LoadedPipeline:
         return load_pipeline(path, self.registry, catalog_of(self.server))
+
+    def load_all(self) -> list[LoadedPipeline]:
+        """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""
+        files = sorted(p for p in self.pipelines_dir.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+        loaded, issues = [], []
+        for path in files:
+            try:
+                loaded.append(self.load(path))
+            except SpecError as exc:
+                issues += exc.issues
+        names = [p.spec.name for p in loaded]
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            where = [p.file for p in loaded if p.spec.name == dup]
+            issues.append(SpecIssue(where[1], 1, 1, "name", f"pipeline name {dup!r} is also used by {where[0]}"))
+        if issues:
+            raise SpecError(issues)
+        return loaded
 
     def resolve(self, pipeline: str) -> Path:
         """A pipeline given as a file path, or by name in the pipelines folder."""
@@ -62,4 +89,5 @@ def open_workspace(config: str | None = None) -> Workspace:
         raise SpecError([SpecIssue(str(path), 1, 1, "", "server config file not found")])
     else:
         server, root = load_server(path), Path(path).parent
+    server = apply_environment(server)
     return Workspace(server, build_registry(server), root)

@@ -8,7 +8,7 @@ YAML::
         stop: ["\\n\\nUser:"]     # stop strings, matched across chunk boundaries
 
 Detokenizes incrementally (a delta never splits a multi-byte character),
-applies stop strings (which are not sent), sends text deltas to the client,
+applies stop strings, its own and the client's (they are not sent), sends text deltas to the client,
 and records usage, finish reason and cost. The cost is the model's token
 prices plus its compute price for the time spent generating. Leaving early
 (a stop string, a client disconnect) aborts the request in the engine.
@@ -44,7 +44,7 @@ class StreamStage(Stage):
         stream = cast(TokenStream, ctx.token_stream)
         _, engine = await engine_for(self.resources, ctx.model)
         detokenizer = IncrementalDetokenizer(engine.tokenizer.decode, ctx.prompt_ids)
-        stops = StopStrings(config.stop)
+        stops = StopStrings([*config.stop, *ctx.stop])
         started = time.perf_counter()
         try:
             ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope)

@@ -25,6 +25,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine, StepOutput
@@ -89,11 +91,14 @@ class RequestStream:
 class AsyncEngine:
     """Runs an :class:`LLMEngine` in a background thread for asyncio callers."""
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
+                 **engine_options: Any):
+        """Wrap *engine*, or build one from *config* (and *engine_options*, see LLMEngine) at start."""
         if engine is None and config is None:
             raise ValueError("give an EngineConfig or an LLMEngine")
         self._engine = engine
         self._config = config
+        self._engine_options = engine_options
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, RequestStream] = {}
@@ -117,7 +122,7 @@ class AsyncEngine:
         """Load the model (in a worker thread) and start the step loop."""
         self._loop = asyncio.get_running_loop()
         if self._engine is None:
-            self._engine = await asyncio.to_thread(LLMEngine, self._config)
+            self._engine = await asyncio.to_thread(partial(LLMEngine, self._config, **self._engine_options))
         self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)
         self._thread.start()
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
@@ -60,8 +61,13 @@ class RequestOutput:
 class LLMEngine:
     """Continuous batching over a paged KV cache for one model."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        """Load ``config.model`` (or use *loaded*, already in memory) and size the KV pool."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 name: str | None = None, metrics_registry: CollectorRegistry | None = None):
+        """Load ``config.model`` (or use *loaded*, already in memory) and size the KV pool.
+
+        *name* labels the metrics (default: the model folder's name); *metrics_registry*
+        is where they register (default: a private one).
+        """
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         loaded = loaded or load_model(config.model, config.dtype, config.device)
@@ -77,7 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.sampler = Sampler()
-        self.metrics = EngineMetrics(_model_name(config.model))
+        self.metrics = EngineMetrics(name or _model_name(config.model), metrics_registry)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)

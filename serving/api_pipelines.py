@@ -1,0 +1,169 @@
+"""Inferline's own API: every pipeline is ``POST /pipelines/{name}``.
+
+Without streaming the answer is one JSON object; with ``"stream": true`` (or
+``Accept: text/event-stream``) it is Server-Sent Events: ``stage`` events as
+stages start and finish, ``delta`` events with text, and one final ``done``
+(usage, cost, trace id, stages) or ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from litestar import Request, get, post
+from litestar.params import FromPath, JSONBody
+from litestar.response import Response, ServerSentEvent, ServerSentEventMessage
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.context import ChatMessage, RequestContext, StageRecord
+from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
+from pipeline.runner import Pipeline
+from serving.problems import Problem, from_final
+from serving.state import AppState
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerationParams(BaseModel):
+    """Sampling overrides a caller may send; each pipeline decides which it accepts."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+    def overrides(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))
+
+
+class PipelineRequest(GenerationParams):
+    """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
+
+    input: str | None = Field(None, description="A single user message.")
+    messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
+    stream: bool = False
+    tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PipelineRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'input' or 'messages'")
+        if self.messages is not None and not any(m.role == "user" for m in self.messages):
+            raise ValueError("'messages' needs at least one user message")
+        return self
+
+    def chat(self) -> list[ChatMessage]:
+        if self.messages is None:
+            return [ChatMessage("user", self.input or "")]
+        return [ChatMessage(m.role, m.content) for m in self.messages]
+
+
+def stage_json(stage: StageRecord) -> dict[str, Any]:
+    return {"id": stage.id, "type": stage.type, "status": stage.status,
+            "duration_ms": round(stage.duration_s * 1e3, 3), "cost_usd": stage.cost_usd,
+            **({"error": stage.error} if stage.error else {})}
+
+
+def summary_json(summary: Summary) -> dict[str, Any]:
+    return {
+        "request_id": summary.request_id, "output": summary.output_text, "finish_reason": summary.finish_reason,
+        "usage": {"input_tokens": summary.usage.input_tokens, "output_tokens": summary.usage.output_tokens},
+        "cost_usd": summary.cost_usd, "trace_id": summary.trace_id,
+        "duration_ms": round(summary.duration_s * 1e3, 3),
+        "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
+        "stages": [stage_json(s) for s in summary.stages],
+    }
+
+
+async def start_request(state: AppState, request: Request, name: str, messages: list[ChatMessage],
+                        params: dict[str, Any], tags: dict[str, str] | None = None,
+                        stop: list[str] | None = None) -> tuple[Pipeline, RequestContext]:
+    """Authorize the caller for pipeline *name* and build its request context."""
+    pipeline = state.executor.get(name)
+    principal = await state.auth.authorize(request, pipeline.spec.access.roles, f"call pipeline {name!r}")
+    ctx = RequestContext(pipeline=name, input_messages=messages, principal=principal, tags=dict(tags or {}),
+                         params=params, stop=list(stop or []))
+    return pipeline, ctx
+
+
+@post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200,
+      description="JSON answer, or Server-Sent Events with `\"stream\": true` or `Accept: text/event-stream`.")
+async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request) -> Response[Any]:
+    state = AppState.of(request)
+    pipeline, ctx = await start_request(state, request, name, data.chat(), data.overrides(), data.tags)
+    if data.stream or "text/event-stream" in request.headers.get("accept", ""):
+        events = state.executor.stream(pipeline, ctx)
+        return ServerSentEvent(_sse(events), headers={"X-Request-Id": ctx.request_id})
+    final = await state.executor.run(pipeline, ctx)
+    if isinstance(final, Error):
+        problem = from_final(final.kind, final.message, ctx.error)
+        problem.extra = {"request_id": ctx.request_id, "trace_id": ctx.trace_id,
+                         "stages": [stage_json(s) for s in final.summary.stages]}
+        raise problem
+    return Response(summary_json(final.summary), headers={"X-Request-Id": ctx.request_id})
+
+
+async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEventMessage]:
+    # A client disconnect stops this generator; closing ``events`` cancels the request.
+    try:
+        async for event in events:
+            yield _message(event)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _message(event: Event) -> ServerSentEventMessage:
+    if isinstance(event, TextDelta):
+        return ServerSentEventMessage(json.dumps({"text": event.text}), event="delta")
+    if isinstance(event, StageStarted):
+        payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
+        return ServerSentEventMessage(json.dumps(payload), event="stage")
+    if isinstance(event, StageFinished):
+        payload = {"id": event.stage_id, "type": event.type, "status": event.status,
+                   "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd}
+        return ServerSentEventMessage(json.dumps(payload), event="stage")
+    if isinstance(event, Done):
+        return ServerSentEventMessage(json.dumps(summary_json(event.summary)), event="done")
+    problem = from_final(event.kind, event.message, None)
+    payload = {**problem.body(), "request_id": event.summary.request_id, "trace_id": event.summary.trace_id}
+    return ServerSentEventMessage(json.dumps(payload), event="error")
+
+
+@get("/pipelines", summary="List the served pipelines")
+async def list_pipelines(request: Request) -> dict[str, Any]:
+    state = AppState.of(request)
+    await state.auth.authorize(request, ("caller", "auditor"), "list pipelines")
+    return {"pipelines": [describe(p) for p in state.executor.pipelines.values()]}
+
+
+@get("/pipelines/{name:str}", summary="Describe one pipeline")
+async def get_pipeline(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state = AppState.of(request)
+    await state.auth.authorize(request, ("caller", "auditor"), "describe pipelines")
+    return describe(state.executor.get(name))
+
+
+def describe(pipeline: Pipeline) -> dict[str, Any]:
+    spec = pipeline.spec
+    return {
+        "name": spec.name, "description": spec.description, "version": spec.version,
+        "sha256": pipeline.loaded.sha256, "access": {"roles": spec.access.roles},
+        "stages": [{"id": s.id, "type": s.type, "with": s.with_, "when": s.when, "always": s.always,
+                    "on_error": s.on_error, "timeout_s": s.timeout_s} for s in spec.stages],
+        "endpoint": f"/pipelines/{spec.name}", "input_schema": PipelineRequest.model_json_schema(),
+    }
+
+
+def problem_response(problem: Problem, instance: str) -> Response[Any]:
+    return Response(problem.body(instance), status_code=problem.status, headers=problem.headers,
+                    media_type="application/problem+json")

@@ -1,0 +1,143 @@
+"""``create_app``: the Litestar app that serves every pipeline.
+
+It loads every pipeline first (refusing to start, with every spec error
+listed, if any is invalid); its lifespan then opens the key store, starts one
+engine per configured model and marks the app ready; on shutdown it stops
+taking new work, lets in-flight requests finish up to the grace period, and
+closes the engines.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar, Request
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Response
+from prometheus_client import CollectorRegistry
+
+from pipeline import __version__
+from pipeline.errors import InferlineError, SpecError, SpecIssue
+from pipeline.loader import catalog_of
+from pipeline.protocols import EngineProvider, Resources
+from pipeline.runner import Pipeline, Runner
+from pipeline.tracing import make_tracer_provider
+from serving import api_openai, api_ops, api_pipelines
+from serving.auth import Authenticator
+from serving.execution import Executor
+from serving.http_metrics import HttpMetrics
+from serving.model_pool import ModelPool
+from serving.problems import Problem, from_error, title_for
+from serving.state import AppState
+from serving.wiring import Workspace
+from store.db import create_schema, make_engine
+from store.keys import KeyStore
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -> Litestar:
+    """The app for *workspace*; *engines* replaces the local model pool (tests pass fakes)."""
+    server = workspace.server
+    check_bind(workspace)
+    loaded = workspace.load_all()
+    registry = CollectorRegistry()
+    pool = ModelPool(server, workspace.root, registry)
+    resources = Resources(catalog_of(server), engines=engines or pool)
+    pipelines = {item.spec.name: Pipeline(item, resources) for item in loaded}
+    telemetry = server.telemetry
+    tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
+    executor = Executor(pipelines, Runner(tracer_provider.get_tracer("inferline")), HttpMetrics(registry))
+    state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), pool, registry)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        db = make_engine(workspace.database_url)
+        try:
+            create_schema(db)
+            state.auth.keys = KeyStore(db)
+            if engines is None:
+                await pool.start_all()
+            state.ready = True
+            _log_start(workspace)
+            yield
+        finally:
+            state.ready = False
+            if not await executor.drain(server.http.shutdown_grace_s):
+                logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
+                               server.http.shutdown_grace_s)
+            await pool.close()
+            tracer_provider.shutdown()
+            db.dispose()
+
+    return Litestar(
+        route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
+                        *api_openai.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics],
+        lifespan=[lifespan],
+        state=State({"inferline": state}),
+        exception_handlers={Exception: _handle},
+        request_max_body_size=server.http.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
+                                     description="Every pipeline an endpoint; an OpenAI-compatible API."),
+    )
+
+
+def check_bind(workspace: Workspace) -> None:
+    """Refuse to serve without auth anywhere but loopback."""
+    http, auth = workspace.server.http, workspace.server.auth
+    if not auth.enabled and not is_loopback(http.host):
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "auth.enabled",
+                                   f"auth is off, so binding {http.host} is refused: turn auth on "
+                                   f"(auth: {{enabled: true}}) or bind 127.0.0.1")])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _log_start(workspace: Workspace) -> None:
+    server = workspace.server
+    if not server.auth.enabled:
+        logger.warning("auth is OFF: every request is allowed (only permitted on loopback, here %s)",
+                       server.http.host)
+    logger.info("serving %s on http://%s:%d", workspace.pipelines_dir, server.http.host, server.http.port)
+
+
+def _handle(request: Request, exc: Exception) -> Response[Any]:
+    if request.url.path.startswith("/v1/"):
+        return api_openai.error_response(_problem(exc))
+    return api_pipelines.problem_response(_problem(exc), request.url.path)
+
+
+def _problem(exc: Exception) -> Problem:
+    if isinstance(exc, (Problem, InferlineError)):
+        return from_error(exc)
+    if isinstance(exc, ValidationException):
+        return _validation(exc)
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        return Problem(status, title_for(status), str(exc.detail), title_for(status).lower().replace(" ", "_"),
+                       dict(exc.headers or {}))
+    logger.exception("unhandled error", exc_info=exc)
+    return from_error(exc)
+
+
+def _validation(exc: ValidationException) -> Problem:
+    # Litestar raises ValidationException both for bodies that are not JSON
+    # (400) and for JSON that does not fit the schema (422).
+    errors = exc.extra if isinstance(exc.extra, list) else []
+    if not errors or "decod" in str(exc.detail).lower():
+        return Problem(400, "Bad request", f"the body is not valid JSON: {exc.detail}", "malformed_json")
+    details = "; ".join(f"{e.get('key') or 'body'}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    return Problem(422, "Unprocessable request", details or str(exc.detail), "invalid_body", extra={"errors": errors})

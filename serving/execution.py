@@ -1,0 +1,73 @@
+"""Runs requests for the HTTP layer: finds the pipeline, counts in-flight work, records metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from pipeline.context import RequestContext
+from pipeline.events import Done, Error, Event
+from pipeline.runner import Pipeline, Runner
+from serving.http_metrics import HttpMetrics
+from serving.problems import Problem
+
+
+class Executor:
+    """Every served pipeline, the runner, and the count of requests in flight."""
+
+    def __init__(self, pipelines: dict[str, Pipeline], runner: Runner, metrics: HttpMetrics):
+        self.pipelines = pipelines
+        self.runner = runner
+        self.metrics = metrics
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def get(self, name: str) -> Pipeline:
+        pipeline = self.pipelines.get(name)
+        if pipeline is None:
+            raise Problem(404, "Not found", f"no pipeline {name!r}; served: {', '.join(sorted(self.pipelines))}",
+                          "pipeline_not_found")
+        return pipeline
+
+    async def stream(self, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
+        """The runner's events; metrics are recorded however the stream ends."""
+        self._enter()
+        final: Done | Error | None = None
+        try:
+            async for event in self.runner.stream(pipeline, ctx):
+                if isinstance(event, (Done, Error)):
+                    final = event
+                yield event
+        finally:
+            self._leave()
+            if final is not None:
+                self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
+            else:
+                self.metrics.requests.labels(pipeline.name, "disconnected").inc()
+
+    async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
+        final: Done | Error | None = None
+        async for event in self.stream(pipeline, ctx):
+            if isinstance(event, (Done, Error)):
+                final = event
+        if final is None:
+            raise RuntimeError("pipeline ended without a final event")
+        return final
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (or *timeout_s*); True if drained."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()

@@ -1,0 +1,65 @@
+"""Server settings: ``inferline.yaml``, then environment overrides, then secrets from files.
+
+Every setting can be overridden by an environment variable named after its
+path: ``INFERLINE_DATABASE``, ``INFERLINE_HTTP__PORT`` (or the short forms
+``INFERLINE_HOST`` / ``INFERLINE_PORT``), ``INFERLINE_AUTH__ENABLED``,
+``INFERLINE_TELEMETRY__EXPORTER``... A variable ending in ``_FILE`` reads the
+value from that file instead (``INFERLINE_DATABASE_FILE=/run/secrets/db``), so
+secrets such as a database password need not sit in the YAML or the
+environment. ``INFERLINE_CONFIG`` names the YAML file itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import SpecError, SpecIssue
+from pipeline.spec import ServerSpec
+
+PREFIX = "INFERLINE_"
+#: Short names kept for the settings people set most.
+ALIASES = {"HOST": "HTTP__HOST", "PORT": "HTTP__PORT"}
+_NOT_SETTINGS = {"CONFIG"}
+
+
+def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = None) -> ServerSpec:
+    """*server* with every ``INFERLINE_*`` override applied (validated like the YAML)."""
+    environ = os.environ if environ is None else environ
+    data = server.model_dump(mode="json")
+    changed = False
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(PREFIX):
+            continue
+        key = name[len(PREFIX):]
+        if key.endswith("_FILE"):
+            key, raw = key[:-5], _read_secret(name, raw)
+        key = ALIASES.get(key, key)
+        if key in _NOT_SETTINGS:
+            continue
+        _set(data, [part.lower() for part in key.split("__")], raw, name)
+        changed = True
+    return ServerSpec.model_validate(data) if changed else server
+
+
+def _set(data: dict[str, Any], path: list[str], raw: str, variable: str) -> None:
+    node = data
+    for part in path[:-1]:
+        if not isinstance(node.get(part), dict):
+            raise SpecError([SpecIssue(variable, 1, 1, "", f"no setting {'.'.join(path)!r} to override")])
+        node = node[part]
+    if path[-1] not in node:
+        raise SpecError([SpecIssue(variable, 1, 1, "", f"no setting {'.'.join(path)!r} to override")])
+    # YAML scalars, so that "8001" is a number, "false" a boolean and "[a, b]" a list.
+    node[path[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+
+
+def _read_secret(variable: str, path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise SpecError([SpecIssue(variable, 1, 1, "", f"cannot read {path}: {exc.strerror}")]) from None

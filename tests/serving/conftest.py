@@ -1,0 +1,85 @@
+"""An in-process app over fake engines (fast), for the HTTP layer's own tests."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from litestar.testing import TestClient
+
+from serving.app import create_app
+from serving.wiring import open_workspace
+from store.db import make_engine
+from store.keys import KeyStore
+from tests.fakes import FakeEngine, FakeEngines
+
+SERVER = """
+models:
+  smol:
+    source: models/smollm2-135m-instruct
+    price: {{input_per_1k: 1.0, output_per_1k: 2.0}}
+database: sqlite:///{db}
+pipelines: pipelines/
+auth: {{enabled: {auth}}}
+http: {{max_body_bytes: 4096}}
+"""
+
+CHAT = """
+name: chat
+description: Chat.
+access: {roles: [caller]}
+stages:
+  - {id: prompt, type: prompt}
+  - {id: tok, type: tokenize}
+  - {id: gen, type: generate, with: {max_tokens: 64, temperature: 0}}
+  - {id: out, type: stream}
+"""
+
+AUDIT_ONLY = """
+name: reviews
+access: {roles: [auditor]}
+stages:
+  - {id: prompt, type: prompt}
+  - {id: tok, type: tokenize}
+  - {id: gen, type: generate}
+  - {id: out, type: stream}
+"""
+
+
+def write_workspace(root: Path, auth: bool) -> Path:
+    (root / "pipelines").mkdir()
+    (root / "pipelines" / "chat.yaml").write_text(textwrap.dedent(CHAT))
+    (root / "pipelines" / "reviews.yaml").write_text(textwrap.dedent(AUDIT_ONLY))
+    config = root / "inferline.yaml"
+    config.write_text(SERVER.format(db=root / "keys.db", auth=str(auth).lower()))
+    return config
+
+
+@pytest.fixture
+def fake_engines() -> FakeEngines:
+    return FakeEngines(smol=FakeEngine("Paris is the capital of France."))
+
+
+def _client(tmp_path: Path, monkeypatch, engines: FakeEngines, auth: bool):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    workspace = open_workspace(str(write_workspace(tmp_path, auth)))
+    return TestClient(create_app(workspace, engines=engines))
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch, fake_engines):
+    with _client(tmp_path, monkeypatch, fake_engines, auth=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def auth_client(tmp_path, monkeypatch, fake_engines):
+    with _client(tmp_path, monkeypatch, fake_engines, auth=True) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def keys(tmp_path) -> KeyStore:
+    return KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}"))

@@ -1,0 +1,181 @@
+"""The HTTP layer in-process, over fake engines: routes, SSE, errors, auth, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.errors import Overloaded
+from serving.app import create_app
+from serving.wiring import open_workspace
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    events = []
+    for block in text.replace("\r\n", "\n").strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            events.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return events
+
+
+def test_json_answer(client):
+    response = client.post("/pipelines/chat", json={"input": "Capital of France?"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["output"] == "Paris is the capital of France."
+    assert body["finish_reason"] == "stop"
+    assert body["usage"]["output_tokens"] == len(body["output"])
+    assert [s["id"] for s in body["stages"]] == ["prompt", "tok", "gen", "out"]
+    assert all(set(s) >= {"id", "type", "status", "duration_ms", "cost_usd"} for s in body["stages"])
+    assert body["cost_usd"] > 0 and len(body["trace_id"]) == 32
+    assert response.headers["x-request-id"] == body["request_id"]
+
+
+def test_sse_answer(client):
+    response = client.post("/pipelines/chat", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "stage" and kinds[-1] == "done"
+    assert "".join(data["text"] for kind, data in events if kind == "delta") == "Paris is the capital of France."
+    assert events[-1][1]["usage"]["output_tokens"] > 0
+    statuses = [(d["id"], d["status"]) for k, d in events if k == "stage"]
+    assert statuses[:2] == [("prompt", "started"), ("prompt", "ok")]
+
+
+def test_accept_header_selects_sse(client):
+    response = client.post("/pipelines/chat", json={"input": "hi"}, headers={"Accept": "text/event-stream"})
+    assert sse_events(response.text)[-1][0] == "done"
+
+
+def test_describe_pipelines(client):
+    listed = client.get("/pipelines").json()["pipelines"]
+    assert sorted(p["name"] for p in listed) == ["chat", "reviews"]
+    chat = client.get("/pipelines/chat").json()
+    assert [s["type"] for s in chat["stages"]] == ["prompt", "tokenize", "generate", "stream"]
+    assert chat["access"] == {"roles": ["caller"]}
+    assert "input" in chat["input_schema"]["properties"]
+
+
+@pytest.mark.parametrize(("kwargs", "status", "needle"), [
+    ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "JSON is malformed"),
+    ({"json": {"input": "x", "surprise": 1}}, 422, "surprise"),
+    ({"json": {"input": "x", "temperature": 9}}, 422, "temperature"),
+    ({"json": {"input": "x", "messages": [{"role": "user", "content": "y"}]}}, 422, "exactly one"),
+    ({"json": {"messages": [{"role": "robot", "content": "y"}]}}, 422, "role"),
+    ({"json": {"input": "x" * 10_000}}, 413, ""),
+    ({"json": {"input": "x", "max_tokens": 65}}, 400, "over this pipeline's limit"),
+])
+def test_bad_requests_get_problem_details(client, kwargs, status, needle):
+    response = client.post("/pipelines/chat", **kwargs)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert body["status"] == status and body["title"] and body["type"].startswith("https://")
+    assert needle in json.dumps(body)
+
+
+def test_unknown_pipeline_is_404(client):
+    response = client.post("/pipelines/nope", json={"input": "x"})
+    assert response.status_code == 404
+    assert "no pipeline 'nope'" in response.json()["detail"]
+    assert client.get("/nowhere").status_code == 404
+
+
+def test_overload_is_429_with_retry_after(client, fake_engines):
+    async def overloaded(prompt_ids, sampling, cache_salt=""):
+        raise Overloaded("queue full", retry_after_s=2.0)
+
+    fake_engines.engines["smol"].submit = overloaded
+    response = client.post("/pipelines/chat", json={"input": "x"})
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "2"
+    assert response.json()["type"].endswith("/overloaded")
+
+
+def test_health_ready_metrics_schema(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json()["status"] == "ready"
+    client.post("/pipelines/chat", json={"input": "x"})
+    text = client.get("/metrics").text
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert {"inferline_pipeline_requests", "inferline_stage_duration_seconds", "inferline_pipeline_cost_usd",
+            "inferline_stage_runs"} <= names
+    schema = client.get("/schema/openapi.json").json()
+    assert {"/pipelines/{name}", "/v1/chat/completions", "/v1/models", "/metrics"} <= set(schema["paths"])
+
+
+def test_openai_errors_use_openai_shape(client):
+    response = client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user",
+                                                                                       "content": "x"}]})
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_chat_json_and_stream(client):
+    request = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    body = client.post("/v1/chat/completions", json=request).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "Paris is the capital of France."
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    streamed = client.post("/v1/chat/completions", json={**request, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    lines = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Paris is the capital of France."
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_auth_matrix(auth_client, keys):
+    _, caller = keys.create("app", "caller")
+    _, auditor = keys.create("reviewer", "auditor")
+    _, admin = keys.create("ops", "admin")
+    info, revoked = keys.create("old", "caller")
+    keys.revoke(info.id)
+
+    def call(key, pipeline="chat"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return auth_client.post(f"/pipelines/{pipeline}", json={"input": "x"}, headers=headers).status_code
+
+    assert call(None) == 401
+    assert call("il_nope_nope") == 401
+    assert call(revoked) == 401
+    assert call(caller) == 200
+    assert call(auditor) == 403  # an auditor cannot call a caller-only pipeline
+    assert call(auditor, "reviews") == 200
+    assert call(caller, "reviews") == 403
+    assert call(admin) == 200
+    assert auth_client.get("/metrics", headers={"Authorization": f"Bearer {caller}"}).status_code == 403
+    assert auth_client.get("/metrics", headers={"Authorization": f"Bearer {auditor}"}).status_code == 200
+    assert auth_client.get("/healthz").status_code == 200
+
+
+def test_auth_off_refuses_a_public_address(tmp_path, monkeypatch):
+    from pipeline.errors import SpecError
+    from tests.serving.conftest import write_workspace
+
+    monkeypatch.setenv("INFERLINE_HOST", "0.0.0.0")
+    workspace = open_workspace(str(write_workspace(tmp_path, auth=False)))
+    with pytest.raises(SpecError, match=r"auth is off, so binding 0\.0\.0\.0 is refused"):
+        create_app(workspace)
+
+
+def test_invalid_pipeline_refuses_to_start(tmp_path, monkeypatch):
+    from pipeline.errors import SpecError
+    from tests.serving.conftest import write_workspace
+
+    config = write_workspace(tmp_path, auth=False)
+    (tmp_path / "pipelines" / "broken.yaml").write_text("name: broken\nstages: [{id: a, type: nope}]\n")
+    (tmp_path / "pipelines" / "broken2.yaml").write_text("name: chat\nstages: [{id: a, type: prompt}]\n")
+    with pytest.raises(SpecError) as info:
+        create_app(open_workspace(str(config)))
+    text = str(info.value)
+    assert "broken.yaml:2:24: stages[0].type: unknown stage type 'nope'" in text
+    assert "pipeline name 'chat' is also used by" in text
