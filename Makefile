@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 $(MODEL): $(STAMP) scripts/fetch_model.py
 	$(PY) scripts/fetch_model.py
 
+# Serves every pipeline of inferline.yaml on 127.0.0.1:8000 (auth off, loopback only).
 run: install
-	$(VENV)/bin/inferline validate pipelines/
-	$(VENV)/bin/inferline run hello --input "What can Inferline do for my team?" --trace
+	$(VENV)/bin/inferline serve
 
 test: install
 	$(PY) -m pytest
@@ -32,6 +32,8 @@ test-fast: install
 
 bench: install
 	$(PY) bench/runner.py
+	$(PY) bench/engine.py --quick
+	$(PY) bench/http.py --quick
 
 lint: install
 	$(VENV)/bin/ruff check .

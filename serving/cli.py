@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import signal
 
     import uvicorn
 
@@ -98,6 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
                                                     if v is not None})
     workspace.server = workspace.server.model_copy(update={"http": http})
     app = create_app(workspace)
+    # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
+    # found at start; a no-op one here makes a drained shutdown exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=int(http.shutdown_grace_s))
     return EXIT_OK
