@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.cost import CostLedger
@@ -124,6 +125,18 @@ class RequestContext:
     #: The error that failed or denied the request, if any.
     error: BaseException | None = None
     trace_id: str = ""
+    #: When the request arrived (UTC); the runner's timings are relative to it.
+    received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    #: Seconds from arrival to the first text delta (set by the runner).
+    ttft_s: float | None = None
+    #: Set by the runner from the pipeline it runs, for audit records.
+    pipeline_version: str = ""
+    spec_sha256: str = ""
+    #: Set by the HTTP layer.
+    client_addr: str = ""
+    #: Facts stages record for the audit log, by topic: "sampling", "route",
+    #: "retrieval", "policy", "weights_hash", "redacted_input"...
+    facts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_text(cls, pipeline: str, text: str, **kwargs: Any) -> RequestContext:

@@ -84,6 +84,8 @@ class Engine(Protocol):
     """A batched token generator for one model."""
 
     tokenizer: Tokenizer
+    #: SHA-256 of the weights it serves (for audit records).
+    weights_hash: str
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                      cache_salt: str = "") -> TokenStream:

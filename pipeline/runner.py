@@ -69,7 +69,7 @@ class _Scope:
 
     async def emit_text(self, text: str) -> None:
         if text:
-            self._clock.mark_first_token()
+            self._clock.mark_first_token(self._ctx)
             self._emit(TextDelta(text, self._stage_id))
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:
@@ -86,9 +86,10 @@ class _Clock:
         self.start = time.perf_counter()
         self.first_token: float | None = None
 
-    def mark_first_token(self) -> None:
+    def mark_first_token(self, ctx: RequestContext) -> None:
         if self.first_token is None:
             self.first_token = time.perf_counter()
+            ctx.ttft_s = self.first_token - self.start
 
 
 class Runner:
@@ -133,6 +134,7 @@ class Runner:
                       attr.REQUEST_ID: ctx.request_id}
         with self.tracer.start_as_current_span(f"pipeline {pipeline.name}", attributes=span_attrs) as span:
             ctx.trace_id = format(span.get_span_context().trace_id, "032x")
+            ctx.pipeline_version, ctx.spec_sha256 = pipeline.spec.version, pipeline.loaded.sha256
             for bound in pipeline.stages:
                 try:
                     await self._stage(bound, ctx, emit, clock)

@@ -89,6 +89,19 @@ class AuthSpec(Strict):
     enabled: bool = True
 
 
+class AuditSpec(Strict):
+    """The tamper-evident audit log (records go to ``database:``)."""
+
+    #: best_effort: while the database is away, records wait in the spool file;
+    #: required: new requests get 503 while records cannot be made durable.
+    mode: Literal["best_effort", "required"] = "best_effort"
+    #: Append-only file for records written while the database is unreachable.
+    spool: str = "audit-spool.jsonl"
+    #: HMAC key for signed checkpoints; better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
+    checkpoint_key: str | None = None
+    checkpoint_every: PositiveInt = 1000
+
+
 class HttpSpec(Strict):
     """Where and how ``inferline serve`` listens."""
 
@@ -111,6 +124,7 @@ class ServerSpec(Strict):
     plugins: list[str] = Field(default_factory=list)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     http: HttpSpec = Field(default_factory=HttpSpec)
+    audit: AuditSpec = Field(default_factory=AuditSpec)
 
 
 # --- pipelines/*.yaml ---------------------------------------------------------

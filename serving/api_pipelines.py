@@ -91,8 +91,12 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
     """Authorize the caller for pipeline *name* and build its request context."""
     pipeline = state.executor.get(name)
     principal = await state.auth.authorize(request, pipeline.spec.access.roles, f"call pipeline {name!r}")
+    if state.audit is not None and state.audit.mode == "required" and not state.audit.is_durable():
+        raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "
+                      "(audit.mode: required); retry shortly", "audit_unavailable", {"Retry-After": "5"})
     ctx = RequestContext(pipeline=name, input_messages=messages, principal=principal, tags=dict(tags or {}),
-                         params=params, stop=list(stop or []))
+                         params=params, stop=list(stop or []),
+                         client_addr=request.client.host if request.client else "")
     return pipeline, ctx
 
 

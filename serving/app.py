@@ -9,6 +9,7 @@ closes the engines.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
@@ -28,7 +29,8 @@ from pipeline.loader import catalog_of
 from pipeline.protocols import EngineProvider, Resources
 from pipeline.runner import Pipeline, Runner
 from pipeline.tracing import make_tracer_provider
-from serving import api_openai, api_ops, api_pipelines
+from serving import api_audit, api_openai, api_ops, api_pipelines
+from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
@@ -62,6 +64,11 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         try:
             create_schema(db)
             state.auth.keys = KeyStore(db)
+            state.audit = open_store(workspace, db)
+            replayed = await asyncio.to_thread(state.audit.replay_spool)
+            if replayed:
+                logger.info("audit: replayed %d spooled record(s)", replayed)
+            resources.audit = StoreSink(state.audit)
             if engines is None:
                 await pool.start_all()
             state.ready = True
@@ -78,7 +85,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
 
     return Litestar(
         route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
-                        *api_openai.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics],
+                        *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics],
         lifespan=[lifespan],
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},

@@ -4,6 +4,7 @@
     inferline validate PATH...                  check pipeline files (or folders of them)
     inferline run PIPELINE --input TEXT         run one request in-process
     inferline keys create|list|revoke           manage API keys
+    inferline audit query|show|summary|verify|export|prune|hold   read and keep the audit log
     inferline --version
 """
 
@@ -24,6 +25,7 @@ from pipeline.loader import LoadedPipeline, catalog_of
 from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
 from pipeline.tracing import make_tracer_provider
+from serving.audit_cli import add_audit_parser
 from serving.keys_cli import add_keys_parser
 from serving.wiring import Workspace, open_workspace
 
@@ -82,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(run)
     run.set_defaults(handler=_run)
     add_keys_parser(sub)
+    add_audit_parser(sub)
     return parser
 
 
@@ -155,13 +158,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
+    from serving.audit_sink import StoreSink, open_store
     from serving.model_pool import ModelPool  # imports torch: only for commands that run models
+    from store.db import create_schema, make_engine
 
     telemetry = workspace.server.telemetry
     provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
     runner = Runner(provider.get_tracer("inferline"))
     pool = ModelPool(workspace.server, workspace.root)
-    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool))
+    db = make_engine(workspace.database_url)
+    create_schema(db)
+    sink = StoreSink(open_store(workspace, db))
+    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink))
     ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None
@@ -178,6 +186,7 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
     finally:
         await pool.close()
         provider.shutdown()
+        db.dispose()
     if streamed:
         sys.stdout.write("\n")
         sys.stdout.flush()

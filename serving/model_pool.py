@@ -9,6 +9,7 @@ engine imports nothing of ours.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict
@@ -64,9 +65,10 @@ class _Stream:
 class LocalEngine:
     """The pipeline's Engine protocol over one :class:`AsyncEngine`."""
 
-    def __init__(self, name: str, engine: AsyncEngine):
+    def __init__(self, name: str, engine: AsyncEngine, weights_hash: str):
         self.name, self.engine = name, engine
         self.tokenizer = HFTokenizer(engine.tokenizer)
+        self.weights_hash = weights_hash
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "") -> _Stream:
         try:
@@ -105,13 +107,15 @@ class ModelPool:
             raise BackendError(f"no model {name!r} in inferline.yaml (models: {', '.join(self._specs) or 'none'})")
         if spec.backend != "local":
             raise BackendError(f"model {name!r}: backend {spec.backend!r} is not available yet")
-        engine = AsyncEngine(engine_config(spec, self._root), name=name, metrics_registry=self._registry)
+        config = engine_config(spec, self._root)
+        engine = AsyncEngine(config, name=name, metrics_registry=self._registry)
         try:
             await engine.start()
         except EngineError as exc:
             raise BackendError(f"model {name!r} failed to start: {exc}") from exc
-        logger.info("model %s started", name)
-        return LocalEngine(name, engine)
+        weights_hash = await asyncio.to_thread(weights_sha256, Path(config.model))
+        logger.info("model %s started (weights sha256 %s)", name, weights_hash[:12])
+        return LocalEngine(name, engine, weights_hash)
 
     async def start_all(self) -> None:
         """Start every local model now (the server does, so that it is ready when it says so)."""
@@ -126,6 +130,17 @@ class ModelPool:
         for engine in self._engines.values():
             await engine.engine.shutdown()
         self._engines.clear()
+
+
+def weights_sha256(source: Path) -> str:
+    """SHA-256 over the weight files of *source* (a .gguf file or a folder's safetensors, in name order)."""
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def engine_config(spec: ModelSpec, root: Path) -> EngineConfig:

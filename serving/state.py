@@ -11,6 +11,7 @@ from serving.auth import Authenticator
 from serving.execution import Executor
 from serving.model_pool import ModelPool
 from serving.wiring import Workspace
+from store.audit import AuditStore
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class AppState:
     auth: Authenticator
     pool: ModelPool
     registry: CollectorRegistry
+    audit: AuditStore | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
 

@@ -82,6 +82,9 @@ class GenerateStage(Stage):
         ctx.model, engine = await engine_for(self.resources, ctx.model)
         salt = ctx.tenant if config.isolate_tenants else ""
         ctx.token_stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
+        ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                 "max_tokens": sampling.max_tokens, "seed": sampling.seed}
+        ctx.facts["weights_hash"] = engine.weights_hash
         scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
         scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
         scope.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, sampling.max_tokens)

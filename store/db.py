@@ -1,7 +1,7 @@
 """SQL plumbing shared by every store: the declarative base, engines and the schema.
 
     engine = make_engine("sqlite:///var/inferline.db")   # or postgresql://user@host/db
-    create_schema(engine)
+    create_schema(engine)                                  # Alembic: upgrade to head
 
 Models of all stores (API keys, audit records...) subclass :class:`Base`, so one
 ``MetaData`` holds the whole schema. Nothing here knows about any one table.
@@ -101,6 +101,9 @@ def _sqlite_engine(url: URL) -> sa.Engine:
         try:
             if not in_memory:
                 cursor.execute("PRAGMA journal_mode=WAL")
+                # Safe with WAL (no corruption on power loss, only the last commits may roll back)
+                # and it drops the fsync per commit that the audit log's per-request write can't afford.
+                cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
         finally:
             cursor.close()
@@ -109,11 +112,11 @@ def _sqlite_engine(url: URL) -> sa.Engine:
 
 
 def create_schema(engine: sa.Engine) -> None:
-    """Create every table of the imported models that does not exist yet.
+    """Bring the database's schema up to date: Alembic "upgrade to head" (store/migrate.py).
 
-    A stopgap: it never alters an existing table. A later issue moves schema
-    management to Alembic revisions (tested on SQLite and PostgreSQL), and this
-    becomes "upgrade to head". Import the model modules (``store.keys``...)
-    before calling it; only their tables are known to ``Base.metadata``.
+    Safe to call on every start: a database at head is left as it is. A
+    database made by the pre-Alembic ``create_all`` (api_keys only) is adopted.
     """
-    Base.metadata.create_all(engine)
+    from store.migrate import upgrade  # here: the migrations import this module's Base
+
+    upgrade(engine)

@@ -181,6 +181,7 @@ class FakeEngine:
 
     def __init__(self, reply: str = "Paris is the capital. ¡Olé! 👋"):
         self.tokenizer = ByteTokenizer()
+        self.weights_hash = "f" * 64
         self.reply = reply.encode()
         self.submitted: list[tuple[list[int], object, str]] = []
         self.streams: list[FakeStream] = []

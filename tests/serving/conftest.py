@@ -34,6 +34,7 @@ stages:
   - {id: tok, type: tokenize}
   - {id: gen, type: generate, with: {max_tokens: 64, temperature: 0}}
   - {id: out, type: stream}
+  - {id: log, type: audit, always: true, with: {content: full}}
 """
 
 AUDIT_ONLY = """

@@ -28,7 +28,7 @@ def test_json_answer(client):
     assert body["output"] == "Paris is the capital of France."
     assert body["finish_reason"] == "stop"
     assert body["usage"]["output_tokens"] == len(body["output"])
-    assert [s["id"] for s in body["stages"]] == ["prompt", "tok", "gen", "out"]
+    assert [s["id"] for s in body["stages"]] == ["prompt", "tok", "gen", "out", "log"]
     assert all(set(s) >= {"id", "type", "status", "duration_ms", "cost_usd"} for s in body["stages"])
     assert body["cost_usd"] > 0 and len(body["trace_id"]) == 32
     assert response.headers["x-request-id"] == body["request_id"]
@@ -57,7 +57,7 @@ def test_describe_pipelines(client):
     listed = client.get("/pipelines").json()["pipelines"]
     assert sorted(p["name"] for p in listed) == ["chat", "reviews"]
     chat = client.get("/pipelines/chat").json()
-    assert [s["type"] for s in chat["stages"]] == ["prompt", "tokenize", "generate", "stream"]
+    assert [s["type"] for s in chat["stages"]] == ["prompt", "tokenize", "generate", "stream", "audit"]
     assert chat["access"] == {"roles": ["caller"]}
     assert "input" in chat["input_schema"]["properties"]
 

@@ -135,6 +135,10 @@ def test_disconnect_frees_the_engine(server, caller_key):
             break
         time.sleep(0.1)
     assert readiness(server, caller_key) == {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    auditor = {"Authorization": f"Bearer {server.key('auditor')}"}
+    records = httpx.get(f"{server.url}/audit/records", params={"status": "disconnected"}, headers=auditor).json()
+    assert [(r["status"], r["http_status"]) for r in records["records"]] == [("disconnected", 499)]
+    assert httpx.get(f"{server.url}/audit/verify", headers=auditor).json()["ok"] is True
 
 
 def test_metrics_parse(server, caller_key):

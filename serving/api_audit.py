@@ -1,0 +1,121 @@
+"""The reviewers' API: query, read, summarize, verify and export the audit log.
+
+Only ``auditor`` and ``admin`` keys may call these routes, and every call is
+itself written to the access log (who asked what, when).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
+from typing import Any, Literal
+
+from litestar import Request, get
+from litestar.params import FromPath, FromQuery
+from litestar.response import Response, Stream
+
+from pipeline.context import Principal
+from serving.problems import Problem
+from serving.state import AppState
+from store.audit import AuditFilters, AuditStore
+
+_ROLES = ("auditor",)
+
+
+async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tuple[AuditStore, Principal | None]:
+    state = AppState.of(request)
+    principal = await state.auth.authorize(request, _ROLES, "read the audit log")
+    store = state.audit
+    if store is None:
+        raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
+    clean = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in query.items() if v is not None}
+    await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
+                            principal.role if principal else None, action, clean)
+    return store, principal
+
+
+def _filters(since: datetime | None, until: datetime | None, pipeline: str | None, spec_sha256: str | None,
+             key_id: str | None, model: str | None, policy_action: str | None, policy_category: str | None,
+             status: str | None, finish_reason: str | None, min_cost_usd: float | None,
+             text: str | None) -> AuditFilters:
+    return AuditFilters(since=since, until=until, pipeline=pipeline, spec_sha256=spec_sha256, key_id=key_id,
+                        model=model, policy_action=policy_action, policy_category=policy_category, status=status,
+                        finish_reason=finish_reason, min_cost_usd=min_cost_usd, text=text)
+
+
+async def _call(fn, *args, **kwargs):
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except ValueError as exc:  # the store's word for a bad sort, cursor or filter
+        raise Problem(400, "Bad request", str(exc), "invalid_query") from exc
+
+
+@get("/audit/records", summary="Query audit records (filters, sorting, cursor pagination)", tags=["audit"])
+async def records(request: Request, since: FromQuery[datetime | None] = None,
+                  until: FromQuery[datetime | None] = None, pipeline: FromQuery[str | None] = None,
+                  spec_sha256: FromQuery[str | None] = None, key_id: FromQuery[str | None] = None,
+                  model: FromQuery[str | None] = None, policy_action: FromQuery[str | None] = None,
+                  policy_category: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
+                  finish_reason: FromQuery[str | None] = None, min_cost_usd: FromQuery[float | None] = None,
+                  text: FromQuery[str | None] = None, sort: FromQuery[str] = "-received_at",
+                  cursor: FromQuery[str | None] = None, limit: FromQuery[int] = 50) -> dict[str, Any]:
+    args = dict(locals())
+    args.pop("request")
+    store, _ = await _reviewer(request, "query", args)
+    filters = _filters(since, until, pipeline, spec_sha256, key_id, model, policy_action, policy_category, status,
+                       finish_reason, min_cost_usd, text)
+    page = await _call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
+    return {"records": page.records, "next_cursor": page.next_cursor}
+
+
+@get("/audit/records/{record_id:str}", summary="One audit record with its stages", tags=["audit"])
+async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "show", {"record_id": record_id})
+    found = await _call(store.get, record_id)
+    if found is None:
+        raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
+    return found
+
+
+@get("/audit/summary", summary="Counts, block rate, tokens and cost, grouped", tags=["audit"])
+async def summary(request: Request, group_by: FromQuery[Literal["pipeline", "model", "key_id", "day"]] = "pipeline",
+                  since: FromQuery[datetime | None] = None, until: FromQuery[datetime | None] = None,
+                  pipeline: FromQuery[str | None] = None) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "summary", {"group_by": group_by, "since": since, "until": until,
+                                                    "pipeline": pipeline})
+    filters = AuditFilters(since=since, until=until, pipeline=pipeline)
+    return {"group_by": group_by, "groups": await _call(store.summary, filters, group_by)}
+
+
+@get("/audit/verify", summary="Recompute the hash chain and report any tampering", tags=["audit"])
+async def verify(request: Request, since: FromQuery[datetime | None] = None,
+                 until: FromQuery[datetime | None] = None) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "verify", {"since": since, "until": until})
+    report = await _call(store.verify, since, until)
+    return {"ok": report.ok, "checked": report.checked, "head_seq": report.head_seq,
+            "findings": [{"kind": f.kind, "seq": f.seq, "record_id": f.record_id, "detail": f.detail}
+                         for f in report.findings]}
+
+
+@get("/audit/export", summary="Export records as JSON Lines or CSV, streamed", tags=["audit"])
+async def export(request: Request, format: FromQuery[Literal["jsonl", "csv"]] = "jsonl",
+                 since: FromQuery[datetime | None] = None, until: FromQuery[datetime | None] = None,
+                 pipeline: FromQuery[str | None] = None, status: FromQuery[str | None] = None) -> Response[Any]:
+    store, _ = await _reviewer(request, "export", {"format": format, "since": since, "until": until,
+                                                   "pipeline": pipeline, "status": status})
+    filters = AuditFilters(since=since, until=until, pipeline=pipeline, status=status)
+    lines = store.export(filters, format)
+    media = "application/x-ndjson" if format == "jsonl" else "text/csv"
+    return Stream(_async_lines(lines), media_type=media,
+                  headers={"Content-Disposition": f'attachment; filename="audit.{format}"'})
+
+
+async def _async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
+    # The store's export is a blocking generator: pull each batch of lines off the event loop.
+    sentinel = object()
+    while (line := await asyncio.to_thread(next, lines, sentinel)) is not sentinel:
+        yield line.encode() if isinstance(line, str) else line
+
+
+ROUTES = [records, record, summary, verify, export]

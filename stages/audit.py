@@ -1,0 +1,104 @@
+"""The ``audit`` stage: one audit record per request, whatever happened to it.
+
+YAML (mark it ``always: true`` so that failed, denied and disconnected
+requests are recorded too)::
+
+    - id: log
+      type: audit
+      always: true
+      with:
+        content: hash        # full | redacted | hash (SHA-256 only; the default)
+        retention_days: 365  # how long `inferline audit prune` keeps this pipeline's records
+
+``redacted`` stores the text a policy stage redacted (``facts["redacted_input"]``)
+and falls back to ``hash`` when no policy stage redacted anything. The record
+goes to the server's audit sink, which writes it durably (database, or a local
+spool file while the database is away) and chains it into the tamper-evident log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, cast
+
+from pydantic import Field
+
+from pipeline.context import RequestContext
+from pipeline.errors import BackendError, InferlineError
+from pipeline.stage import NoConfig, Stage, StageScope
+
+#: ctx.status -> the record's status.
+_STATUS = {"ok": "ok", "denied": "denied", "failed": "failed", "cancelled": "disconnected"}
+_POLICY_STRENGTH = {"block": 3, "redact": 2, "flag": 1, "allow": 0}
+
+
+class AuditConfig(NoConfig):
+    content: Literal["full", "redacted", "hash"] = "hash"
+    retention_days: int = Field(365, ge=1)
+
+
+class AuditStage(Stage):
+    type_name = "audit"
+    Config = AuditConfig
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        sink = self.resources.audit
+        if sink is None:
+            raise BackendError("no audit sink is configured in this process")
+        await sink.write(build_record(ctx, cast(AuditConfig, self.config)))
+
+
+def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
+    """The audit record of *ctx*, as the audit store takes it."""
+    now = datetime.now(UTC)
+    principal = ctx.principal
+    policy = list(ctx.facts.get("policy", []))
+    mode, input_text, output_text = _content(ctx, config.content)
+    return {
+        "request_id": ctx.request_id, "trace_id": ctx.trace_id,
+        "received_at": ctx.received_at, "completed_at": now,
+        "first_token_at": None if ctx.ttft_s is None else ctx.received_at + timedelta(seconds=ctx.ttft_s),
+        "duration_ms": (now - ctx.received_at).total_seconds() * 1e3,
+        "ttft_ms": None if ctx.ttft_s is None else ctx.ttft_s * 1e3,
+        "key_id": principal.key_id if principal else None, "role": principal.role if principal else None,
+        "client_addr": ctx.client_addr or None,
+        "pipeline": ctx.pipeline, "pipeline_version": ctx.pipeline_version, "spec_sha256": ctx.spec_sha256,
+        "model": ctx.model or None, "weights_hash": ctx.facts.get("weights_hash"),
+        "params": ctx.facts.get("sampling", {}),
+        "input_tokens": ctx.usage.input_tokens, "output_tokens": ctx.usage.output_tokens,
+        "cost_usd": ctx.ledger.total_usd,
+        "route": ctx.facts.get("route"), "retrieval": ctx.facts.get("retrieval"), "policy": policy,
+        "policy_action": _strongest(policy), "policy_categories": ",".join(sorted({p.get("category", "")
+                                                                                   for p in policy} - {""})),
+        "status": _STATUS.get(ctx.status, ctx.status), "finish_reason": ctx.finish_reason or None,
+        "error_type": _error_type(ctx.error), "content_mode": mode,
+        "input_content": input_text, "output_content": output_text,
+        "stages": [{"stage_id": s.id, "type": s.type, "status": s.status, "duration_ms": s.duration_s * 1e3,
+                    "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id)}
+                   for s in ctx.stages],
+    }
+
+
+def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
+    redacted = ctx.facts.get("redacted_input")
+    if mode == "full":
+        return "full", ctx.input, ctx.output_text
+    if mode == "redacted" and redacted is not None:
+        return "redacted", redacted, ctx.facts.get("redacted_output", ctx.output_text)
+    return "hash", _sha256(ctx.input), _sha256(ctx.output_text)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _strongest(policy: list[dict[str, Any]]) -> str | None:
+    actions = [p.get("action", "") for p in policy]
+    return max(actions, key=lambda a: _POLICY_STRENGTH.get(a, -1)) if actions else None
+
+
+def _error_type(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    return error.kind if isinstance(error, InferlineError) else type(error).__name__

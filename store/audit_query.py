@@ -1,0 +1,213 @@
+"""Reading the audit log: filters, keyset pagination, summaries and streamed exports.
+
+Every filter value reaches the database as a bound parameter; LIKE patterns
+are escaped (``autoescape``), and sort fields come from an allow-list, so no
+caller-supplied text is ever part of the SQL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import io
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from store.audit_chain import STAGE_COLUMNS, row_to_dict
+from store.audit_models import AuditRecord, AuditStage
+
+MAX_LIMIT = 500
+EXPORT_BATCH = 1000
+_records = AuditRecord.__table__
+_stages = AuditStage.__table__
+SORT_FIELDS = {name: _records.c[name] for name in ("received_at", "cost_usd", "duration_ms", "seq")}
+GROUPS = ("pipeline", "model", "key_id", "day")
+RECORD_COLUMNS = tuple(column.name for column in _records.columns)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFilters:
+    """What to select; every field optional, all given ones must hold. ``until`` is exclusive."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    pipeline: str | None = None
+    spec_sha256: str | None = None
+    key_id: str | None = None
+    model: str | None = None
+    policy_action: str | None = None
+    policy_category: str | None = None
+    status: str | None = None
+    finish_reason: str | None = None
+    min_cost_usd: float | None = None
+    text: str | None = None
+    """Case-insensitive substring of input_content or output_content (wildcards are literal)."""
+    kind: str | None = "record"
+    """``record`` (requests), ``prune`` (prune markers), or None for both."""
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of records and the cursor of the next page (None on the last one)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    next_cursor: str | None = None
+
+
+def conditions(filters: AuditFilters) -> list[sa.ColumnElement[bool]]:
+    """The WHERE clauses of *filters*, with bound values only."""
+    c = _records.c
+    where: list[sa.ColumnElement[bool]] = []
+    if filters.since is not None:
+        where.append(c.received_at >= filters.since)
+    if filters.until is not None:
+        where.append(c.received_at < filters.until)
+    for name in ("pipeline", "spec_sha256", "key_id", "model", "policy_action", "status", "finish_reason", "kind"):
+        value = getattr(filters, name)
+        if value is not None:
+            where.append(c[name] == _text(value))
+    if filters.policy_category is not None:
+        categories = sa.literal(",") + c.policy_categories + sa.literal(",")
+        where.append(categories.contains(f",{_text(filters.policy_category)},", autoescape=True))
+    if filters.min_cost_usd is not None:
+        where.append(c.cost_usd >= float(filters.min_cost_usd))
+    if filters.text:
+        text = _text(filters.text)
+        where.append(sa.or_(c.input_content.icontains(text, autoescape=True),
+                            c.output_content.icontains(text, autoescape=True)))
+    return where
+
+
+def query_page(conn: sa.Connection, filters: AuditFilters, sort: str, cursor: str | None, limit: int) -> Page:
+    """One page of records matching *filters*, ordered by *sort* (``-`` prefix: descending)."""
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be between 1 and {MAX_LIMIT}")
+    name, descending = parse_sort(sort)
+    column, seq = SORT_FIELDS[name], _records.c.seq
+    statement = sa.select(_records).where(*conditions(filters))
+    if cursor is not None:
+        value, after_seq = _decode_cursor(cursor, sort)
+        if name == "seq":
+            statement = statement.where(seq < after_seq if descending else seq > after_seq)
+        elif descending:
+            statement = statement.where(sa.or_(column < value, sa.and_(column == value, seq < after_seq)))
+        else:
+            statement = statement.where(sa.or_(column > value, sa.and_(column == value, seq > after_seq)))
+    order = (column.desc(), seq.desc()) if descending else (column.asc(), seq.asc())
+    rows = [dict(row) for row in conn.execute(statement.order_by(*order).limit(limit + 1)).mappings()]
+    next_cursor = _encode_cursor(sort, rows[limit - 1][name], rows[limit - 1]["seq"]) if len(rows) > limit else None
+    return Page([row_to_dict(row) for row in rows[:limit]], next_cursor)
+
+
+def parse_sort(sort: str) -> tuple[str, bool]:
+    """(field, descending) of *sort*; ValueError for a field outside SORT_FIELDS."""
+    name = sort[1:] if isinstance(sort, str) and sort.startswith("-") else sort
+    if name not in SORT_FIELDS:
+        raise ValueError(f"cannot sort by {sort!r}; allowed: {', '.join(SORT_FIELDS)} (prefix - for descending)")
+    return name, sort.startswith("-")
+
+
+def summarize(conn: sa.Connection, filters: AuditFilters, group_by: str) -> list[dict[str, Any]]:
+    """Per-group count, denied count, block rate, tokens and cost."""
+    if group_by not in GROUPS:
+        raise ValueError(f"cannot group by {group_by!r}; allowed: {', '.join(GROUPS)}")
+    c = _records.c
+    key = _day(conn.dialect.name) if group_by == "day" else c[group_by]
+    denied = sa.func.sum(sa.case((c.status == "denied", 1), else_=0))
+    statement = (sa.select(key.label("key"), sa.func.count().label("count"), denied.label("denied"),
+                           sa.func.sum(c.input_tokens).label("input_tokens"),
+                           sa.func.sum(c.output_tokens).label("output_tokens"),
+                           sa.func.sum(c.cost_usd).label("cost_usd"))
+                 .where(*conditions(filters)).group_by(key).order_by(key))
+    return [{group_by: row.key, "count": row.count, "denied": int(row.denied or 0),
+             "block_rate": (row.denied or 0) / row.count, "input_tokens": int(row.input_tokens or 0),
+             "output_tokens": int(row.output_tokens or 0), "cost_usd": float(row.cost_usd or 0.0)}
+            for row in conn.execute(statement)]
+
+
+def export_lines(engine: sa.Engine, filters: AuditFilters, fmt: Literal["jsonl", "csv"]) -> Iterator[str]:
+    """Matching records in seq order with their stages, one line at a time."""
+    if fmt not in ("jsonl", "csv"):
+        raise ValueError(f"unknown export format {fmt!r}; use jsonl or csv")
+    if fmt == "csv":
+        yield _csv_line([*RECORD_COLUMNS, "stages"])
+    after = 0
+    while True:
+        # A connection per batch: a slow reader must not hold one for the whole export.
+        with engine.connect() as conn:
+            statement = (sa.select(_records).where(*conditions(filters), _records.c.seq > after)
+                         .order_by(_records.c.seq).limit(EXPORT_BATCH))
+            rows = [row_to_dict(dict(row)) for row in conn.execute(statement).mappings()]
+            stages = stages_of(conn, [row["id"] for row in rows])
+        if not rows:
+            return
+        for row in rows:
+            row["stages"] = stages.get(row["id"], [])
+            yield json.dumps(row, separators=(",", ":")) + "\n" if fmt == "jsonl" else _csv_row(row)
+        after = rows[-1]["seq"]
+
+
+def stages_of(conn: sa.Connection, record_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The stages of each record in *record_ids*, in pipeline order."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    if not record_ids:
+        return found
+    statement = (sa.select(_stages.c.record_id, *(_stages.c[name] for name in STAGE_COLUMNS))
+                 .where(_stages.c.record_id.in_(record_ids)).order_by(_stages.c.record_id, _stages.c.position))
+    for row in conn.execute(statement).mappings():
+        stage = dict(row)
+        found.setdefault(stage.pop("record_id"), []).append(stage)
+    return found
+
+
+def _text(value: object) -> str:
+    # Stored text had NUL replaced (PostgreSQL refuses it); a filter must match the same way.
+    return str(value).replace("\x00", "\ufffd")
+
+
+def _day(dialect: str) -> sa.ColumnElement[Any]:
+    if dialect == "sqlite":  # stored as naive UTC text
+        return sa.func.strftime("%Y-%m-%d", _records.c.received_at)
+    return sa.func.to_char(sa.func.timezone("UTC", _records.c.received_at), "YYYY-MM-DD")
+
+
+def _encode_cursor(sort: str, value: Any, seq: int) -> str:
+    payload = [sort, value.isoformat() if isinstance(value, datetime) else value, seq]
+    return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, sort: str) -> tuple[Any, int]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        cursor_sort, value, seq = json.loads(raw)
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        raise ValueError("invalid cursor") from None
+    if cursor_sort != sort or not isinstance(seq, int):
+        raise ValueError("invalid cursor: it belongs to another sort order")
+    if sort.lstrip("-") == "received_at":
+        try:
+            value = datetime.fromisoformat(value)
+        except (TypeError, ValueError):
+            raise ValueError("invalid cursor") from None
+        if value.tzinfo is None:
+            raise ValueError("invalid cursor")
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("invalid cursor")
+    return value, seq
+
+
+def _csv_row(row: dict[str, Any]) -> str:
+    return _csv_line(["" if row[name] is None else json.dumps(row[name]) if isinstance(row[name], dict | list)
+                      else row[name] for name in (*RECORD_COLUMNS, "stages")])
+
+
+def _csv_line(values: Sequence[Any]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(values)
+    return buffer.getvalue()

@@ -1,0 +1,302 @@
+"""Walking the audit chain in seq order and saying what does not add up.
+
+Each row is checked three ways: its own hash (an edited field), its link to
+the row before (prev_hash), and its seq against the one expected (a deleted
+row leaves a gap). Gaps that a prune marker accounts for pass: the marker,
+itself a chained record, lists each pruned seq range with the prev_hash that
+led into it and the hash that left it, so the walk can link over the range.
+Rows are read in keyset batches, never all at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from store.audit_chain import STAGE_COLUMNS, record_hash, sign_checkpoint, utc_text
+from store.audit_models import GENESIS_HASH, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
+
+BATCH_SIZE = 2000
+MAX_FINDINGS = 1000
+_records = AuditRecord.__table__
+_stages = AuditStage.__table__
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing wrong: kind is modified, inserted, deleted, reordered, gap or bad_checkpoint."""
+
+    kind: str
+    seq: int | None
+    record_id: str | None
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The outcome of a verify: ok only when there are no findings."""
+
+    ok: bool
+    checked: int
+    head_seq: int
+    findings: list[Finding] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    first: int
+    last: int
+    prev_hash: str
+    last_hash: str
+
+
+class _Walk:
+    """The state of one walk along the chain: what the next row must be."""
+
+    def __init__(self, ranges: list[_Range], head_seq: int, trusted_start: bool) -> None:
+        self.ranges = ranges
+        self.starts = [r.first for r in ranges]
+        self.head_seq = head_seq
+        self.expected: int | None = None if trusted_start else 1
+        self.link: str | None = None if trusted_start else GENESIS_HASH
+        self.findings: list[Finding] = []
+        self.checked = 0
+        self.previous: Mapping[str, Any] | None = None
+        #: Checkpointed seqs whose record hash the checkpoint check needs, and those hashes.
+        self.watched: set[int] = set()
+        self.hashes: dict[int, str] = {}
+
+    def report(self, kind: str, row: Mapping[str, Any] | None, detail: str, seq: int | None = None) -> None:
+        if len(self.findings) < MAX_FINDINGS:
+            self.findings.append(Finding(kind, row["seq"] if row is not None else seq,
+                                         row["id"] if row is not None else None, detail))
+
+    def feed(self, row: Mapping[str, Any], stages: list[dict[str, Any]], nxt: tuple | None) -> bool:
+        """Check *row*; True when it also consumed *nxt* (a reordered pair)."""
+        self.checked += 1
+        if row["seq"] in self.watched:
+            self.hashes[row["seq"]] = row["hash"]
+        if row["seq"] > self.head_seq:
+            self.report("inserted", row, f"seq {row['seq']} is past the chain head {self.head_seq}")
+        if self._pruned_range(row["seq"]) is not None:
+            self.report("inserted", row, "a row inside a range that a prune marker says was deleted")
+            return False
+        self._check_seq(row)
+        if record_hash(row["prev_hash"], row, stages) == row["hash"]:
+            self._check_link(row, nxt)
+            return False
+        if nxt is not None and self._is_swap(row, stages, *nxt):
+            self.checked += 1
+            self.report("reordered", row, f"seqs {row['seq']} and {nxt[0]['seq']} were swapped")
+            self.link, self.expected = row["hash"], nxt[0]["seq"] + 1
+            return True
+        self.report("modified", row, _why_modified(row, stages))
+        self._check_link(row, nxt)
+        return False
+
+    def _check_seq(self, row: Mapping[str, Any]) -> None:
+        if self.expected is None or row["seq"] == self.expected:
+            return
+        seq, link = self.expected, self.link
+        while seq < row["seq"]:
+            pruned = self._pruned_range(seq)
+            if pruned is None or pruned.first != seq or (link is not None and pruned.prev_hash != link):
+                self.report("deleted", None, f"seq {self.expected}..{row['seq'] - 1} missing; "
+                            "no prune marker accounts for it", seq=self.expected)
+                self.link = row["prev_hash"]  # resynchronise: one finding per hole, not two
+                return
+            seq, link = pruned.last + 1, pruned.last_hash
+        self.link = link
+
+    def _check_link(self, row: Mapping[str, Any], nxt: tuple | None) -> None:
+        if self.link is not None and row["prev_hash"] != self.link:
+            if nxt is not None and nxt[0]["prev_hash"] == self.link:
+                # The next row links straight past this one: this one was slipped in.
+                self.report("inserted", row, "not linked from the previous record; the next record skips it")
+                return
+            if self.previous is not None and row["prev_hash"] == self.previous["prev_hash"]:
+                # This row links past the previous one, which links in properly: that one was slipped in.
+                self.report("inserted", self.previous, "the next record's prev_hash skips this record")
+            else:
+                self.report("gap", row, f"prev_hash does not match the hash of the record before seq {row['seq']}")
+        self.link, self.expected, self.previous = row["hash"], row["seq"] + 1, row
+
+    def _is_swap(self, row: Mapping[str, Any], stages: list, other: Mapping[str, Any], other_stages: list) -> bool:
+        if other["seq"] != row["seq"] + 1 or row["prev_hash"] != other["hash"]:
+            return False
+        if self.link is not None and other["prev_hash"] != self.link:
+            return False
+        return (record_hash(row["prev_hash"], {**row, "seq": other["seq"]}, stages) == row["hash"]
+                and record_hash(other["prev_hash"], {**other, "seq": row["seq"]}, other_stages) == other["hash"])
+
+    def _pruned_range(self, seq: int) -> _Range | None:
+        index = bisect.bisect_right(self.starts, seq) - 1
+        if index >= 0 and self.ranges[index].last >= seq:
+            return self.ranges[index]
+        return None
+
+
+def _why_modified(row: Mapping[str, Any], stages: list[dict[str, Any]]) -> str:
+    for shift in (-1, 1):
+        if record_hash(row["prev_hash"], {**row, "seq": row["seq"] + shift}, stages) == row["hash"]:
+            return f"renumbered: the record was chained at seq {row['seq'] + shift}"
+    return "the stored hash does not match the record's contents"
+
+
+def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | None,
+                 checkpoint_key: bytes | None) -> VerifyReport:
+    """Walk the chain (or the seq span of records received in [since, until)) and report findings."""
+    with engine.connect() as conn:
+        head_seq, head_hash = conn.execute(sa.select(AuditChainHead.seq, AuditChainHead.hash)).one()
+        lo, hi = _seq_span(conn, since, until)
+        walk = _Walk(_prune_ranges(conn), head_seq, trusted_start=since is not None)
+        if checkpoint_key is not None:
+            walk.watched = set(conn.scalars(sa.select(AuditCheckpoint.seq)))
+        if lo is not None:
+            with _cyclic_gc_paused():
+                _walk_rows(walk, _rows(conn, lo, hi))
+        if until is None:
+            _check_tail(walk, head_seq, head_hash)
+        if checkpoint_key is not None:
+            _check_checkpoints(conn, walk, checkpoint_key, lo, hi, head_seq)
+    return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings)
+
+
+def _walk_rows(walk: _Walk, rows: Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
+    current = next(rows, None)
+    while current is not None:
+        following = next(rows, None)
+        if walk.feed(*current, following):
+            following = next(rows, None)
+        current = following
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    # The walk allocates millions of short-lived, acyclic dicts; each batch outlives a few young
+    # collections, which then keep triggering full ones that rescan every long-lived object of the
+    # process (a server with a model loaded has millions): 15-30% of verify's time. Plain reference
+    # counting frees the batches; the collector's previous state is restored after.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _seq_span(conn: sa.Connection, since: datetime | None, until: datetime | None) -> tuple[int | None, int]:
+    query = sa.select(sa.func.min(_records.c.seq), sa.func.max(_records.c.seq))
+    if since is not None:
+        query = query.where(_records.c.received_at >= since)
+    if until is not None:
+        query = query.where(_records.c.received_at < until)
+    lo, hi = conn.execute(query).one()
+    return (None, 0) if lo is None else (1 if since is None else lo, hi)
+
+
+def _prune_ranges(conn: sa.Connection) -> list[_Range]:
+    markers = conn.execute(sa.select(_records.c.pruned).where(_records.c.kind == "prune"))
+    ranges = [_Range(*item) for (pruned,) in markers if isinstance(pruned, dict)
+              for item in pruned.get("ranges", []) if isinstance(item, list) and len(item) == 4]
+    return sorted(ranges, key=lambda r: r.first)
+
+
+def _rows(conn: sa.Connection, lo: int, hi: int) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    after = lo - 1
+    names = [column.name for column in _records.columns]
+    while True:
+        statement = (sa.select(*(_raw(column) for column in _records.columns))
+                     .where(_records.c.seq > after, _records.c.seq <= hi).order_by(_records.c.seq).limit(BATCH_SIZE))
+        batch = [_typed(dict(zip(names, row, strict=True))) for row in _fetch_raw(conn, statement)]
+        if not batch:
+            return
+        stages: dict[str, list[dict[str, Any]]] = {}
+        joined = (sa.select(_stages.c.record_id, *(_raw(_stages.c[name]) for name in STAGE_COLUMNS))
+                  .join(_records, _records.c.id == _stages.c.record_id)
+                  .where(_records.c.seq > after, _records.c.seq <= batch[-1]["seq"])
+                  .order_by(_records.c.seq, _stages.c.position))  # the index order: no sort step
+        for record_id, stage_id, kind, status, duration_ms, cost_usd, decision in _fetch_raw(conn, joined):
+            stage = {"stage_id": stage_id, "type": kind, "status": status, "duration_ms": duration_ms,
+                     "cost_usd": cost_usd, "decision": _json(decision)}
+            found = stages.get(record_id)
+            if found is None:
+                stages[record_id] = [stage]
+            else:
+                found.append(stage)
+        for row in batch:
+            yield row, stages.get(row["id"], [])
+        after = batch[-1]["seq"]
+
+
+# Verify reads 100k+ rows: JSON and timestamp columns come back raw and are decoded here with
+# json.loads / datetime.fromisoformat, several times cheaper per value than the generic result processors.
+_DATETIME_COLUMNS = ("received_at", "first_token_at", "completed_at")
+_JSON_COLUMNS = ("params", "route", "retrieval", "policy", "pruned")
+_decode = json.JSONDecoder().raw_decode  # what json.loads does for us, minus its per-call setup
+
+
+def _fetch_raw(conn: sa.Connection, statement: sa.Select[Any]) -> list[tuple[Any, ...]]:
+    # Tuples straight from the driver's cursor: the selected columns need no result processing
+    # (see _raw), and skipping Row objects is most of the cost of reading 100k records.
+    result = conn.execute(statement)
+    try:
+        return result.cursor.fetchall()
+    finally:
+        result.close()
+
+
+def _raw(column: sa.Column[Any]) -> sa.ColumnElement[Any]:
+    if column.name in _DATETIME_COLUMNS or column.name in _JSON_COLUMNS or column.name == "decision":
+        return sa.type_coerce(column, sa.String).label(column.name)
+    return column
+
+
+def _typed(row: dict[str, Any]) -> dict[str, Any]:
+    for name in _DATETIME_COLUMNS:
+        value = row[name]
+        if isinstance(value, str):  # SQLite: naive UTC text, "2026-01-01 12:00:00.000000" as SQLAlchemy writes it
+            row[name] = (value.replace(" ", "T") + "Z" if len(value) == 26 and value[10] == " "
+                         else utc_text(datetime.fromisoformat(value).replace(tzinfo=UTC)))
+    for name in _JSON_COLUMNS:
+        row[name] = _json(row[name])
+    return row
+
+
+def _json(value: Any) -> Any:
+    # SQLite hands back JSON text; psycopg has already decoded json columns.
+    if value is None or value == "null":  # most stages decide nothing
+        return None
+    return _decode(value)[0] if isinstance(value, str) else value
+
+
+def _check_tail(walk: _Walk, head_seq: int, head_hash: str) -> None:
+    last_seq = walk.expected - 1 if walk.expected is not None else 0
+    if last_seq < head_seq:
+        walk.report("deleted", None, f"seq {last_seq + 1}..{head_seq} missing at the end of the chain",
+                    seq=last_seq + 1)
+    elif last_seq == head_seq and walk.link is not None and walk.link != head_hash:
+        walk.report("modified", None, "the last record does not match the chain head's hash", seq=head_seq)
+
+
+def _check_checkpoints(conn: sa.Connection, walk: _Walk, key: bytes, lo: int | None, hi: int,
+                       head_seq: int) -> None:
+    query = sa.select(AuditCheckpoint.seq, AuditCheckpoint.head_hash, AuditCheckpoint.signature)
+    if lo is not None:
+        query = query.where(AuditCheckpoint.seq >= lo, AuditCheckpoint.seq <= max(hi, head_seq))
+    for seq, head_hash, signature in conn.execute(query.order_by(AuditCheckpoint.seq)):
+        if sign_checkpoint(key, seq, head_hash) != signature:
+            walk.report("bad_checkpoint", None, "signature does not match (wrong key, or edited)", seq=seq)
+        elif seq > head_seq:
+            walk.report("bad_checkpoint", None, f"signed at seq {seq}, past the chain head {head_seq}", seq=seq)
+        elif seq in walk.hashes and walk.hashes[seq] != head_hash:
+            walk.report("bad_checkpoint", None, "the record at this seq is not the one that was signed", seq=seq)

@@ -1,0 +1,1 @@
+"""Alembic revisions of the Inferline schema; run them with store.migrate.upgrade()."""
