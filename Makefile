@@ -34,6 +34,7 @@ bench: install
 	$(PY) bench/runner.py
 	$(PY) bench/engine.py --quick
 	$(PY) bench/http.py --quick
+	$(PY) bench/audit.py --quick
 
 lint: install
 	$(VENV)/bin/ruff check .
