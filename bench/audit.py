@@ -13,6 +13,13 @@ p50 ≤ 1 ms on SQLite, verify of 100k under 10 s.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This folder holds http.py, which would shadow the standard library's http
+# package (imported by torch, httpx...) for any script run from here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import json
 import statistics

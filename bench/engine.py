@@ -56,6 +56,13 @@ warm-up wave of 50. rss_growth = (VmRSS after - VmRSS before) / VmRSS before.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This folder holds http.py, which would shadow the standard library's http
+# package (imported by torch, httpx...) for any script run from here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import contextlib
 import copy

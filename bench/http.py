@@ -47,6 +47,13 @@ Figures (the last line of stdout is one JSON object with them all):
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This folder holds http.py, which would shadow the standard library's http
+# package (imported by torch, httpx...) for any script run from here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import asyncio
 import json

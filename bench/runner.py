@@ -10,6 +10,13 @@ with ``overhead_us_per_stage`` and ``overhead_ms_per_request``. Targets: under
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This folder holds http.py, which would shadow the standard library's http
+# package (imported by torch, httpx...) for any script run from here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import asyncio
 import json
