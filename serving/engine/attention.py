@@ -4,10 +4,12 @@ The KV cache of one layer is a tensor of *slots* ``[num_blocks * block_size,
 num_kv_heads, head_dim]``; slot ``b * block_size + i`` holds token ``i`` of block
 ``b``. A step's new keys and values are written to their slots first, then:
 
-* all decoding sequences (one new token each) attend together in one SDPA
-  call: their context slots are gathered into a padded ``[B, max_ctx]`` batch
-  with a padding mask; the grouped query heads of one KV head ride along as
-  the query length, so no KV head is ever copied per query head;
+* decoding sequences (one new token each) attend in a few batched SDPA calls,
+  one per group of similar context lengths (the runner sorts decodes by
+  length, so padding stays small): each group's context slots are gathered
+  into a padded ``[B, max_ctx]`` batch with a padding mask; the grouped query
+  heads of one KV head ride along as the query length, so no KV head is ever
+  copied per query head;
 * each prefill chunk attends on its own: a chunk with no earlier context uses
   its fresh keys directly under a causal mask, a later chunk gathers its
   context from the cache and uses an offset causal mask.
@@ -40,19 +42,24 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding sequences of similar context length, a contiguous slice of the token batch."""
+
+    start: int
+    num_seqs: int
+    slots: torch.Tensor
+    """``[num_seqs * max_context]``: each sequence's context slots, padded, flattened."""
+    mask: torch.Tensor | None
+    """``[num_seqs, 1, 1, max_context]``: True where a slot is real; None when nothing is padding."""
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer needs to attend for one step, built once per step."""
 
     slot_mapping: torch.Tensor
     """``[num_tokens]``: the cache slot each new token's key and value go to."""
-    decode_token_ids: torch.Tensor | None
-    """Positions (in the token batch) of the decode tokens, or None when there are none."""
-    decode_slots: torch.Tensor | None
-    """``[num_decodes * max_context]``: each decoding sequence's context slots, padded, flattened."""
-    decode_mask: torch.Tensor | None
-    """``[num_decodes, 1, 1, max_context]``: True where a slot is real; None when nothing is padding."""
-    decodes_are_contiguous: bool
-    """True when the decode tokens are exactly the first ``num_decodes`` tokens of the batch."""
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -73,31 +80,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if meta.decode_token_ids is not None:
-        _decode(q, k_cache, v_cache, meta, out, num_kv_heads)
+    for group in meta.decode_groups:
+        _decode(q, k_cache, v_cache, group, out, num_kv_heads)
     for chunk in meta.prefills:
         _prefill(q, k, v, k_cache, v_cache, chunk, out)
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
             out: torch.Tensor, num_kv_heads: int) -> None:
     _, num_heads, head_dim = q.shape
-    group = num_heads // num_kv_heads
-    slots, ids = meta.decode_slots, meta.decode_token_ids
-    num_decodes = ids.shape[0]
-    q_dec = q[:num_decodes] if meta.decodes_are_contiguous else q.index_select(0, ids)
+    rows, count = slice(group.start, group.start + group.num_seqs), group.num_seqs
     # [B, Hq, D] -> [B, Hkv, G, D]: query heads h = kv * G + g share KV head kv (HF's repeat_kv).
-    q_dec = q_dec.view(num_decodes, num_kv_heads, group, head_dim)
+    q_dec = q[rows].view(count, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # index_select on flat slots: several times faster than advanced indexing with a 2-D index.
-    keys = k_cache.index_select(0, slots).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, slots).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    attn = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=meta.decode_mask)
-    attn = attn.reshape(num_decodes, num_heads * head_dim)
-    if meta.decodes_are_contiguous:
-        out[:num_decodes] = attn
-    else:
-        out.index_copy_(0, ids, attn)
+    keys = k_cache.index_select(0, group.slots).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, group.slots).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=group.mask)
+    out[rows] = attn.reshape(count, num_heads * head_dim)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -3,7 +3,8 @@
 The runner owns the KV cache (preallocated once, never resized) and turns the
 scheduler's choice into tensors: the flattened new tokens, their positions and
 cache slots, and the attention metadata every layer reuses. Decode tokens are
-placed first so that the decode group is one contiguous slice of the batch.
+placed first, sorted by context length, so that each group of similar
+lengths is one contiguous slice of the batch and pads little.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from serving.engine.models.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -59,21 +60,21 @@ class ModelRunner:
 
     @staticmethod
     def order(scheduled: Seq[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Decodes (one new token after some context) first, then prefill chunks."""
-        decodes = [s for s in scheduled if _is_decode(s)]
+        """Decodes (one new token after some context), shortest context first, then prefill chunks."""
+        decodes = sorted((s for s in scheduled if _is_decode(s)), key=lambda s: s.seq.num_computed_tokens)
         return decodes + [s for s in scheduled if not _is_decode(s)]
 
     def _metadata(self, items: list[ScheduledSeq], slot_mapping: torch.Tensor) -> AttentionMetadata:
         decodes = [s for s in items if _is_decode(s)]
-        decode_ids = decode_slots = decode_mask = None
-        if decodes:
-            decode_ids = torch.arange(len(decodes), device=slot_mapping.device)
-            decode_slots, decode_mask = self._decode_slots(decodes)
-        prefills, start = [], len(decodes)
+        groups, start = [], 0
+        for size in _group_sizes([s.seq.num_computed_tokens + 1 for s in decodes]):
+            groups.append(DecodeGroup(start, size, *self._decode_slots(decodes[start:start + size])))
+            start += size
+        prefills = []
         for item in items[len(decodes):]:
             prefills.append(self._chunk(item, start))
             start += item.num_new_tokens
-        return AttentionMetadata(slot_mapping, decode_ids, decode_slots, decode_mask, True, prefills)
+        return AttentionMetadata(slot_mapping, groups, prefills)
 
     def _decode_slots(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Built with tensor ops, not per-token Python: this runs for up to
@@ -103,6 +104,27 @@ class ModelRunner:
         query_pos = torch.arange(num_context, total, device=device)[:, None]
         mask = torch.arange(total, device=device)[None, :] <= query_pos
         return PrefillChunk(start, num_new, num_context, slots, mask)
+
+
+#: A decode group ends where padding would exceed this share of its gathered slots.
+_MAX_PADDING = 0.25
+#: ...but never below this many sequences: each group costs an SDPA call per layer.
+_MIN_GROUP = 8
+
+
+def _group_sizes(contexts: list[int]) -> list[int]:
+    """Split sorted context lengths into runs that pad little (gather and attention cost)."""
+    sizes: list[int] = []
+    first = 0
+    for index in range(1, len(contexts) + 1):
+        end_here = index == len(contexts)
+        if not end_here and index - first >= _MIN_GROUP:
+            padded = (index - first + 1) * contexts[index]
+            end_here = sum(contexts[first:index + 1]) < (1 - _MAX_PADDING) * padded
+        if end_here:
+            sizes.append(index - first)
+            first = index
+    return sizes
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
