@@ -12,8 +12,9 @@ def test_groups_cover_every_decode_in_order():
     start = 0
     for size in sizes[:-1]:
         group = contexts[start:start + size]
-        assert size >= 8
-        assert sum(group) >= 0.75 * size * max(group)  # padding within bounds
+        assert size >= 8  # fewer would cost more attention calls than the padding saves
+        if size > 8:  # grown past the minimum only while padding stayed within bounds
+            assert sum(group) >= 0.75 * size * max(group)
         start += size
 
 
