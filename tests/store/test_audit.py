@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,8 +18,7 @@ import sqlalchemy as sa
 from store.audit import AuditFilters, AuditStore, VerifyReport
 from store.audit_chain import record_hash, uuid7
 from store.audit_models import GENESIS_HASH
-from store.db import create_schema, make_engine
-from tests.store.test_keys import postgresql_url, sqlite_url  # noqa: F401  (fixtures)
+from store.db import make_engine
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -48,14 +46,6 @@ def make_record(i: int = 0, **overrides: Any) -> dict[str, Any]:
     }
     record.update(overrides)
     return record
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
-def engine(request) -> Iterator[sa.Engine]:
-    engine = make_engine(request.getfixturevalue(f"{request.param}_url"))
-    create_schema(engine)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture

@@ -11,11 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from store.audit import AuditFilters, AuditStore
-from tests.store import test_audit, test_keys
 from tests.store.test_audit import T0, make_record
 
-engine = test_audit.engine
-postgresql_url, sqlite_url = test_keys.postgresql_url, test_keys.sqlite_url
 NUM_RECORDS = 30
 INJECTIONS = ["' OR '1'='1", "'; DROP TABLE audit_records; --", '" OR ""="', "%", "_", "\\", "a%' --",
               "1; SELECT pg_sleep(5)", "\x00", "' UNION SELECT * FROM api_keys --", "\u2028", ",", "*"]

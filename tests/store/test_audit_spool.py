@@ -15,12 +15,9 @@ import sqlalchemy as sa
 import store.audit
 from store.audit import AuditStore, AuditUnavailable
 from store.db import make_engine
-from tests.store import test_audit, test_keys
 from tests.store.test_audit import make_record
 
 # Fixtures shared with the chain tests: the same engines, SQLite and PostgreSQL.
-engine = test_audit.engine
-postgresql_url, sqlite_url = test_keys.postgresql_url, test_keys.sqlite_url
 
 
 @pytest.fixture

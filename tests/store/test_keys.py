@@ -9,59 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import re
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from store.db import create_schema, make_engine
 from store.keys import ROLES, ApiKey, KeyInfo, KeyStore
 
-POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 KEY_FORMAT = re.compile(r"il_([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})")
-
-
-@pytest.fixture
-def sqlite_url(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'keys.db'}"
-
-
-@pytest.fixture
-def postgresql_url() -> Iterator[str]:
-    """A URL whose connections see only a fresh schema, dropped after the test."""
-    schema = f"inferline_test_{uuid.uuid4().hex[:12]}"
-    base = make_url(POSTGRES_URL).update_query_dict({"connect_timeout": "5"})
-    admin = make_engine(base.render_as_string(hide_password=False))
-    unreachable = None
-    try:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        unreachable = str(exc.orig).strip()
-    if unreachable is not None:
-        admin.dispose()
-        pytest.fail(f"PostgreSQL at {base.render_as_string()} is unreachable:\n{unreachable}\nStart it, "
-                    "or deselect these tests with -m 'not integration'.", pytrace=False)
-    try:
-        yield base.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
-def engine(request) -> Iterator[sa.Engine]:
-    engine = make_engine(request.getfixturevalue(f"{request.param}_url"))
-    create_schema(engine)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture

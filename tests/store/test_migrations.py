@@ -13,9 +13,7 @@ import store.audit_models  # noqa: F401  (its tables, for the drift check)
 from store.db import Base, create_schema, make_engine
 from store.keys import ApiKey, KeyStore
 from store.migrate import current_revision, downgrade, upgrade
-from tests.store import test_keys
 
-postgresql_url, sqlite_url = test_keys.postgresql_url, test_keys.sqlite_url
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log"}
 
 

@@ -1,0 +1,53 @@
+"""Database fixtures for the store tests: SQLite in a temporary folder and a fresh
+PostgreSQL schema on 127.0.0.1:5432 (its absence fails the integration tests loudly)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from store.db import create_schema, make_engine
+
+POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'keys.db'}"
+
+
+@pytest.fixture
+def postgresql_url() -> Iterator[str]:
+    """A URL whose connections see only a fresh schema, dropped after the test."""
+    schema = f"inferline_test_{uuid.uuid4().hex[:12]}"
+    base = make_url(POSTGRES_URL).update_query_dict({"connect_timeout": "5"})
+    admin = make_engine(base.render_as_string(hide_password=False))
+    unreachable = None
+    try:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    except sa.exc.OperationalError as exc:
+        unreachable = str(exc.orig).strip()
+    if unreachable is not None:
+        admin.dispose()
+        pytest.fail(f"PostgreSQL at {base.render_as_string()} is unreachable:\n{unreachable}\nStart it, "
+                    "or deselect these tests with -m 'not integration'.", pytrace=False)
+    try:
+        yield base.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def engine(request) -> Iterator[sa.Engine]:
+    engine = make_engine(request.getfixturevalue(f"{request.param}_url"))
+    create_schema(engine)
+    yield engine
+    engine.dispose()
