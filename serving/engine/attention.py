@@ -38,7 +38,8 @@ class PrefillChunk:
     context_slots: torch.Tensor | None
     """Slots of all ``num_context + num_tokens`` keys, when ``num_context > 0``."""
     mask: torch.Tensor | None
-    """Offset causal mask ``[num_tokens, num_context + num_tokens]``, when ``num_context > 0``."""
+    """Additive offset-causal mask ``[group * num_tokens, num_context + num_tokens]`` (0 or -inf,
+    repeated for the query heads sharing a KV head), when ``num_context > 0``."""
 
 
 @dataclass(slots=True)
@@ -103,13 +104,21 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
-    rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-    q_c = q[rows].transpose(0, 1)  # [Hq, n, D]
+    rows, n = slice(chunk.start, chunk.start + chunk.num_tokens), chunk.num_tokens
     if chunk.num_context == 0:
-        keys, values, mask, causal = k[rows], v[rows], None, True
-    else:
-        keys, values = k_cache.index_select(0, chunk.context_slots), v_cache.index_select(0, chunk.context_slots)
-        mask, causal = chunk.mask, False
-    attn = F.scaled_dot_product_attention(q_c, keys.transpose(0, 1), values.transpose(0, 1),
-                                          attn_mask=mask, is_causal=causal, enable_gqa=True)
-    out[rows] = attn.transpose(0, 1).reshape(chunk.num_tokens, num_heads * head_dim)
+        # 4-D inputs: with 3-D ones SDPA takes its slow reference path on CPU.
+        attn = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+                                              v[rows].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        out[rows] = attn[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+        return
+    keys = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)  # [Hkv, ctx, D]
+    values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
+    num_kv_heads = keys.shape[0]
+    group = num_heads // num_kv_heads
+    # The query heads of one KV head ride along in the query dimension, as in
+    # _decode: with an explicit mask, SDPA's enable_gqa path falls back to a
+    # slow reference implementation on CPU (measured 3x on a 24-token chunk).
+    q_g = q[rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n,
+                                                                                      head_dim)
+    attn = F.scaled_dot_product_attention(q_g[None], keys[None], values[None], attn_mask=chunk.mask[None, None])
+    out[rows] = attn.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads * head_dim)

@@ -102,8 +102,10 @@ class ModelRunner:
         slots = torch.tensor(_slots(item.seq.block_table, 0, total, self.block_size), dtype=torch.int64,
                              device=device)
         query_pos = torch.arange(num_context, total, device=device)[:, None]
-        mask = torch.arange(total, device=device)[None, :] <= query_pos
-        return PrefillChunk(start, num_new, num_context, slots, mask)
+        hidden = torch.arange(total, device=device)[None, :] > query_pos
+        mask = torch.zeros(num_new, total, dtype=self.model.dtype, device=device).masked_fill_(hidden, float("-inf"))
+        shape = self.model.shape
+        return PrefillChunk(start, num_new, num_context, slots, mask.repeat(shape.num_heads // shape.num_kv_heads, 1))
 
 
 #: A decode group ends where padding would exceed this share of its gathered slots.
