@@ -7,7 +7,7 @@ itself written to the access log (who asked what, when).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
 from typing import Any, Literal
 
@@ -44,7 +44,7 @@ def _filters(since: datetime | None, until: datetime | None, pipeline: str | Non
                         finish_reason=finish_reason, min_cost_usd=min_cost_usd, text=text)
 
 
-async def _call(fn, *args, **kwargs):
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)
     except ValueError as exc:  # the store's word for a bad sort, cursor or filter
@@ -60,11 +60,10 @@ async def records(request: Request, since: FromQuery[datetime | None] = None,
                   finish_reason: FromQuery[str | None] = None, min_cost_usd: FromQuery[float | None] = None,
                   text: FromQuery[str | None] = None, sort: FromQuery[str] = "-received_at",
                   cursor: FromQuery[str | None] = None, limit: FromQuery[int] = 50) -> dict[str, Any]:
-    args = dict(locals())
-    args.pop("request")
-    store, _ = await _reviewer(request, "query", args)
     filters = _filters(since, until, pipeline, spec_sha256, key_id, model, policy_action, policy_category, status,
                        finish_reason, min_cost_usd, text)
+    logged = {f: getattr(filters, f) for f in filters.__dataclass_fields__ if getattr(filters, f) is not None}
+    store, _ = await _reviewer(request, "query", {**logged, "sort": sort, "cursor": cursor, "limit": limit})
     page = await _call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
     return {"records": page.records, "next_cursor": page.next_cursor}
 
