@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from litestar import Litestar, Request
+from litestar import Request
 from prometheus_client import CollectorRegistry
 
 from serving.auth import Authenticator
@@ -28,7 +28,3 @@ class AppState:
     @staticmethod
     def of(request: Request) -> AppState:
         return request.app.state.inferline
-
-    @staticmethod
-    def of_app(app: Litestar) -> AppState:
-        return app.state.inferline

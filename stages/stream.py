@@ -70,22 +70,24 @@ async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops:
     """Send text until the engine finishes or a stop string appears; return the finish reason."""
     parts: list[str] = []
     finish = ""
-    async for event in stream:
-        ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
-        text, hit = stops.feed(detokenizer.add(event.token_id) if event.token_id is not None else "")
-        if text:
-            parts.append(text)
-            ctx.output_text = "".join(parts)
-            await scope.emit_text(text)
-        if hit:
-            return "stop"
-        if event.finish_reason is not None:
-            finish = event.finish_reason
-            break
-    tail, hit = stops.feed(detokenizer.flush())
-    tail += "" if hit else stops.flush()
-    if tail:
-        parts.append(tail)
+    try:
+        async for event in stream:
+            ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
+            text, hit = stops.feed(detokenizer.add(event.token_id) if event.token_id is not None else "")
+            if text:
+                parts.append(text)
+                await scope.emit_text(text)
+            if hit:
+                return "stop"
+            if event.finish_reason is not None:
+                finish = event.finish_reason
+                break
+        tail, hit = stops.feed(detokenizer.flush())
+        tail += "" if hit else stops.flush()
+        if tail:
+            parts.append(tail)
+            await scope.emit_text(tail)
+        return "stop" if hit else finish
+    finally:
+        # Joined once, here, so that a disconnect still leaves the partial text for the audit record.
         ctx.output_text = "".join(parts)
-        await scope.emit_text(tail)
-    return "stop" if hit else finish
