@@ -9,7 +9,8 @@ from __future__ import annotations
 from alembic import context
 
 import store.audit_models
-import store.keys  # noqa: F401  (imported for its tables)
+import store.counters
+import store.keys  # noqa: F401  (imported for their tables)
 from store.db import Base, make_engine
 
 target_metadata = Base.metadata

@@ -9,12 +9,15 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-import store.audit_models  # noqa: F401  (its tables, for the drift check)
+import store.audit_models
+import store.counters  # noqa: F401  (their tables, for the drift check)
 from store.db import Base, create_schema, make_engine
 from store.keys import ApiKey, KeyStore
 from store.migrate import current_revision, downgrade, upgrade
 
-TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log"}
+TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
+          "limit_counters"}
+HEAD = "0002"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
@@ -33,7 +36,7 @@ def test_up_to_head_down_to_base_and_up_again(bare_engine):
     assert current_revision(bare_engine) is None
     upgrade(bare_engine)
     assert tables(bare_engine) >= TABLES
-    assert current_revision(bare_engine) == "0001"
+    assert current_revision(bare_engine) == HEAD
     with bare_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT id, seq, hash FROM audit_chain_head")).all() == [(1, 0, "0" * 64)]
     downgrade(bare_engine, "base")
@@ -53,7 +56,7 @@ def test_the_models_and_the_migrations_agree(bare_engine):
 def test_create_schema_is_upgrade_and_can_run_twice(bare_engine):
     create_schema(bare_engine)
     create_schema(bare_engine)
-    assert current_revision(bare_engine) == "0001"
+    assert current_revision(bare_engine) == HEAD
 
 
 def test_a_pre_alembic_database_is_adopted_with_its_keys(bare_engine):
@@ -67,6 +70,6 @@ def test_a_pre_alembic_database_is_adopted_with_its_keys(bare_engine):
 def test_upgrade_takes_a_url(tmp_path):
     url = f"sqlite:///{tmp_path / 'by-url.db'}"
     upgrade(url)
-    assert current_revision(url) == "0001"
+    assert current_revision(url) == HEAD
     downgrade(url)
     assert current_revision(url) is None
