@@ -9,12 +9,13 @@ provided by the request (``initial``) or written by an earlier stage.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.cost import CostLedger
+from pipeline.protocols import TextFilter
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ FIELDS: dict[str, FieldInfo] = {
     "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
     "documents": FieldInfo("list[Document]", "retrieved passages"),
     "model": FieldInfo("str", "name of the model chosen for the request"),
+    "max_output_tokens": FieldInfo("int | None", "a cap on generated tokens set by policy (None: no cap)"),
+    "output_filter": FieldInfo("TextFilter | None", "output rails the stream stage applies (set by policy)"),
     "prompt_ids": FieldInfo("list[int]", "prompt token ids"),
     "prompt_tokens": FieldInfo("int", "number of prompt tokens"),
     "token_stream": FieldInfo("AsyncIterator[int]", "generated token ids, as they come"),
@@ -112,6 +115,8 @@ class RequestContext:
     messages: list[ChatMessage] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     model: str = ""
+    max_output_tokens: int | None = None
+    output_filter: TextFilter | None = None
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     token_stream: AsyncIterator[int] | None = None
@@ -137,6 +142,9 @@ class RequestContext:
     #: Facts stages record for the audit log, by topic: "sampling", "route",
     #: "retrieval", "policy", "weights_hash", "redacted_input"...
     facts: dict[str, Any] = field(default_factory=dict)
+    #: Called by the runner after every stage has run, however the request ended
+    #: (the policy stage settles token and cost budgets here).
+    finalizers: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)
 
     @classmethod
     def from_text(cls, pipeline: str, text: str, **kwargs: Any) -> RequestContext:

@@ -85,10 +85,22 @@ class PolicyDenied(InferlineError):
 
     kind = "policy_denied"
 
-    def __init__(self, message: str, *, rule: str = "", category: str = ""):
+    def __init__(self, message: str, *, rule: str = "", category: str = "", policy: str = ""):
         self.rule = rule
         self.category = category
+        #: The id of the policy stage that refused (problem details name it, never the content).
+        self.policy = policy
         super().__init__(message)
+
+
+class RateLimited(PolicyDenied):
+    """A rate limit or budget is used up for now; retry after ``retry_after_s``."""
+
+    kind = "rate_limited"
+
+    def __init__(self, message: str, *, rule: str, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__(message, rule=rule, category="limits")
 
 
 class InvalidInput(InferlineError):

@@ -118,6 +118,60 @@ class AuditSink(Protocol):
     async def write(self, record: Mapping[str, Any]) -> None: ...
 
 
+class CounterState(Protocol):
+    """One fixed-window counter after a call: whether it was allowed, the total, when the window ends."""
+
+    @property
+    def allowed(self) -> bool: ...
+
+    @property
+    def used(self) -> float: ...
+
+    @property
+    def reset_s(self) -> float: ...
+
+
+@runtime_checkable
+class Counters(Protocol):
+    """Fixed-window counters for rate limits and budgets, shared by every process that uses the same store.
+
+    A window of *window_s* seconds starts at a multiple of *window_s* since the epoch (a day window
+    starts at 00:00 UTC), so every process agrees on it without talking to the others.
+    """
+
+    async def consume(self, key: str, amount: float, limit: float, window_s: int) -> CounterState:
+        """Add *amount* to *key*'s current window, atomically, unless the total would pass *limit*."""
+        ...
+
+    async def add(self, key: str, amount: float, window_s: int) -> None:
+        """Add *amount* (negative to give back a reservation) without a limit."""
+        ...
+
+    async def get(self, key: str, window_s: int) -> CounterState:
+        """The current window's total."""
+        ...
+
+
+class TextFilter(Protocol):
+    """A filter over streamed output text (the policy stage's output rails)."""
+
+    #: What the filter decided so far, as audit-ready dicts (rule, category, action, score, span).
+    decisions: list[dict[str, Any]]
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Text that is now safe to send, and a finish reason when the stream must stop here."""
+        ...
+
+    def flush(self) -> tuple[str, str | None]:
+        """Everything still held back, once generation has ended; the same pair as :meth:`feed`."""
+        ...
+
+    @property
+    def sent_redacted(self) -> str:
+        """The text sent so far, as it was before redacted input values were restored into it."""
+        ...
+
+
 @dataclass(slots=True)
 class Resources:
     """The live objects a pipeline's stages use, wired in by ``serving``."""
@@ -126,3 +180,5 @@ class Resources:
     engines: EngineProvider | None = None
     indexes: Mapping[str, VectorIndex] = field(default_factory=dict)
     audit: AuditSink | None = None
+    #: Rate-limit and budget counters (SQL or Redis); None: the policy stage refuses limits.
+    counters: Counters | None = None

@@ -18,6 +18,7 @@ cancellation completes. Events come out of :meth:`Runner.stream`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from pipeline.spec import StageSpec
 from pipeline.stage import Stage
 
 Emit = Callable[[Event], None]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,9 @@ class _Scope:
 
     def set_attribute(self, key: str, value: Any) -> None:
         self._span.set_attribute(key, value)
+
+    def add_event(self, name: str, attributes: dict[str, Any]) -> None:
+        self._span.add_event(name, attributes)
 
 
 class _Clock:
@@ -143,6 +148,7 @@ class Runner:
                     if ctx.status == "ok":
                         ctx.status, ctx.error = "cancelled", None
                     _uncancel()
+            await _finalize(ctx)
             _close_request_span(span, ctx)
             emit(_final(pipeline, ctx, clock))
         if cancelled:
@@ -179,6 +185,14 @@ class Runner:
                 span.set_attribute(attr.STAGE_STATUS, status)
                 span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
                 _record(ctx, emit, spec, status, started - clock.start, duration, error)
+
+
+async def _finalize(ctx: RequestContext) -> None:
+    for finalizer in ctx.finalizers:
+        try:
+            await finalizer(ctx)
+        except Exception:  # a finalizer's failure must not lose the request's final event
+            logger.exception("request %s: a finalizer failed", ctx.request_id)
 
 
 def _record(ctx: RequestContext, emit: Emit, spec: StageSpec, status: str, started_s: float,

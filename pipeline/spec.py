@@ -102,6 +102,17 @@ class AuditSpec(Strict):
     checkpoint_every: PositiveInt = 1000
 
 
+class LimitsSpec(Strict):
+    """Where the policy stage's rate-limit and budget counters live."""
+
+    #: database: the server's own database (one machine, or processes sharing one PostgreSQL);
+    #: redis: a Redis server shared by every process and machine.
+    backend: Literal["database", "redis"] = "database"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every Redis key, so that several deployments can share one Redis.
+    prefix: str = "inferline"
+
+
 class HttpSpec(Strict):
     """Where and how ``inferline serve`` listens."""
 
@@ -125,6 +136,7 @@ class ServerSpec(Strict):
     auth: AuthSpec = Field(default_factory=AuthSpec)
     http: HttpSpec = Field(default_factory=HttpSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
 
 
 # --- pipelines/*.yaml ---------------------------------------------------------

@@ -40,6 +40,10 @@ class StageScope(Protocol):
         """Set an attribute on this stage's span (GenAI conventions where they apply)."""
         ...
 
+    def add_event(self, name: str, attributes: dict[str, Any]) -> None:
+        """Add an event to this stage's span (a policy decision, a fallback taken...)."""
+        ...
+
 
 class Stage:
     """Base class of every stage type; subclass it and register the subclass."""

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
-from serving.api_pipelines import GenerationParams, start_request
+from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
+from serving.execution import chain, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
 
@@ -97,12 +98,17 @@ async def _complete(request: Request, data: _Common, messages: list[ChatMessage]
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        chunks = _chunks(state.executor.stream(pipeline, ctx), ctx, data.model, kind, include_usage)
-        return Stream(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        events = state.executor.stream(pipeline, ctx)
+        head = await prime(events)
+        if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
+            raise failure(head[-1], ctx)
+        chunks = _chunks(chain(head, events), ctx, data.model, kind, include_usage)
+        return Stream(chunks, media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", **response_headers(ctx)})
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
-        raise from_final(final.kind, final.message, ctx.error)
-    return Response(_body(final, ctx, data.model, kind))
+        raise failure(final, ctx)
+    return Response(_body(final, ctx, data.model, kind), headers=response_headers(ctx))
 
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:

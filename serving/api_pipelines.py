@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.context import ChatMessage, RequestContext, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
-from serving.problems import Problem, from_final
+from serving.execution import chain, prime
+from serving.problems import Problem, from_final, limit_headers
 from serving.state import AppState
 
 
@@ -107,14 +108,27 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
     pipeline, ctx = await start_request(state, request, name, data.chat(), data.overrides(), data.tags)
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
         events = state.executor.stream(pipeline, ctx)
-        return ServerSentEvent(_sse(events), headers={"X-Request-Id": ctx.request_id})
+        head = await prime(events)
+        if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
+            raise failure(head[-1], ctx)
+        return ServerSentEvent(_sse(chain(head, events)), headers=response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
-        problem = from_final(final.kind, final.message, ctx.error)
-        problem.extra = {"request_id": ctx.request_id, "trace_id": ctx.trace_id,
-                         "stages": [stage_json(s) for s in final.summary.stages]}
-        raise problem
-    return Response(summary_json(final.summary), headers={"X-Request-Id": ctx.request_id})
+        raise failure(final, ctx)
+    return Response(summary_json(final.summary), headers=response_headers(ctx))
+
+
+def response_headers(ctx: RequestContext) -> dict[str, str]:
+    """The request id and what the policy stage counted (rate-limit and budget headers)."""
+    return {"X-Request-Id": ctx.request_id, **limit_headers(ctx.facts.get("limits"))}
+
+
+def failure(final: Error, ctx: RequestContext) -> Problem:
+    problem = from_final(final.kind, final.message, ctx.error)
+    problem.headers = {**problem.headers, **response_headers(ctx)}
+    problem.extra = {**problem.extra, "request_id": ctx.request_id, "trace_id": ctx.trace_id,
+                     "stages": [stage_json(s) for s in final.summary.stages]}
+    return problem
 
 
 async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEventMessage]:

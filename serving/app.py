@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import sqlalchemy as sa
 from litestar import Litestar, Request
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
@@ -28,6 +29,7 @@ from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.loader import catalog_of
 from pipeline.protocols import EngineProvider, Resources
 from pipeline.runner import Pipeline, Runner
+from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
 from serving import api_audit, api_openai, api_ops, api_pipelines
 from serving.audit_sink import StoreSink, open_store
@@ -38,6 +40,7 @@ from serving.model_pool import ModelPool
 from serving.problems import Problem, from_error, title_for
 from serving.state import AppState
 from serving.wiring import Workspace
+from store.counters import RedisCounters, SqlCounters
 from store.db import create_schema, make_engine
 from store.keys import KeyStore
 
@@ -61,6 +64,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         db = make_engine(workspace.database_url)
+        counters: SqlCounters | RedisCounters | None = None
         try:
             create_schema(db)
             state.auth.keys = KeyStore(db)
@@ -69,6 +73,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
             if replayed:
                 logger.info("audit: replayed %d spooled record(s)", replayed)
             resources.audit = StoreSink(state.audit)
+            resources.counters = counters = await open_counters(server.limits, db)
             if engines is None:
                 await pool.start_all()
             state.ready = True
@@ -80,6 +85,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
                 logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
                                server.http.shutdown_grace_s)
             await pool.close()
+            if counters is not None:
+                await counters.close()
             tracer_provider.shutdown()
             db.dispose()
 
@@ -93,6 +100,20 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
                                      description="Every pipeline an endpoint; an OpenAI-compatible API."),
     )
+
+
+async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisCounters:
+    """The policy stage's counters: the database, or Redis (a Redis that is down is logged, not fatal:
+    requests that need limits get 503 until it is back)."""
+    if spec.backend == "database":
+        return SqlCounters(db)
+    counters = RedisCounters(spec.redis_url, spec.prefix)
+    try:
+        await counters.ping()
+    except Exception as exc:
+        logger.error("limits: Redis is unreachable (%s); requests with limits get 503 until it is back",
+                     type(exc).__name__)
+    return counters
 
 
 def check_bind(workspace: Workspace) -> None:

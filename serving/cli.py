@@ -158,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
+    from serving.app import open_counters
     from serving.audit_sink import StoreSink, open_store
     from serving.model_pool import ModelPool  # imports torch: only for commands that run models
     from store.db import create_schema, make_engine
@@ -169,7 +170,9 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
     db = make_engine(workspace.database_url)
     create_schema(db)
     sink = StoreSink(open_store(workspace, db))
-    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink))
+    counters = await open_counters(workspace.server.limits, db)
+    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink,
+                                          counters=counters))
     ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None
@@ -185,6 +188,7 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
                 print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
     finally:
         await pool.close()
+        await counters.close()
         provider.shutdown()
         db.dispose()
     if streamed:

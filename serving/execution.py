@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pipeline.context import RequestContext
-from pipeline.events import Done, Error, Event
+from pipeline.events import Done, Error, Event, TextDelta
 from pipeline.runner import Pipeline, Runner
 from serving.http_metrics import HttpMetrics
 from serving.problems import Problem
@@ -71,3 +71,31 @@ class Executor:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+
+async def prime(events: AsyncIterator[Event]) -> list[Event]:
+    """The events up to the first text delta, or to the end: what a streamed response's status and
+    headers depend on (a request refused by policy gets its 403 or 429, with the rate-limit headers,
+    rather than a 200 with an error event)."""
+    head: list[Event] = []
+    try:
+        async for event in events:
+            head.append(event)
+            if isinstance(event, (TextDelta, Done, Error)):
+                break
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    return head
+
+
+async def chain(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """*head* again, then the rest of *events*; closing this closes *events*."""
+    try:
+        for event in head:
+            yield event
+        if not head or not isinstance(head[-1], (Done, Error)):
+            async for event in events:
+                yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.errors import InferlineError, Overloaded
+from pipeline.errors import InferlineError, PolicyDenied
 
 PROBLEM_TYPE = "https://inferline.dev/problems/"
 
@@ -18,6 +18,7 @@ PROBLEM_TYPE = "https://inferline.dev/problems/"
 STATUS_BY_KIND = {
     "invalid_input": 400,
     "policy_denied": 403,
+    "rate_limited": 429,
     "overloaded": 429,
     "stage_timeout": 504,
     "backend_error": 503,
@@ -54,9 +55,13 @@ def from_error(exc: BaseException) -> Problem:
         return exc
     if isinstance(exc, InferlineError):
         status = status_of(exc.kind)
-        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, Overloaded) else {}
+        retry_after = getattr(exc, "retry_after_s", None)  # Overloaded, RateLimited
+        headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
         title = _TITLES.get(status, "Request failed")
-        return Problem(status, title, str(exc), exc.kind, headers)
+        # A refusal names the policy and rule, never the content that triggered it.
+        extra = {"policy": exc.policy, "rule": exc.rule, "category": exc.category} if isinstance(
+            exc, PolicyDenied) else {}
+        return Problem(status, title, str(exc), exc.kind, headers, extra)
     return Problem(500, "Internal error", "the server failed while handling the request", "internal_error")
 
 
@@ -75,6 +80,27 @@ _TITLES = {
     422: "Unprocessable request", 429: "Too many requests", 500: "Internal error", 503: "Backend unavailable",
     504: "Stage timed out",
 }
+
+
+#: ``ctx.facts["limits"]`` entry -> header name part.
+_LIMIT_HEADERS = {"requests": "X-RateLimit-{}-Requests", "tokens": "X-RateLimit-{}-Tokens",
+                  "cost_usd": "X-Budget-{}-Usd"}
+
+
+def limit_headers(limits: dict[str, dict[str, float]] | None) -> dict[str, str]:
+    """``X-RateLimit-Limit/Remaining/Reset-Requests`` (and ``-Tokens``), ``X-Budget-*-Usd``: what the
+    policy stage counted for this request. Reset is in whole seconds."""
+    headers: dict[str, str] = {}
+    for name, entry in (limits or {}).items():
+        template = _LIMIT_HEADERS.get(name)
+        if template is None:
+            continue
+        money = name == "cost_usd"
+        headers[template.format("Limit")] = f"{entry['limit']:g}" if money else str(int(entry["limit"]))
+        headers[template.format("Remaining")] = (f"{entry['remaining']:.6g}" if money
+                                                 else str(int(entry["remaining"])))
+        headers[template.format("Reset")] = str(max(0, int(entry["reset_s"] + 0.999)))
+    return headers
 
 
 def title_for(status: int) -> str:

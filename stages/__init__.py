@@ -5,11 +5,12 @@ from __future__ import annotations
 from pipeline.registry import StageRegistry
 from stages.audit import AuditStage
 from stages.generate import GenerateStage
+from stages.policy import PolicyStage
 from stages.prompt import PromptStage
 from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
-BUILTIN_STAGES = (PromptStage, TokenizeStage, GenerateStage, StreamStage, AuditStage)
+BUILTIN_STAGES = (PolicyStage, PromptStage, TokenizeStage, GenerateStage, StreamStage, AuditStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

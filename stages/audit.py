@@ -82,11 +82,11 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
 
 def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
     redacted = ctx.facts.get("redacted_input")
-    if mode == "full":
-        return "full", ctx.input, ctx.output_text
+    if mode == "full":  # what the client sent, before any policy redaction
+        return "full", ctx.facts.get("original_input", ctx.input), ctx.output_text
     if mode == "redacted" and redacted is not None:
         return "redacted", redacted, ctx.facts.get("redacted_output", ctx.output_text)
-    return "hash", _sha256(ctx.input), _sha256(ctx.output_text)
+    return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(ctx.output_text)
 
 
 def _sha256(text: str) -> str:

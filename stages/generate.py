@@ -14,12 +14,13 @@ YAML::
 
 Writes ``token_stream``; the ``stream`` stage consumes it. A caller's
 ``params`` may override only the options listed in ``client_params``, and
-``max_tokens`` never above this stage's own value.
+``max_tokens`` never above this stage's own value, nor above a policy
+stage's cap (``max_output_tokens``, or what its token budget reserved).
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, cast
 
 from pydantic import BaseModel, Field, ValidationError
@@ -79,6 +80,8 @@ class GenerateStage(Stage):
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(GenerateConfig, self.config)
         sampling = _sampling(config, ctx.params)
+        if ctx.max_output_tokens is not None and sampling.max_tokens > ctx.max_output_tokens:
+            sampling = replace(sampling, max_tokens=ctx.max_output_tokens)  # a policy's cap or token budget
         ctx.model, engine = await engine_for(self.resources, ctx.model)
         salt = ctx.tenant if config.isolate_tenants else ""
         ctx.token_stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)

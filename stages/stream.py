@@ -8,8 +8,11 @@ YAML::
         stop: ["\\n\\nUser:"]     # stop strings, matched across chunk boundaries
 
 Detokenizes incrementally (a delta never splits a multi-byte character),
-applies stop strings, its own and the client's (they are not sent), sends text deltas to the client,
-and records usage, finish reason and cost. The cost is the model's token
+applies stop strings, its own and the client's (they are not sent), runs the
+policy stage's output rails when there is one (``output_filter``: held-back
+text, redaction, and a block that stops generation with finish reason
+``content_filter``), sends text deltas to the client, and records usage,
+finish reason and cost. The cost is the model's token
 prices plus its compute price for the time spent generating. Leaving early
 (a stop string, a client disconnect) aborts the request in the engine.
 """
@@ -22,10 +25,11 @@ from typing import cast
 from pydantic import Field
 
 from pipeline.context import RequestContext, Usage
-from pipeline.protocols import TokenStream
+from pipeline.protocols import TextFilter, TokenStream
 from pipeline.stage import NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
 from stages.engines import engine_for
+from stages.rails import strongest
 from stages.text import IncrementalDetokenizer, StopStrings
 
 
@@ -51,6 +55,16 @@ class StreamStage(Stage):
         finally:
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)
+            self._record_rails(ctx, scope)
+
+    def _record_rails(self, ctx: RequestContext, scope: StageScope) -> None:
+        if ctx.output_filter is None or not ctx.output_filter.decisions:
+            return
+        decisions = ctx.output_filter.decisions
+        for decision in decisions:
+            scope.add_event("inferline.policy.decision", {k: v for k, v in decision.items() if k != "span"})
+        ctx.facts.setdefault("decisions", {})[self.id] = {"action": strongest([d["action"] for d in decisions]),
+                                                          "rules": sorted({d["rule"] for d in decisions})}
 
     def _account(self, ctx: RequestContext, scope: StageScope, seconds: float) -> None:
         info = self.resources.catalog.models.get(ctx.model)
@@ -65,29 +79,50 @@ class StreamStage(Stage):
             scope.set_attribute(GEN_AI_RESPONSE_FINISH_REASONS, [ctx.finish_reason])
 
 
+class _Out:
+    """Text on its way to the client, through the policy's output rails when there are any."""
+
+    __slots__ = ("filter", "parts", "scope")
+
+    def __init__(self, text_filter: TextFilter | None, scope: StageScope):
+        self.filter, self.scope = text_filter, scope
+        self.parts: list[str] = []
+
+    async def send(self, text: str, final: bool = False) -> str | None:
+        """Send what the rails let through; a finish reason when they stop the stream."""
+        reason = None
+        if self.filter is not None:
+            text, reason = self.filter.feed(text)
+            if final and reason is None:
+                tail, reason = self.filter.flush()
+                text += tail
+        if text:
+            self.parts.append(text)
+            await self.scope.emit_text(text)
+        return reason
+
+
 async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops: StopStrings,
                 ctx: RequestContext, scope: StageScope) -> str:
-    """Send text until the engine finishes or a stop string appears; return the finish reason."""
-    parts: list[str] = []
+    """Send text until the engine finishes, a stop string appears or a rail blocks; return the finish reason."""
+    out = _Out(ctx.output_filter, scope)
     finish = ""
     try:
         async for event in stream:
             ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
             text, hit = stops.feed(detokenizer.add(event.token_id) if event.token_id is not None else "")
-            if text:
-                parts.append(text)
-                await scope.emit_text(text)
             if hit:
-                return "stop"
+                return await out.send(text, final=True) or "stop"
+            if blocked := await out.send(text):
+                return blocked  # leaving aborts the request in the engine: generation stops
             if event.finish_reason is not None:
                 finish = event.finish_reason
                 break
         tail, hit = stops.feed(detokenizer.flush())
         tail += "" if hit else stops.flush()
-        if tail:
-            parts.append(tail)
-            await scope.emit_text(tail)
-        return "stop" if hit else finish
+        return await out.send(tail, final=True) or ("stop" if hit else finish)
     finally:
         # Joined once, here, so that a disconnect still leaves the partial text for the audit record.
-        ctx.output_text = "".join(parts)
+        ctx.output_text = "".join(out.parts)
+        if out.filter is not None:
+            ctx.facts["redacted_output"] = out.filter.sent_redacted

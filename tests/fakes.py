@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -202,3 +203,31 @@ class FakeEngines:
 
     async def get(self, name: str) -> FakeEngine:
         return self.engines[name]
+
+
+class MemoryCounters:
+    """The Counters protocol in a dict, for policy-stage unit tests (the real ones: tests/store)."""
+
+    def __init__(self, reset_s: float = 30.0):
+        self.values: dict[str, float] = {}
+        self.reset_s = reset_s
+
+    async def consume(self, key, amount, limit, window_s):
+        used = self.values.get(key, 0.0)
+        if used + amount > limit:
+            return CounterState(False, used, self.reset_s)
+        self.values[key] = used + amount
+        return CounterState(True, used + amount, self.reset_s)
+
+    async def add(self, key, amount, window_s):
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    async def get(self, key, window_s):
+        return CounterState(True, self.values.get(key, 0.0), self.reset_s)
+
+
+@dataclass(frozen=True)
+class CounterState:
+    allowed: bool
+    used: float
+    reset_s: float

@@ -33,14 +33,14 @@ def free_port() -> int:
 class Server:
     """One server process; keys are created with the real CLI."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, *, auth: bool = True, pipelines: Path = ROOT / "pipelines", extra: str = ""):
         self.config = tmp / "inferline.yaml"
         self.config.write_text(
             (ROOT / "inferline.yaml").read_text()
             .replace("source: models/", f"source: {ROOT}/models/")
-            .replace("auth: {enabled: false}", "auth: {enabled: true}")
-            .replace("pipelines: pipelines/", f"pipelines: {ROOT}/pipelines/")
-            .replace("database: sqlite:///inferline.db", f"database: sqlite:///{tmp}/server.db"))
+            .replace("auth: {enabled: false}", f"auth: {{enabled: {str(auth).lower()}}}")
+            .replace("pipelines: pipelines/", f"pipelines: {pipelines}/")
+            .replace("database: sqlite:///inferline.db", f"database: sqlite:///{tmp}/server.db") + extra)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed in stop()
