@@ -4,11 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  := models/smollm2-135m-instruct/inferline-model.json
+HANDBOOK_INDEX := indexes/handbook/CURRENT
 PIP    := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: install run test test-fast bench lint clean
 
-install: $(STAMP) $(MODEL)
+install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ $(STAMP): pyproject.toml
 # Idempotent: the script returns at once when the model is already in place.
 $(MODEL): $(STAMP) scripts/fetch_model.py
 	$(PY) scripts/fetch_model.py
+
+# The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes.
+$(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)
+	$(PY) -m serving.cli index build pipelines/data/handbook --name handbook
 
 # Serves every pipeline of inferline.yaml on 127.0.0.1:8000 (auth off, loopback only).
 run: install
@@ -40,4 +45,4 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) models build *.egg-info
+	rm -rf $(VENV) models indexes build *.egg-info

@@ -53,7 +53,7 @@ POLICY = """
       deny:
         - credentials
         - malware
-        - {id: weapons, category: safety, regex: ['\\b(?:build|make)\\s+(?:a|an)\\s+(?:bomb|explosive)\\b']}
+        - {id: weapons, category: safety, regex: ['\\b(?:build|make)\\s{1,3}(?:a|an)\\s{1,3}(?:bomb|explosive)\\b']}
       injection: {action: block, threshold: 0.5}
       output: {pii: redact, deny: true}
 """

@@ -101,14 +101,36 @@ class EngineProvider(Protocol):
     async def get(self, name: str) -> Engine: ...
 
 
-@runtime_checkable
+class SearchHit(Protocol):
+    """One retrieved chunk."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def score(self) -> float: ...
+
+
 class VectorIndex(Protocol):
-    """Nearest-neighbour search over embedded documents."""
+    """Nearest-neighbour search over embedded documents (blocking: stages call it in a thread)."""
 
-    name: str
-    version: str
+    @property
+    def name(self) -> str: ...
 
-    def search(self, query: str, top_k: int) -> list[tuple[str, float]]: ...
+    @property
+    def version(self) -> str: ...
+
+    def search(self, query: str, top_k: int = 4, *, min_score: float | None = None,
+               filters: Mapping[str, str | list[str]] | None = None) -> Sequence[SearchHit]: ...
 
 
 @runtime_checkable
@@ -130,6 +152,11 @@ class CounterState(Protocol):
     @property
     def reset_s(self) -> float: ...
 
+    @property
+    def window_start(self) -> int:
+        """Epoch seconds at which the counted window began (give back into that window, not today's)."""
+        ...
+
 
 @runtime_checkable
 class Counters(Protocol):
@@ -143,8 +170,9 @@ class Counters(Protocol):
         """Add *amount* to *key*'s current window, atomically, unless the total would pass *limit*."""
         ...
 
-    async def add(self, key: str, amount: float, window_s: int) -> None:
-        """Add *amount* (negative to give back a reservation) without a limit."""
+    async def add(self, key: str, amount: float, window_s: int, window_start: int | None = None) -> None:
+        """Add *amount* (negative to give back a reservation) without a limit, to the current window or
+        to the one that began at *window_start*."""
         ...
 
     async def get(self, key: str, window_s: int) -> CounterState:

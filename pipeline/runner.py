@@ -148,7 +148,7 @@ class Runner:
                     if ctx.status == "ok":
                         ctx.status, ctx.error = "cancelled", None
                     _uncancel()
-            await _finalize(ctx)
+            cancelled |= await _finalize(ctx)
             _close_request_span(span, ctx)
             emit(_final(pipeline, ctx, clock))
         if cancelled:
@@ -187,12 +187,21 @@ class Runner:
                 _record(ctx, emit, spec, status, started - clock.start, duration, error)
 
 
-async def _finalize(ctx: RequestContext) -> None:
+async def _finalize(ctx: RequestContext) -> bool:
+    """Run every finalizer, each to its end even if the request is cancelled meanwhile (they settle
+    budgets); True if a cancellation arrived while they ran."""
+    cancelled = False
     for finalizer in ctx.finalizers:
-        try:
-            await finalizer(ctx)
-        except Exception:  # a finalizer's failure must not lose the request's final event
-            logger.exception("request %s: a finalizer failed", ctx.request_id)
+        task = asyncio.ensure_future(finalizer(ctx))
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True
+                _uncancel()
+            except Exception:  # a finalizer's failure must not lose the request's final event
+                logger.exception("request %s: a finalizer failed", ctx.request_id)
+    return cancelled
 
 
 def _record(ctx: RequestContext, emit: Emit, spec: StageSpec, status: str, started_s: float,

@@ -73,9 +73,24 @@ class ModelSpec(Strict):
 
 
 class IndexSpec(Strict):
-    """A vector index the ``retrieve`` stage may name."""
+    """A vector index the ``retrieve`` stage may name (built by ``inferline index build``)."""
 
-    path: str
+    #: Its folder, relative to inferline.yaml; default ``indexes/<name>``.
+    path: str | None = None
+    #: flat: exact inner product; ivf and hnsw: approximate, faster on large indexes.
+    type: Literal["flat", "ivf", "hnsw"] = "flat"
+    #: ``all-MiniLM-L6-v2`` (bundled) or a local sentence-transformers folder.
+    model: str = "all-MiniLM-L6-v2"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    chunk_tokens: PositiveInt = 200
+    overlap: int = Field(40, ge=0)
+    nlist: PositiveInt = 1024
+    nprobe: PositiveInt = 32
+    m: PositiveInt = 32
+    ef_construction: PositiveInt = 200
+    ef_search: PositiveInt = 128
+    #: How often a running server looks for a rebuilt version to swap in.
+    reload_every_s: PositiveFloat = 2.0
 
 
 class TelemetrySpec(Strict):

@@ -36,6 +36,7 @@ from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
+from serving.indexes import IndexRegistry
 from serving.model_pool import ModelPool
 from serving.problems import Problem, from_error, title_for
 from serving.state import AppState
@@ -54,7 +55,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     loaded = workspace.load_all()
     registry = CollectorRegistry()
     pool = ModelPool(server, workspace.root, registry)
-    resources = Resources(catalog_of(server), engines=engines or pool)
+    indexes = IndexRegistry(workspace)
+    resources = Resources(catalog_of(server), engines=engines or pool, indexes=indexes)
     pipelines = {item.spec.name: Pipeline(item, resources) for item in loaded}
     telemetry = server.telemetry
     tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
@@ -65,6 +67,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         db = make_engine(workspace.database_url)
         counters: SqlCounters | RedisCounters | None = None
+        watcher: asyncio.Task[None] | None = None
         try:
             create_schema(db)
             state.auth.keys = KeyStore(db)
@@ -74,6 +77,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
                 logger.info("audit: replayed %d spooled record(s)", replayed)
             resources.audit = StoreSink(state.audit)
             resources.counters = counters = await open_counters(server.limits, db)
+            await asyncio.to_thread(indexes.refresh)
+            watcher = asyncio.create_task(indexes.watch())
             if engines is None:
                 await pool.start_all()
             state.ready = True
@@ -85,6 +90,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
                 logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
                                server.http.shutdown_grace_s)
             await pool.close()
+            if watcher is not None:
+                watcher.cancel()
             if counters is not None:
                 await counters.close()
             tracer_provider.shutdown()

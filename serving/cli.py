@@ -23,9 +23,11 @@ from pipeline.errors import InferlineError, SpecError
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
 from pipeline.loader import LoadedPipeline, catalog_of
 from pipeline.protocols import Resources
+from pipeline.refs import find_refs
 from pipeline.runner import Pipeline, Runner
 from pipeline.tracing import make_tracer_provider
 from serving.audit_cli import add_audit_parser
+from serving.index_cli import add_index_parser
 from serving.keys_cli import add_keys_parser
 from serving.wiring import Workspace, open_workspace
 
@@ -85,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     add_keys_parser(sub)
     add_audit_parser(sub)
+    add_index_parser(sub)
     return parser
 
 
@@ -160,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
 async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
     from serving.app import open_counters
     from serving.audit_sink import StoreSink, open_store
+    from serving.indexes import IndexRegistry
     from serving.model_pool import ModelPool  # imports torch: only for commands that run models
     from store.db import create_schema, make_engine
 
@@ -171,8 +175,12 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
     create_schema(db)
     sink = StoreSink(open_store(workspace, db))
     counters = await open_counters(workspace.server.limits, db)
+    indexes = IndexRegistry(workspace)
+    used = {name for plan in loaded.plans for _, kind, name in find_refs(plan.config) if kind == "index"}
+    if used:  # only the indexes this pipeline reads: loading the embedding model takes seconds
+        await asyncio.to_thread(indexes.refresh, used)
     pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink,
-                                          counters=counters))
+                                          counters=counters, indexes=indexes))
     ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None

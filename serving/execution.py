@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pipeline.context import RequestContext
-from pipeline.events import Done, Error, Event, TextDelta
+from pipeline.events import Done, Error, Event, StageFinished, TextDelta
 from pipeline.runner import Pipeline, Runner
 from serving.http_metrics import HttpMetrics
 from serving.problems import Problem
@@ -74,14 +74,20 @@ class Executor:
 
 
 async def prime(events: AsyncIterator[Event]) -> list[Event]:
-    """The events up to the first text delta, or to the end: what a streamed response's status and
-    headers depend on (a request refused by policy gets its 403 or 429, with the rate-limit headers,
-    rather than a 200 with an error event)."""
+    """The events until the request is handed to the model (the ``generate`` stage finished), the first
+    text, or the end: what a streamed response's status and headers depend on. A request refused by
+    policy or by an overloaded engine gets its 403 or 429, with the rate-limit headers, rather than a 200
+    with an error event; the stages before the model take milliseconds. On an error the stream is
+    closed here."""
     head: list[Event] = []
     try:
         async for event in events:
             head.append(event)
-            if isinstance(event, (TextDelta, Done, Error)):
+            if isinstance(event, Error):
+                await events.aclose()  # type: ignore[attr-defined]
+                break
+            if isinstance(event, (TextDelta, Done)) or (
+                    isinstance(event, StageFinished) and event.type == "generate" and event.status == "ok"):
                 break
     except BaseException:
         await events.aclose()  # type: ignore[attr-defined]

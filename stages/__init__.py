@@ -7,10 +7,11 @@ from stages.audit import AuditStage
 from stages.generate import GenerateStage
 from stages.policy import PolicyStage
 from stages.prompt import PromptStage
+from stages.retrieve import RetrieveStage
 from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
-BUILTIN_STAGES = (PolicyStage, PromptStage, TokenizeStage, GenerateStage, StreamStage, AuditStage)
+BUILTIN_STAGES = (PolicyStage, RetrieveStage, PromptStage, TokenizeStage, GenerateStage, StreamStage, AuditStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -11,7 +11,9 @@ requests are recorded too)::
         retention_days: 365  # how long `inferline audit prune` keeps this pipeline's records
 
 ``redacted`` stores the text a policy stage redacted (``facts["redacted_input"]``)
-and falls back to ``hash`` when no policy stage redacted anything. The record
+and the answer as the output rails redacted it (or, without output rails, with
+its PII redacted here); it falls back to ``hash`` when no policy stage redacted
+the input. The record
 goes to the server's audit sink, which writes it durably (database, or a local
 spool file while the database is away) and chains it into the tamper-evident log.
 """
@@ -27,6 +29,7 @@ from pydantic import Field
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, InferlineError
 from pipeline.stage import NoConfig, Stage, StageScope
+from stages.detectors import Redactor, find_pii
 
 #: ctx.status -> the record's status.
 _STATUS = {"ok": "ok", "denied": "denied", "failed": "failed", "cancelled": "disconnected"}
@@ -85,7 +88,10 @@ def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
     if mode == "full":  # what the client sent, before any policy redaction
         return "full", ctx.facts.get("original_input", ctx.input), ctx.output_text
     if mode == "redacted" and redacted is not None:
-        return "redacted", redacted, ctx.facts.get("redacted_output", ctx.output_text)
+        output = ctx.facts.get("redacted_output")
+        if output is None:  # no output rails redacted the answer: redact its PII here
+            output = Redactor().redact(ctx.output_text, find_pii(ctx.output_text))
+        return "redacted", redacted, output
     return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(ctx.output_text)
 
 

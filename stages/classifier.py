@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
 
-from pipeline.protocols import SamplingParams
+from pipeline.protocols import Resources, SamplingParams
 from pipeline.refs import ModelRef
 from pipeline.stage import NoConfig
 from stages.engines import engine_for
@@ -49,6 +50,8 @@ class Verdict:
     verdict: str  # safe | unsafe
     score: float
     category: str
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class GuardClassifier:
@@ -57,35 +60,39 @@ class GuardClassifier:
         lines = "\n".join(f"{code}: {name}" for code, name in config.categories.items())
         self._instruction = _INSTRUCTION.format(categories=lines)
 
-    async def classify(self, resources, text: str) -> Verdict:
+    async def classify(self, resources: Resources, text: str, cache_salt: str = "") -> Verdict:
         """The model's verdict on *text* (a prefill plus a few tokens on its engine)."""
         _, engine = await engine_for(resources, self.config.model)
         prompt_ids = engine.tokenizer.encode_chat([
             {"role": "system", "content": self._instruction},
             {"role": "user", "content": f"Message:\n{text}\n\nIs this message safe or unsafe? One word."}])
-        stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, logprobs=20))
+        stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, logprobs=20),
+                                     cache_salt=cache_salt)
         ids: list[int] = []
-        first_top: tuple[tuple[int, float], ...] = ()
+        top: tuple[tuple[int, float], ...] = ()
         try:
             async for event in stream:
                 if event.token_id is not None:
-                    if not ids:
-                        first_top = tuple(getattr(event, "top_logprobs", ()) or ())
                     ids.append(event.token_id)
+                    # The first token that is not whitespace carries the verdict.
+                    if not top and engine.tokenizer.decode([event.token_id]).strip():
+                        top = tuple(getattr(event, "top_logprobs", ()) or ())
                 if event.finish_reason is not None:
                     break
         finally:
             await stream.aclose()
-        answer = engine.tokenizer.decode(ids).strip().lower()
-        score = _score(first_top, engine.tokenizer.decode) if first_top else float(answer.startswith("unsafe"))
+        answer = engine.tokenizer.decode(ids)
+        score = _score(top, engine.tokenizer.decode) if top else None
+        if score is None:  # no logprobs, or neither word among the likely first tokens: read the text
+            score = 1.0 if answer.strip().lower().startswith("unsafe") else 0.0
         verdict, category = ("unsafe", "unsafe") if score >= 0.5 else ("safe", "")
-        if verdict == "unsafe" and (code := _CODE.search(engine.tokenizer.decode(ids))):
+        if verdict == "unsafe" and (code := _CODE.search(answer)):
             category = self.config.categories.get(code.group(0), "unsafe")
-        return Verdict(verdict, score, category)
+        return Verdict(verdict, score, category, len(prompt_ids), len(ids))
 
 
-def _score(top: tuple[tuple[int, float], ...], decode) -> float:
-    """P(unsafe) / (P(unsafe) + P(safe)) over the first token's top candidates."""
+def _score(top: tuple[tuple[int, float], ...], decode: Callable[[list[int]], str]) -> float | None:
+    """P(unsafe) / (P(unsafe) + P(safe)) over the first token's top candidates; None if neither is there."""
     mass = {"safe": 0.0, "unsafe": 0.0}
     for token_id, logprob in top:
         word = decode([token_id]).strip().lower()
@@ -94,4 +101,4 @@ def _score(top: tuple[tuple[int, float], ...], decode) -> float:
                 mass[label] += math.exp(logprob)
                 break
     total = mass["safe"] + mass["unsafe"]
-    return mass["unsafe"] / total if total else 0.5
+    return mass["unsafe"] / total if total else None

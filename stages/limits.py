@@ -18,13 +18,14 @@ the HTTP layer turns into ``X-RateLimit-*`` and ``X-Budget-*`` headers.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from pipeline.context import RequestContext
-from pipeline.errors import BackendError, RateLimited
+from pipeline.errors import BackendError, InferlineError, RateLimited
 from pipeline.protocols import Counters, Resources
 from pipeline.stage import NoConfig
 
@@ -97,7 +98,7 @@ class Limits:
                 limit = values.tokens_per_day
                 max_output = await self._tokens(ctx, counters, f"{base}:tokens", limit, input_tokens,
                                                 max_output or self.config.reserve_output_tokens, report)
-        except RateLimited:
+        except InferlineError:
             raise
         except Exception as exc:  # the counter store is down: refuse rather than serve unmetered
             raise BackendError(f"policy {self.stage_id!r}: the rate-limit store cannot be reached") from exc
@@ -117,9 +118,9 @@ class Limits:
         if state.used >= limit:
             raise self._refuse("cost_per_day_usd", f"today's budget of {limit:g} USD is spent", state.reset_s)
 
-        async def settle(done: RequestContext) -> None:
+        async def settle(done: RequestContext) -> None:  # into the day the request was counted in
             if done.ledger.total_usd > 0:
-                await counters.add(key, done.ledger.total_usd, DAY_S)
+                await counters.add(key, done.ledger.total_usd, DAY_S, state.window_start)
 
         ctx.finalizers.append(settle)
 
@@ -134,10 +135,13 @@ class Limits:
                                    f"{max(0, int(limit - state.used))} left, too few for this request's "
                                    f"{input_tokens} prompt tokens", state.reset_s)
             reserved = input_tokens + output
-            state = await counters.consume(key, reserved, limit, DAY_S)
+            # Shielded, and settled by a finalizer registered before waiting: a request cancelled while
+            # the reservation is being written still gives back what it did not use.
+            reservation = asyncio.ensure_future(counters.consume(key, reserved, limit, DAY_S))
+            ctx.finalizers.append(_give_back(counters, key, reserved, reservation))
+            state = await asyncio.shield(reservation)
             if state.allowed:
                 report["tokens"] = _entry(limit, limit - state.used, state.reset_s)
-                ctx.finalizers.append(_give_back(counters, key, reserved))
                 return output
         raise self._refuse("tokens_per_day", "the token budget is in heavy use; retry", 1.0)
 
@@ -153,11 +157,12 @@ class Limits:
         return error
 
 
-def _give_back(counters: Counters, key: str, reserved: int) -> Any:
+def _give_back(counters: Counters, key: str, reserved: int, reservation: asyncio.Future[Any]) -> Any:
     async def settle(ctx: RequestContext) -> None:
+        state = await reservation
         used = ctx.usage.input_tokens + ctx.usage.output_tokens
-        if used != reserved:
-            await counters.add(key, used - reserved, DAY_S)
+        if state.allowed and used != reserved:  # into the day of the reservation, even past midnight
+            await counters.add(key, used - reserved, DAY_S, state.window_start)
 
     return settle
 

@@ -30,7 +30,9 @@ offending text.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import re._parser as re_parser  # bounds how much text a deny pattern can match (Python 3.11+)
+from collections.abc import Callable, Collection
+from dataclasses import replace
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, PositiveInt, field_validator
@@ -81,12 +83,12 @@ BUILTIN_DENY = {
         id="credentials", category="security", message="Requests for other people's credentials are refused.",
         keywords=["dump credentials", "credential dump", "steal passwords", "steal credentials",
                   "password dump", "credential stuffing"],
-        regex=[r"\b(?:give|send|tell|show|share)\s+me\s+(?:your|the|their|his|her)\s+"
-               r"(?:admin\s+)?(?:password|passwords|api\s*key|credentials|private\s+key)\b"]),
+        regex=[r"\b(?:give|send|tell|show|share)\s{1,3}me\s{1,3}(?:your|the|their|his|her)\s{1,3}"
+               r"(?:admin\s{1,3})?(?:password|passwords|api\s{0,3}key|credentials|private\s{1,3}key)\b"]),
     "malware": DenyRuleConfig(
         id="malware", category="security", message="Help with malware is refused.",
         keywords=["ransomware", "keylogger", "botnet"],
-        regex=[r"\b(?:write|build|create|make)\s+(?:a|an|some)?\s*(?:virus|worm|trojan|rootkit)\b"]),
+        regex=[r"\b(?:write|build|create|make)\s{1,3}(?:a|an|some)?\s{0,3}(?:virus|worm|trojan|rootkit)\b"]),
 }
 
 
@@ -141,26 +143,31 @@ class PolicyStage(Stage):
         out = c.output
         self._output = None if out is None else Detectors(
             pii_actions(out.pii, {}), matcher if out.deny else None, actions)
+        self._hold_back = 0 if out is None else max(out.hold_back_chars, longest_match(c) if out.deny else 0,
+                                                    PII_MAX_CHARS if self._output and self._output.pii_actions else 0)
         self._limits = None if c.limits is None else Limits(stage_id, c.limits, resources)
         self._classifier = None if c.classifier is None else GuardClassifier(c.classifier)
 
     @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
+        c = cast(PolicyConfig, config)
         issues: list[CheckIssue] = []
-        for i, rule in enumerate(cast(PolicyConfig, config).deny):
-            if isinstance(rule, str):
-                if rule not in BUILTIN_DENY:
-                    issues.append((("deny", i), f"no built-in rule set {rule!r}; built in: "
-                                                f"{', '.join(sorted(BUILTIN_DENY))}, or write a rule "
-                                                "{id: ..., keywords: [...], regex: [...]}"))
+        seen: set[str] = set()
+        on_output = c.output is not None and c.output.deny
+        for i, rule in enumerate(c.deny):
+            if isinstance(rule, str) and rule not in BUILTIN_DENY:
+                issues.append((("deny", i), f"no built-in rule set {rule!r}; built in: "
+                                            f"{', '.join(sorted(BUILTIN_DENY))}, or write a rule "
+                                            "{id: ..., keywords: [...], regex: [...]}"))
                 continue
-            for j, pattern in enumerate(rule.regex):
-                try:
-                    re.compile(pattern)
-                except re.error as exc:
-                    issues.append((("deny", i, "regex", j), f"invalid regular expression: {exc}"))
-            if not rule.keywords and not rule.regex:
-                issues.append((("deny", i), f"rule {rule.id!r} has neither keywords nor regex"))
+            rule = BUILTIN_DENY[rule] if isinstance(rule, str) else rule
+            if rule.id in seen:
+                issues.append((("deny", i), f"rule id {rule.id!r} is used twice; ids name rules in decisions"))
+            seen.add(rule.id)
+            issues += _check_rule(rule, ("deny", i), on_output)
+        if c.pii is not None and c.pii.restore and (c.output is None):
+            issues.append((("pii", "restore"), "restore puts values back in the answer as it streams, which "
+                                               "the output rails do: add `output:` (e.g. output: {pii: redact})"))
         return issues
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
@@ -169,17 +176,18 @@ class PolicyStage(Stage):
         try:
             self._access(ctx, config, decisions)
             input_tokens = await self._count_tokens(ctx, config, decisions)
-            cap = config.max_output_tokens
+            cap = _smaller(ctx.max_output_tokens, config.max_output_tokens)  # an earlier policy's cap holds
             if self._limits is not None:
                 cap = await self._limits.enforce(ctx, input_tokens, cap)
             ctx.max_output_tokens = cap
-            pii_map = self._input_rails(ctx, config, decisions)
+            pii_map, placeholders = self._input_rails(ctx, config, decisions)
             if self._classifier is not None:
-                await self._classify(ctx, decisions)
+                await self._classify(ctx, scope, decisions)
             restore = pii_map if config.pii and config.pii.restore and pii_map else None
-            ctx.output_filter = self.output_rails(restore, ctx.facts.setdefault("policy", []).append)
+            rails = self.output_rails(restore, ctx.facts.setdefault("policy", []).append, placeholders)
+            if rails is not None:
+                ctx.output_filter = rails
         except PolicyDenied as exc:
-            exc.policy = exc.policy or self.id
             if not any(d.action == "block" for d in decisions):  # refused by access or limits, not a rail
                 decisions.append(Decision(self.id, "input", exc.rule, exc.category, "block", 1.0, ()))
             raise
@@ -187,12 +195,13 @@ class PolicyStage(Stage):
             self._record(ctx, scope, decisions)
 
     def output_rails(self, restore: dict[str, str] | None = None,
-                     on_decision: Callable[[dict[str, Any]], None] | None = None) -> OutputRails | None:
-        """Fresh output rails for one request (None when this policy has no ``output:``)."""
-        output = cast(PolicyConfig, self.config).output
-        if self._output is None or output is None:
+                     on_decision: Callable[[dict[str, Any]], None] | None = None,
+                     taken: Collection[str] = ()) -> OutputRails | None:
+        """Fresh output rails for one request (None when this policy has no ``output:``). The hold-back is
+        at least the longest text a rule can match, so that no match is ever sent in part."""
+        if self._output is None:
             return None
-        return OutputRails(self.id, self._output, output.hold_back_chars, restore, on_decision)
+        return OutputRails(self.id, self._output, self._hold_back, restore, on_decision, taken)
 
     def _access(self, ctx: RequestContext, config: PolicyConfig, decisions: list[Decision]) -> None:
         principal = ctx.principal
@@ -217,8 +226,9 @@ class PolicyStage(Stage):
         return count
 
     def _input_rails(self, ctx: RequestContext, config: PolicyConfig,
-                     decisions: list[Decision]) -> dict[str, str]:
-        """Scan, record and redact the client's messages; raise on a block. Returns the PII placeholders."""
+                     decisions: list[Decision]) -> tuple[dict[str, str], list[str]]:
+        """Scan, record and redact the client's messages; raise on a block. Returns the PII placeholders
+        with their values, and every placeholder used."""
         redactor = Redactor()
         messages: list[ChatMessage] = []
         injection_top = 0.0
@@ -231,7 +241,9 @@ class PolicyStage(Stage):
                     found += [(f, config.injection.action) for f in result.findings]
             decisions += [Decision(self.id, "input", f.rule, f.category, a, f.score, (index, f.start, f.end))
                           for f, a in found if a != "allow"]
-            redact = non_overlapping([f for f, a in found if a == "redact"])
+            # Only PII placeholders keep their type (and may be restored); others are <REDACTED_n>.
+            redact = [f if f.category == "pii" else replace(f, kind="REDACTED")
+                      for f in non_overlapping([f for f, a in found if a == "redact"])]
             messages.append(ChatMessage(message.role, redactor.redact(message.content, redact) if redact
                                         else message.content))
         if injection_top:
@@ -247,13 +259,18 @@ class PolicyStage(Stage):
             ctx.input_messages = messages
         if changed or "redact" in self._input.pii_actions.values():
             ctx.facts["redacted_input"] = ctx.input
-        return {placeholder: value for placeholder, value in redactor.mapping.items()
-                if (m := _PLACEHOLDER.fullmatch(placeholder)) and m.group(1).lower() in PII_TYPES}
+        mapping = redactor.mapping
+        return ({placeholder: value for placeholder, value in mapping.items()
+                 if (m := _PLACEHOLDER.fullmatch(placeholder)) and m.group(1).lower() in PII_TYPES}, list(mapping))
 
-    async def _classify(self, ctx: RequestContext, decisions: list[Decision]) -> None:
+    async def _classify(self, ctx: RequestContext, scope: StageScope, decisions: list[Decision]) -> None:
         classifier = cast(GuardClassifier, self._classifier)
         config = classifier.config
-        verdict = await classifier.classify(self.resources, ctx.input)
+        verdict = await classifier.classify(self.resources, ctx.input, cache_salt=ctx.tenant)
+        info = self.resources.catalog.models.get(config.model)
+        if info is not None:
+            scope.add_cost(info.price.tokens_usd(verdict.input_tokens, verdict.output_tokens), "tokens",
+                           f"guard {config.model}: {verdict.input_tokens} in, {verdict.output_tokens} out")
         ctx.facts.setdefault("decisions", {}).setdefault(self.id, {})["classifier"] = {
             "model": config.model, "verdict": verdict.verdict, "score": round(verdict.score, 4),
             "category": verdict.category}
@@ -283,3 +300,52 @@ class PolicyStage(Stage):
         scope.set_attribute("inferline.policy.action", summary["action"])
 
 
+
+
+#: The longest text a PII detector matches that output rails must see whole (an IBAN with spaces: 42).
+PII_MAX_CHARS = 48
+
+
+def longest_match(config: PolicyConfig) -> int:
+    """The longest text any deny rule can match (keywords and bounded regexes)."""
+    longest = 0
+    for rule in config.deny_rules():
+        longest = max([longest, *(len(k) + 8 for k in rule.keywords)])
+        for pattern in rule.regex:
+            width = _max_width(pattern)
+            if width is not None:
+                longest = max(longest, width)
+    return longest
+
+
+def _max_width(pattern: str) -> int | None:
+    """The most characters *pattern* can match; None if unbounded or invalid."""
+    try:
+        width = re_parser.parse(pattern).getwidth()[1]
+    except re.error:
+        return None
+    return None if width >= re_parser.MAXREPEAT else int(width)
+
+
+def _check_rule(rule: DenyRuleConfig, loc: tuple[str | int, ...], on_output: bool) -> list[CheckIssue]:
+    issues: list[CheckIssue] = []
+    for j, pattern in enumerate(rule.regex):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            issues.append(((*loc, "regex", j), f"invalid regular expression: {exc}"))
+            continue
+        if on_output and _max_width(pattern) is None:
+            issues.append(((*loc, "regex", j), "this pattern can match text of any length, so the output rails "
+                                               "cannot hold back enough to stop it before it is sent: bound it "
+                                               r"(\s{1,3} instead of \s+) or set output.deny: false"))
+    for j, keyword in enumerate(rule.keywords):
+        if not keyword.strip():
+            issues.append(((*loc, "keywords", j), "an empty keyword matches nothing"))
+    if not rule.keywords and not rule.regex:
+        issues.append((loc, f"rule {rule.id!r} has neither keywords nor regex"))
+    return issues
+
+
+def _smaller(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)

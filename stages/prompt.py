@@ -8,6 +8,7 @@ YAML::
         system: "You answer questions about {{ tags.product or 'our product' }}."
         user: "{{ input }}"          # the default
         history: true                # keep the client's earlier turns (default)
+        max_document_tokens: 1200    # budget for retrieved documents (lowest-ranked dropped first)
 
 Templates are sandboxed Jinja and may name request-context fields only
 (``input``, ``documents``, ``tags``, ``role``...); a name that does not exist,
@@ -25,13 +26,14 @@ from __future__ import annotations
 from functools import cached_property
 from typing import cast
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pipeline.context import FIELDS, ChatMessage, Document, RequestContext
 from pipeline.errors import TemplateError
 from pipeline.protocols import Catalog
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.template import Template, compile_template
+from stages.engines import engine_for
 
 
 class PromptConfig(NoConfig):
@@ -39,6 +41,9 @@ class PromptConfig(NoConfig):
     user: str = "{{ input }}"
     history: bool = True
     sources_heading: str = "Answer from these numbered sources and cite them as [n]:"
+    #: Token budget for retrieved documents in the prompt (the model's tokenizer); the lowest-ranked
+    #: documents that do not fit are left out. Default: no budget.
+    max_document_tokens: int | None = Field(None, gt=0)
 
     @cached_property
     def templates(self) -> dict[str, Template]:
@@ -79,6 +84,8 @@ class PromptStage(Stage):
         system = templates.get("system")
         if system is not None:
             messages.append(ChatMessage("system", _render(system, ctx)))
+        if ctx.documents and config.max_document_tokens is not None:
+            ctx.documents = await self._within_budget(ctx, config.max_document_tokens)
         if ctx.documents and not (system is not None and "documents" in system.names):
             block = _sources(config.sources_heading, ctx.documents)
             if messages:
@@ -91,6 +98,24 @@ class PromptStage(Stage):
                          if not (m.role == "system" and system is not None)]
         messages.append(ChatMessage("user", _render(templates["user"], ctx)))
         ctx.messages = messages
+
+
+    async def _within_budget(self, ctx: RequestContext, budget: int) -> list[Document]:
+        """The best-ranked documents whose texts fit in *budget* tokens together."""
+        _, engine = await engine_for(self.resources, ctx.model)
+        encode = engine.tokenizer.encode_chat
+        overhead = len(encode([{"role": "user", "content": ""}]))
+        kept, used = [], 0
+        for doc in ctx.documents:
+            cost = len(encode([{"role": "user", "content": doc.text}])) - overhead
+            if used + cost > budget:
+                break
+            kept.append(doc)
+            used += cost
+        ctx.facts.setdefault("decisions", {})[self.id] = {"documents_used": len(kept),
+                                                          "documents_dropped": len(ctx.documents) - len(kept),
+                                                          "document_tokens": used}
+        return kept
 
 
 def _render(template: Template, ctx: RequestContext) -> str:

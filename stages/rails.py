@@ -10,11 +10,11 @@ in the trace and the audit record, and never carry the offending text.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from stages.detectors import PII_TYPES, PLACEHOLDER_MAX_CHARS, DenyMatcher, Finding, Redactor, find_pii
+from stages.detectors import PII_TYPES, PLACEHOLDER_MAX_CHARS, DenyMatcher, Finding, find_pii
 
 Action = Literal["block", "redact", "flag", "allow"]
 _PLACEHOLDER = re.compile(r"<[A-Z]+_\d+>")
@@ -76,6 +76,17 @@ def non_overlapping(findings: Sequence[Finding]) -> list[Finding]:
     return kept
 
 
+def _outside(found: Sequence[tuple[Finding, Action]], cut: int) -> int:
+    """*cut*, moved back to the start of every finding it falls inside (repeatedly: they may overlap)."""
+    moved = True
+    while moved:
+        moved = False
+        for finding, _ in found:
+            if finding.start < cut < finding.end:
+                cut, moved = finding.start, True
+    return cut
+
+
 def strongest(actions: Sequence[str]) -> str:
     return max(actions, key=_STRENGTH.__getitem__, default="allow")
 
@@ -94,7 +105,7 @@ class OutputRails:
 
     def __init__(self, stage_id: str, detectors: Detectors, hold_back: int,
                  restore: Mapping[str, str] | None = None,
-                 on_decision: Callable[[dict[str, Any]], None] | None = None):
+                 on_decision: Callable[[dict[str, Any]], None] | None = None, taken: Collection[str] = ()):
         self._stage = stage_id
         self._detectors = detectors
         self._hold_back = hold_back
@@ -102,7 +113,8 @@ class OutputRails:
         self._on_decision = on_decision
         self._pending = ""
         self._offset = 0  # characters released so far: output spans are absolute
-        self._redacted = Redactor()
+        self._taken = set(taken)  # the input's placeholders: output ones are numbered past them
+        self._names: dict[tuple[str, str], str] = {}
         self._sent: list[str] = []
         self._stopped = False
         self.decisions: list[dict[str, Any]] = []
@@ -114,6 +126,8 @@ class OutputRails:
     def feed(self, text: str) -> tuple[str, str | None]:
         if self._stopped:
             return "", "content_filter"
+        if not text:
+            return "", None
         self._pending += text
         return self._release(final=False)
 
@@ -126,17 +140,16 @@ class OutputRails:
         pending = self._pending
         found = self._detectors.scan(pending) if self._detectors.active else []
         block = next((f for f, action in found if action == "block"), None)
-        if block is not None:
-            cut = block.start
+        if block is not None:  # send what comes before it, never part of an overlapping span or its word
+            cut = self._word_start(pending, _outside(found, block.start))
         elif final:
             cut = len(pending)
         else:
             cut = self._safe_cut(pending, found)
-        released = [(f, a) for f, a in found if f.end <= cut or f is block]
-        for finding, action in released:
+        released = [(f, a) for f, a in found if f.end <= cut and f is not block]
+        for finding, action in [*released, *([(block, "block")] if block is not None else [])]:
             self._decide(finding, action)
-        redact = non_overlapping([f for f, a in released if a == "redact" and f.end <= cut])
-        text, sent = self._assemble(pending[:cut], redact)
+        text, sent = self._assemble(pending[:cut], non_overlapping([f for f, a in released if a == "redact"]))
         self._pending = pending[cut:]
         self._offset += cut
         self._sent.append(sent)
@@ -148,12 +161,12 @@ class OutputRails:
 
     def _assemble(self, text: str, redact: list[Finding]) -> tuple[str, str]:
         """(what the client gets, what is recorded): model-made PII redacted; in the first, the caller's
-        own values restored, around (never into) the new placeholders, so the two cannot be confused."""
+        own values restored, around (never into) the new placeholders, which are numbered past the
+        input's so that the two cannot be confused."""
         client, recorded, position = [], [], 0
         for finding in redact:
             piece = text[position:finding.start]
-            placeholder = self._redacted.redact(text[finding.start:finding.end],
-                                                [replace(finding, start=0, end=finding.end - finding.start)])
+            placeholder = self._placeholder(finding.kind or "REDACTED", text[finding.start:finding.end])
             client += [self._restored(piece), placeholder]
             recorded += [piece, placeholder]
             position = finding.end
@@ -161,23 +174,42 @@ class OutputRails:
         recorded.append(text[position:])
         return "".join(client), "".join(recorded)
 
+    def _placeholder(self, kind: str, value: str) -> str:
+        name = self._names.get((kind, value))
+        if name is None:
+            number = sum(1 for k, _ in self._names if k == kind) + 1
+            while f"<{kind}_{number}>" in self._taken:
+                number += 1
+            name = self._names[kind, value] = f"<{kind}_{number}>"
+            self._taken.add(name)
+        return name
+
     def _restored(self, text: str) -> str:
         if not self._restore or "<" not in text:
             return text
         restore = self._restore
         return _PLACEHOLDER.sub(lambda m: restore.get(m.group(0), m.group(0)), text)
 
+    def _word_start(self, pending: str, cut: int) -> int:
+        """*cut* moved to the start of the word it is in (a secret, an address or a keyword may still be
+        growing there); a run without spaces longer than ``hold_back`` is cut anyway."""
+        word = cut
+        while word > 0 and word < len(pending) and not pending[word - 1].isspace() and not pending[word].isspace():
+            word -= 1
+        return word if cut - word <= self._hold_back else cut
+
     def _safe_cut(self, pending: str, found: list[tuple[Finding, Action]]) -> int:
+        """Where to cut: ``hold_back`` before the end, then earlier until the cut is inside no finding,
+        no word (within ``hold_back``: a run without spaces is cut anyway) and no placeholder."""
         cut = max(0, len(pending) - self._hold_back)
-        for finding, _ in found:  # never inside a finding
-            if finding.start < cut < finding.end:
-                cut = finding.start
-        while cut > 0 and not pending[cut - 1].isspace() and not pending[cut].isspace():
-            cut -= 1  # never inside a word: a secret, an address or a keyword may still be growing
-        opener = pending.rfind("<", max(0, cut - PLACEHOLDER_MAX_CHARS), cut)
-        if self._restore is not None and opener >= 0 and ">" not in pending[opener:cut]:
-            cut = opener  # never inside a placeholder that restoring must see whole
-        return cut
+        while True:
+            moved = self._word_start(pending, _outside(found, cut))
+            opener = pending.rfind("<", max(0, moved - PLACEHOLDER_MAX_CHARS), moved)
+            if self._restore is not None and opener >= 0 and ">" not in pending[opener:moved]:
+                moved = opener  # restoring must see a placeholder whole
+            if moved == cut:
+                return cut
+            cut = moved
 
     def _decide(self, finding: Finding, action: Action) -> None:
         decision = Decision(self._stage, "output", finding.rule, finding.category, action, finding.score,

@@ -26,6 +26,8 @@ from store.db import Base
 
 #: Windows older than this many seconds past their end are deleted (by the SQL store, now and then).
 KEEP_EXPIRED_S = 86_400
+#: The longest window in use (a day): a window that started before cutoff - this has surely ended.
+DAY_MAX_S = 86_400
 _PRUNE_EVERY = 1000
 
 
@@ -36,6 +38,7 @@ class Count:
     allowed: bool
     used: float
     reset_s: float
+    window_start: int = 0
 
 
 def window_of(window_s: int, now: float | None = None) -> tuple[int, float]:
@@ -69,8 +72,8 @@ class SqlCounters:
     async def consume(self, key: str, amount: float, limit: float, window_s: int) -> Count:
         return await asyncio.to_thread(self._consume, key, amount, limit, window_s)
 
-    async def add(self, key: str, amount: float, window_s: int) -> None:
-        await asyncio.to_thread(self._consume, key, amount, float("inf"), window_s)
+    async def add(self, key: str, amount: float, window_s: int, window_start: int | None = None) -> None:
+        await asyncio.to_thread(self._consume, key, amount, float("inf"), window_s, window_start)
 
     async def get(self, key: str, window_s: int) -> Count:
         return await asyncio.to_thread(self._get, key, window_s)
@@ -78,10 +81,12 @@ class SqlCounters:
     async def close(self) -> None:
         """Nothing to close: the database engine belongs to the caller."""
 
-    def _consume(self, key: str, amount: float, limit: float, window_s: int) -> Count:
+    def _consume(self, key: str, amount: float, limit: float, window_s: int,
+                 window_start: int | None = None) -> Count:
         start, reset_s = window_of(window_s)
+        start = start if window_start is None else window_start
         if amount > limit:
-            return Count(False, self._value(key, start), reset_s)
+            return Count(False, self._value(key, start), reset_s, start)
         table = LimitCounter.__table__
         insert = (postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert)(table)
         statement = insert.values(key=key, window_start=start, window_s=window_s, value=amount)
@@ -92,14 +97,14 @@ class SqlCounters:
         ).returning(table.c.value)
         with self.engine.begin() as conn:
             row = conn.execute(statement).first()
-            self._prune(conn)
+        self._prune()
         if row is None:
-            return Count(False, self._value(key, start), reset_s)
-        return Count(True, float(row[0]), reset_s)
+            return Count(False, self._value(key, start), reset_s, start)
+        return Count(True, float(row[0]), reset_s, start)
 
     def _get(self, key: str, window_s: int) -> Count:
         start, reset_s = window_of(window_s)
-        return Count(True, self._value(key, start), reset_s)
+        return Count(True, self._value(key, start), reset_s, start)
 
     def _value(self, key: str, start: int) -> float:
         table = LimitCounter.__table__
@@ -108,13 +113,15 @@ class SqlCounters:
                                                                 table.c.window_start == start)).scalar()
         return float(value or 0.0)
 
-    def _prune(self, conn: sa.Connection) -> None:
+    def _prune(self) -> None:
+        """Now and then, in its own short transaction: delete windows that ended a day ago."""
         self._calls += 1
         if self._calls % _PRUNE_EVERY:
             return
         table = LimitCounter.__table__
         cutoff = time.time() - KEEP_EXPIRED_S
-        conn.execute(sa.delete(table).where(table.c.window_start + table.c.window_s < cutoff))
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(table).where(table.c.window_start < cutoff - DAY_MAX_S))
 
 
 # KEYS[1] counter; ARGV amount, limit (or "inf"), ttl seconds. Returns {allowed, total}.
@@ -134,25 +141,28 @@ class RedisCounters:
     """Counters in Redis, so that several server processes (or machines) share one limit."""
 
     def __init__(self, url: str, prefix: str = "inferline"):
-        self.client = Redis.from_url(url)
+        # Short timeouts: a Redis that does not answer gives 503s, not requests that hang.
+        self.client = Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self.prefix = prefix
         self._script = self.client.register_script(_CONSUME)
 
-    async def consume(self, key: str, amount: float, limit: float, window_s: int) -> Count:
+    async def consume(self, key: str, amount: float, limit: float, window_s: int,
+                      window_start: int | None = None) -> Count:
         start, reset_s = window_of(window_s)
+        start = start if window_start is None else window_start
         ttl = int(reset_s) + 60
         allowed, total = await self._script(keys=[self._key(key, start)],
                                             args=[repr(float(amount)), "inf" if limit == float("inf")
                                                   else repr(float(limit)), ttl])
-        return Count(bool(int(allowed)), float(total), reset_s)
+        return Count(bool(int(allowed)), float(total), reset_s, start)
 
-    async def add(self, key: str, amount: float, window_s: int) -> None:
-        await self.consume(key, amount, float("inf"), window_s)
+    async def add(self, key: str, amount: float, window_s: int, window_start: int | None = None) -> None:
+        await self.consume(key, amount, float("inf"), window_s, window_start)
 
     async def get(self, key: str, window_s: int) -> Count:
         start, reset_s = window_of(window_s)
         value = await self.client.get(self._key(key, start))
-        return Count(True, float(value or 0.0), reset_s)
+        return Count(True, float(value or 0.0), reset_s, start)
 
     async def ping(self) -> None:
         await self.client.ping()

@@ -219,7 +219,7 @@ class MemoryCounters:
         self.values[key] = used + amount
         return CounterState(True, used + amount, self.reset_s)
 
-    async def add(self, key, amount, window_s):
+    async def add(self, key, amount, window_s, window_start=None):
         self.values[key] = self.values.get(key, 0.0) + amount
 
     async def get(self, key, window_s):
@@ -231,3 +231,4 @@ class CounterState:
     allowed: bool
     used: float
     reset_s: float
+    window_start: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -82,9 +83,10 @@ async def test_restore_puts_the_callers_values_back_into_the_answer(registry):
     pipeline, _ = build(registry, "{pii: {action: redact, restore: true}, output: {pii: redact}}",
                         reply="Sure, I will write to <EMAIL_1> and to bob@evil.example today.")
     ctx, _, text = await run(pipeline, "My address is jane.doe@example.com")
-    # The caller's own address comes back; an address the model made up is redacted.
-    assert text == "Sure, I will write to jane.doe@example.com and to <EMAIL_1> today."
-    assert ctx.facts["redacted_output"] == "Sure, I will write to <EMAIL_1> and to <EMAIL_1> today."
+    # The caller's own address comes back; an address the model made up is redacted, numbered past
+    # the input's placeholders so that the audit record cannot confuse the two.
+    assert text == "Sure, I will write to jane.doe@example.com and to <EMAIL_2> today."
+    assert ctx.facts["redacted_output"] == "Sure, I will write to <EMAIL_1> and to <EMAIL_2> today."
     assert [d["where"] for d in ctx.facts["policy"]] == ["input", "output"]
 
 
@@ -281,3 +283,56 @@ async def test_the_guard_models_verdict_is_recorded_and_acted_on(registry, reply
         assert ctx.facts["policy"][0]["category"] == category and len(engine.submitted) == 1
     else:
         assert isinstance(events[-1], Done) and ctx.facts["policy"] == []
+
+
+async def test_a_cancelled_request_still_gives_back_its_token_reservation(registry):
+    counters = MemoryCounters()
+    pipeline, _ = build(registry, "{limits: {tokens_per_day: 1000, reserve_output_tokens: 100}}",
+                             reply="x" * 500, counters=counters)
+    ctx = RequestContext.from_text("guarded", "hello")
+    events = Runner().stream(pipeline, ctx)
+    async for event in events:
+        if isinstance(event, TextDelta):
+            break  # the client goes away mid-stream
+    await events.aclose()
+    used = ctx.usage.input_tokens + ctx.usage.output_tokens
+    assert 0 < used < 11 + 100 and counters.values["guarded:key:anonymous:tokens"] == used
+
+
+async def test_two_policies_keep_the_smaller_output_cap(registry):
+    yaml_text = """
+    name: guarded
+    stages:
+      - {id: first, type: policy, with: {max_output_tokens: 5}}
+      - {id: second, type: policy, with: {max_output_tokens: 50}}
+      - {id: prompt, type: prompt}
+      - {id: tok, type: tokenize}
+      - {id: gen, type: generate, with: {max_tokens: 200}}
+      - {id: out, type: stream}
+    """
+    loaded = load_pipeline_text(textwrap.dedent(yaml_text), "g.yaml", registry, CATALOG)
+    engines = FakeEngines(smol=FakeEngine("a long answer"))
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=engines, counters=MemoryCounters()))
+    await run(pipeline, "hi")
+    assert engines.engines["smol"].submitted[0][1].max_tokens == 5
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ("{deny: [credentials, credentials]}", "rule id 'credentials' is used twice"),
+    ("{pii: {action: redact, restore: true}}", "add `output:`"),
+    ("{deny: [{id: a, keywords: ['  ']}]}", "an empty keyword"),
+    ("{deny: [{id: a, regex: ['secret\\\\s+code']}], output: {deny: true}}", "any length"),
+])
+def test_more_configuration_errors(registry, policy, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load_pipeline_text(textwrap.dedent(PIPELINE.format(policy=policy)), "guarded.yaml", registry, CATALOG)
+
+
+def test_the_hold_back_covers_the_longest_rule(registry):
+    policy = "{deny: [{id: a, keywords: [aaaa bbbb cccc dddd eeee ffff gggg hhhh iiii jjjj kkkk llll mmmm]}], " \
+             "output: {pii: allow, hold_back_chars: 8}}"
+    pipeline, _ = build(registry, policy)
+    rails = pipeline.stages[0].stage.output_rails()
+    text = "ok " * 10 + "aaaa bbbb cccc dddd eeee ffff gggg hhhh iiii jjjj kkkk llll mmmm and more"
+    sent = "".join(rails.feed(ch)[0] for ch in text)
+    assert "aaaa" not in sent and rails.feed(" ")[1] == "content_filter"

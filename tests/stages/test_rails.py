@@ -79,3 +79,26 @@ def test_helpers():
     from stages.detectors import Finding
     kept = non_overlapping([Finding("a", "x", 0, 5), Finding("b", "x", 3, 8), Finding("c", "x", 8, 9)])
     assert [f.rule for f in kept] == ["a", "c"]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 13])
+def test_overlapping_findings_never_leak_a_redacted_span(size):
+    deny = DenyMatcher([DenyRule("line", "info", patterns=(r"2671 (?:is|was) the [a-z]{1,10} line",))])
+    filter_ = OutputRails("guard", Detectors(pii_actions("redact", {}), deny, {"line": "flag"}), 48)
+    sent, _ = stream(filter_, "Or call +1 415 555 2671 is the main line for the office and more words here.", size)
+    assert "555" not in "".join(sent) and "<PHONE_1>" in "".join(sent)
+
+
+def test_a_block_never_sends_part_of_an_overlapping_span():
+    deny = DenyMatcher([DenyRule("malware", "security", keywords=("keylogger",))])
+    filter_ = OutputRails("guard", Detectors(pii_actions("redact", {}), deny, {"malware": "block"}), 48)
+    sent, reason = stream(filter_, "Please contact my.keylogger@corp.example for the tool", 3)
+    assert "".join(sent) == "Please contact " and reason == "content_filter"
+
+
+def test_text_without_spaces_still_streams():
+    filter_ = rails(hold_back=16)
+    text = "数据" * 400
+    sent, _ = stream(filter_, text, 2)
+    assert sum(len(piece) for piece in sent[:-1]) > len(text) - 40  # released as it comes, not at the end
+    assert "".join(sent) == text
