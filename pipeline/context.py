@@ -67,6 +67,19 @@ class StageRecord:
     error: str = ""
 
 
+@dataclass(slots=True)
+class RoutePlan:
+    """What ``route`` decided beyond the model: where ``generate`` goes when it fails."""
+
+    fallbacks: list[str] = field(default_factory=list)
+    #: Extra attempts on the same model before moving to the next.
+    retries: int = 0
+    #: How long a model that failed is left out of rotation.
+    cooldown_s: float = 30.0
+    #: Give up on a model whose first token takes longer (None: wait).
+    first_token_timeout_s: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class FieldInfo:
     """Describes one flow field for load-time checks and error messages."""
@@ -91,12 +104,14 @@ FIELDS: dict[str, FieldInfo] = {
     "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
     "documents": FieldInfo("list[Document]", "retrieved passages"),
     "model": FieldInfo("str", "name of the model chosen for the request"),
+    "route_plan": FieldInfo("RoutePlan | None", "fallback models, retries and timeouts chosen by route"),
     "max_output_tokens": FieldInfo("int | None", "a cap on generated tokens set by policy (None: no cap)"),
     "output_filter": FieldInfo("TextFilter | None", "output rails the stream stage applies (set by policy)"),
     "prompt_ids": FieldInfo("list[int]", "prompt token ids"),
     "prompt_tokens": FieldInfo("int", "number of prompt tokens"),
     "token_stream": FieldInfo("AsyncIterator[int]", "generated token ids, as they come"),
     "output_text": FieldInfo("str", "the text sent to the client"),
+    "output_ids": FieldInfo("list[int]", "the generated token ids, as streamed"),
     "finish_reason": FieldInfo("str", "why generation stopped"),
 }
 
@@ -116,11 +131,13 @@ class RequestContext:
     documents: list[Document] = field(default_factory=list)
     model: str = ""
     max_output_tokens: int | None = None
+    route_plan: RoutePlan | None = None
     output_filter: TextFilter | None = None
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     token_stream: AsyncIterator[int] | None = None
     output_text: str = ""
+    output_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage = field(default_factory=Usage)
     ledger: CostLedger = field(default_factory=CostLedger)

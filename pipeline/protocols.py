@@ -7,7 +7,7 @@ pass fakes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,7 +50,11 @@ class SamplingParams:
 
 
 class TokenEvent(Protocol):
-    """One generated token; the last event of a request carries its finish reason."""
+    """One generated token; the last event of a request carries its finish reason.
+
+    A remote backend that streams text rather than token ids also sets ``text`` (the event's text,
+    already decoded) and may leave ``token_id`` None; the ``stream`` stage then uses the text as is.
+    """
 
     token_id: int | None
     """None only on a last event that ends the request without a new token."""
@@ -81,16 +85,32 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A batched token generator for one model."""
+    """A batched token generator for one model.
+
+    A remote backend (an OpenAI-compatible server) applies its own chat template: it also has
+    ``accepts_messages = True`` and ``async submit_messages(messages, sampling, cache_salt)``, which
+    ``generate`` calls with the chat messages instead of ``submit`` with token ids. Its ``tokenizer``
+    may then only estimate counts.
+    """
 
     tokenizer: Tokenizer
-    #: SHA-256 of the weights it serves (for audit records).
+    #: SHA-256 of the weights it serves (for audit records); for a remote backend, its URL and model.
     weights_hash: str
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                      cache_salt: str = "") -> TokenStream:
-        """Queue a request; raises Overloaded or InvalidInput before queueing anything."""
+        """Queue a request; raises Overloaded, BackendError or InvalidInput before queueing anything."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """How busy a model is, for load-aware routing."""
+
+    waiting: int = 0
+    running: int = 0
+    #: Recent time to first token (an exponential average), None before the first request.
+    ttft_s: float | None = None
 
 
 class EngineProvider(Protocol):
@@ -99,6 +119,10 @@ class EngineProvider(Protocol):
     default_model: str
 
     async def get(self, name: str) -> Engine: ...
+
+    def load(self, name: str) -> ModelLoad:
+        """How busy model *name* is now (no I/O; a model not started yet is idle)."""
+        ...
 
 
 class SearchHit(Protocol):
@@ -200,6 +224,23 @@ class TextFilter(Protocol):
         ...
 
 
+class CacheProvider(Protocol):
+    """Response-cache backends and the embedder of the ``cache`` stage, wired in by ``serving``."""
+
+    def open_cache(self, backend: str, *, redis_url: str, prefix: str, ttl_s: float, max_entries: int,
+                   clock: Callable[[], float]) -> Any:
+        """A backend with ``async get(key)``, ``async set(key, value)`` and ``async close()``."""
+        ...
+
+    def open_semantic(self, max_entries: int, *, ttl_s: float, clock: Callable[[], float]) -> Any:
+        """An in-memory similarity index with ``add(scope, vector, value)`` and ``search(scope, vector, t)``."""
+        ...
+
+    def embed(self, text: str) -> Any:
+        """The unit embedding vector of *text* (blocking: call it in a thread)."""
+        ...
+
+
 @dataclass(slots=True)
 class Resources:
     """The live objects a pipeline's stages use, wired in by ``serving``."""
@@ -210,3 +251,7 @@ class Resources:
     audit: AuditSink | None = None
     #: Rate-limit and budget counters (SQL or Redis); None: the policy stage refuses limits.
     counters: Counters | None = None
+    #: Response caches for the cache stage; None: the stage skips caching (and says so).
+    caches: CacheProvider | None = None
+    #: Models taken out of rotation after failing: name -> time.monotonic() until which they rest.
+    cooldowns: dict[str, float] = field(default_factory=dict)

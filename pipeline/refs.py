@@ -35,7 +35,7 @@ def find_refs(config: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[tu
     for name, info in type(config).model_fields.items():
         value = getattr(config, name)
         key = info.alias or name
-        ref = _ref_of(info.metadata)
+        ref = _ref_of(info.metadata) or _optional_ref(info.annotation)
         if ref is not None and isinstance(value, str):
             yield (*loc, key), ref.kind, value
         elif isinstance(value, list):
@@ -51,6 +51,16 @@ def find_refs(config: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[tu
 
 def _ref_of(metadata: list[Any]) -> Ref | None:
     return next((m for m in metadata if isinstance(m, Ref)), None)
+
+
+def _optional_ref(annotation: Any) -> Ref | None:
+    """The Ref of ``ModelRef | None`` (pydantic keeps the metadata inside the union)."""
+    for arg in get_args(annotation):
+        if get_origin(arg) is Annotated:
+            ref = _ref_of(list(get_args(arg)[1:]))
+            if ref is not None:
+                return ref
+    return None
 
 
 def _list_ref(annotation: Any) -> Ref | None:

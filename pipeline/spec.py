@@ -67,6 +67,19 @@ class ModelSpec(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     context_window: PositiveInt | None = None
+    #: Local engines: how many copies of the model to run; requests are placed by ``placement``.
+    replicas: PositiveInt = 1
+    #: prefix: requests that share a prompt prefix go to the same replica while its load allows;
+    #: round_robin; least_loaded (fewest waiting, then running).
+    placement: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
+    #: prefix placement: how many more requests (waiting + running) the prefix's replica may have than
+    #: the least loaded one before the request goes to the least loaded instead.
+    max_imbalance: PositiveInt = 16
+    #: Remote backends (backend: openai): the model id the server expects (default: this model's name),
+    #: the request timeout, and a local tokenizer folder for counting tokens (default: an estimate).
+    remote_model: str | None = None
+    timeout_s: PositiveFloat = 60.0
+    tokenizer: str | None = None
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     price: PriceSpec = Field(default_factory=PriceSpec)

@@ -34,6 +34,7 @@ from pipeline.tracing import make_tracer_provider
 from serving import api_audit, api_openai, api_ops, api_pipelines
 from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
+from serving.caches import StoreCaches
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
 from serving.indexes import IndexRegistry
@@ -56,7 +57,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     registry = CollectorRegistry()
     pool = ModelPool(server, workspace.root, registry)
     indexes = IndexRegistry(workspace)
-    resources = Resources(catalog_of(server), engines=engines or pool, indexes=indexes)
+    resources = Resources(catalog_of(server), engines=engines or pool, indexes=indexes, caches=StoreCaches())
     pipelines = {item.spec.name: Pipeline(item, resources) for item in loaded}
     telemetry = server.telemetry
     tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)

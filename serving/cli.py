@@ -163,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
 async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
     from serving.app import open_counters
     from serving.audit_sink import StoreSink, open_store
+    from serving.caches import StoreCaches
     from serving.indexes import IndexRegistry
     from serving.model_pool import ModelPool  # imports torch: only for commands that run models
     from store.db import create_schema, make_engine
@@ -180,7 +181,7 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
     if used:  # only the indexes this pipeline reads: loading the embedding model takes seconds
         await asyncio.to_thread(indexes.refresh, used)
     pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink,
-                                          counters=counters, indexes=indexes))
+                                          counters=counters, indexes=indexes, caches=StoreCaches()))
     ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None

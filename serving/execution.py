@@ -41,6 +41,7 @@ class Executor:
                 yield event
         finally:
             self._leave()
+            self.metrics.observe_cache(pipeline.name, ctx.facts.get("cache"))
             if final is not None:
                 self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
             else:

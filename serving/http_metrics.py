@@ -25,8 +25,15 @@ class HttpMetrics:
                                        ["pipeline", "stage", "type"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.stage_runs = Counter("inferline_stage_runs", "Stage runs, by status.",
                                   ["pipeline", "stage", "type", "status"], registry=registry)
+        self.cache = Counter("inferline_cache_lookups", "Response cache lookups, by result (hit, miss, skipped).",
+                             ["pipeline", "result"], registry=registry)
         self.stage_errors = Counter("inferline_stage_errors", "Stage runs that failed or timed out.",
                                     ["pipeline", "stage", "type"], registry=registry)
+
+    def observe_cache(self, pipeline: str, cache: dict[str, object] | None) -> None:
+        if cache:
+            result = "hit" if cache.get("hit") else "skipped" if cache.get("skipped") else "miss"
+            self.cache.labels(pipeline, result).inc()
 
     def observe(self, summary: Summary, status: str) -> None:
         name = summary.pipeline

@@ -1,9 +1,16 @@
-"""Local model engines behind the pipeline's ``EngineProvider`` protocol.
+"""Model engines behind the pipeline's ``EngineProvider`` protocol.
 
-One engine per configured model, started on first use and shared by every
-pipeline of the process. This is where the engine's own errors become the
-pipeline's (``Overloaded``, ``InvalidInput``, ``BackendError``), since the
-engine imports nothing of ours.
+One :class:`LocalEngine` per configured local model, started on first use and shared by every
+pipeline of the process. This is where the engine's own errors become the pipeline's
+(``Overloaded``, ``InvalidInput``, ``BackendError``), since the engine imports nothing of ours.
+
+Replicas: ``replicas: N`` runs N independent ``AsyncEngine`` objects for one model, each with its own
+step thread, scheduler, KV cache and prefix cache, and its own ``kv_cache.memory_gb`` (the budget is
+per replica, not divided: N replicas take N times the KV memory). They share the weights, which the
+forward pass only reads: one copy in memory and one load. A :class:`Placement` picks the replica of
+each request; with one replica there is nothing to pick and ``submit`` is what it was before.
+
+Remote models (``backend: openai``) come from :func:`serving.remote.open_remote`.
 """
 
 from __future__ import annotations
@@ -11,21 +18,29 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import SamplingParams, TokenEvent
+from pipeline.protocols import ModelLoad, SamplingParams, TokenEvent
 from pipeline.spec import ModelSpec, ServerSpec
 from serving.engine.async_engine import AsyncEngine, RequestStream
+from serving.engine.block_manager import hash_block
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, EngineOverloaded, InvalidRequest
+from serving.engine.models import load_model
 from serving.engine.sampling_params import SamplingParams as EngineSampling
 
 logger = logging.getLogger(__name__)
+
+#: Weight of the newest sample in a model's time-to-first-token average.
+TTFT_ALPHA = 0.2
+_MASK64 = (1 << 64) - 1
 
 
 class HFTokenizer:
@@ -42,58 +57,232 @@ class HFTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
-class _Stream:
-    """An engine stream whose errors are the pipeline's."""
+# -- placement ----------------------------------------------------------------
 
-    def __init__(self, stream: RequestStream, model: str):
-        self._stream, self._model = stream, model
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica's queue: requests waiting for admission and requests in its running batch."""
+
+    waiting: int = 0
+    running: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.waiting + self.running
+
+
+@dataclass(slots=True)
+class Placement:
+    """Which replica of a model serves a request. Plain Python: no engine needed to test it.
+
+    ``prefix`` (default) keeps requests that share a prompt prefix on one replica, so that its prefix
+    cache holds that prefix once and hits it, instead of every replica computing and caching it. The key is
+    the hash of the prompt's first ``prefix_blocks`` full KV blocks of ``block_size`` tokens, chained from
+    ``cache_salt`` as the engine's prefix cache chains them (tenants with different salts share nothing
+    there either). The key picks a replica by rendezvous (highest random weight) hashing, which
+    needs no table and moves only 1/N of the keys if N changes. Locality must not turn into a hot spot:
+    when that replica's load (waiting + running) exceeds the lightest replica's by more than
+    ``max_imbalance``, the lightest takes the request. A prompt shorter than one block has no prefix
+    worth keeping together and goes to the least loaded replica.
+    ``round_robin`` cycles; ``least_loaded`` takes the fewest waiting, then the fewest running.
+    Ties go to the lowest replica index.
+    """
+
+    replicas: int
+    kind: str = "prefix"
+    block_size: int = 16
+    prefix_blocks: int = 4
+    max_imbalance: int = 16
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefix", "round_robin", "least_loaded"):
+            raise ValueError(f"unknown placement {self.kind!r}; use prefix, round_robin or least_loaded")
+        if self.replicas < 1 or self.block_size < 1 or self.prefix_blocks < 1:
+            raise ValueError("replicas, block_size and prefix_blocks must be positive")
+
+    def choose(self, prompt_ids: Sequence[int], cache_salt: str, loads: Sequence[ReplicaLoad]) -> int:
+        """The replica index for a request, given each replica's load now (``len(loads) == replicas``)."""
+        if self.kind == "round_robin":
+            index, self._next = self._next, (self._next + 1) % self.replicas
+            return index
+        if self.kind == "least_loaded":
+            return least_loaded(loads)
+        key = self.prefix_key(prompt_ids, cache_salt)
+        if key is None:
+            return least_loaded(loads)
+        chosen = rendezvous(key, self.replicas)
+        lightest = min(range(len(loads)), key=lambda i: (loads[i].total, loads[i].waiting, i))
+        if loads[chosen].total - loads[lightest].total > self.max_imbalance:
+            return lightest
+        return chosen
+
+    def prefix_key(self, prompt_ids: Sequence[int], cache_salt: str = "") -> int | None:
+        """The hash of the prompt's leading full blocks (at most ``prefix_blocks``); None under one block."""
+        size = self.block_size
+        num_blocks = min(self.prefix_blocks, len(prompt_ids) // size)
+        if num_blocks == 0:
+            return None
+        key = _salt_root(cache_salt)
+        for start in range(0, num_blocks * size, size):
+            key = hash_block(key, tuple(prompt_ids[start:start + size]))
+        return key
+
+
+def _salt_root(cache_salt: str) -> int:
+    # Like the engine's root_hash, but stable across processes (str hashes are randomized per process),
+    # so that a prompt's replica, and with it a test or a benchmark, is the same on every run.
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+
+
+def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
+    """The index with the fewest waiting, then the fewest running (then the lowest index)."""
+    return min(range(len(loads)), key=lambda i: (loads[i].waiting, loads[i].running, i))
+
+
+def rendezvous(key: int, replicas: int) -> int:
+    """The replica with the highest weight ``mix(key, replica)`` (rendezvous hashing)."""
+    best, best_weight = 0, -1
+    for replica in range(replicas):
+        weight = _mix64((key + 0x9E3779B97F4A7C15 * (replica + 1)) & _MASK64)
+        if weight > best_weight:
+            best, best_weight = replica, weight
+    return best
+
+
+def _mix64(x: int) -> int:
+    # splitmix64's finalizer: Python's hash of nearby tuples is not mixed enough for per-replica weights.
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+# -- local engines --------------------------------------------------------------
+
+
+class _Stream:
+    """An engine stream whose errors are the pipeline's; reports its first token's time to its model."""
+
+    __slots__ = ("_open", "_owner", "_stream", "_submitted_s", "replica")
+
+    def __init__(self, stream: RequestStream, owner: LocalEngine, replica: int, submitted_s: float):
+        self._stream, self._owner = stream, owner
+        #: Which of the model's replicas serves this request (0 with one replica).
+        self.replica = replica
+        self._submitted_s = submitted_s
+        self._open = True
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        timed = False
         try:
             async for event in self._stream:
+                if not timed and event.token_id is not None:
+                    timed = True
+                    self._owner.observe_ttft(time.perf_counter() - self._submitted_s)
                 yield event
         except EngineError as exc:
-            raise BackendError(f"model {self._model!r}: {exc}") from exc
+            raise BackendError(f"model {self._owner.name!r}: {exc}") from exc
+        finally:
+            self._release()
 
     async def aclose(self) -> None:
+        self._release()
         await self._stream.aclose()
+
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
+            self._owner.outstanding[self.replica] -= 1
+
+    def __del__(self) -> None:
+        # A stream dropped without being read or closed must not count as load forever.
+        self._release()
 
 
 class LocalEngine:
-    """The pipeline's Engine protocol over one :class:`AsyncEngine`."""
+    """The pipeline's Engine protocol over a model's :class:`AsyncEngine` replicas."""
 
-    def __init__(self, name: str, engine: AsyncEngine, weights_hash: str):
-        self.name, self.engine = name, engine
-        self.tokenizer = HFTokenizer(engine.tokenizer)
+    def __init__(self, name: str, replicas: AsyncEngine | Sequence[AsyncEngine], weights_hash: str,
+                 placement: Placement | None = None):
+        self.name = name
+        self.replicas = [replicas] if isinstance(replicas, AsyncEngine) else list(replicas)
+        #: Replica 0 (the only one, usually): for callers that want an engine's stats.
+        self.engine = self.replicas[0]
+        self.tokenizer = HFTokenizer(self.engine.tokenizer)
         self.weights_hash = weights_hash
+        self.placement = placement or Placement(len(self.replicas))
+        #: Per replica, requests submitted whose stream has not ended: this counts the ones still on their way
+        #: to the engine thread, which the scheduler's queues do not show yet (a burst would all look idle).
+        self.outstanding = [0] * len(self.replicas)
+        #: Exponential average of the time from submit to first token; None before the first.
+        self.ttft_s: float | None = None
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "") -> _Stream:
+        submitted_s = time.perf_counter()
+        index = 0
+        if len(self.replicas) > 1:
+            index = self.placement.choose(prompt_ids, cache_salt, self.replica_loads())
         try:
-            stream = await self.engine.submit(prompt_ids, EngineSampling(**asdict(sampling)), cache_salt)
+            stream = await self.replicas[index].submit(prompt_ids, EngineSampling(**asdict(sampling)), cache_salt)
         except EngineOverloaded as exc:
             raise Overloaded(f"model {self.name!r} is overloaded: {exc}", exc.retry_after_s) from exc
         except InvalidRequest as exc:
             raise InvalidInput(str(exc)) from exc
         except EngineError as exc:
             raise BackendError(f"model {self.name!r}: {exc}") from exc
-        return _Stream(stream, self.name)
+        self.outstanding[index] += 1
+        return _Stream(stream, self, index, submitted_s)
+
+    def replica_loads(self) -> list[ReplicaLoad]:
+        """Each replica's load now; no I/O, no lock (counts read while the engine thread runs may be a step old)."""
+        loads = []
+        for replica, outstanding in zip(self.replicas, self.outstanding, strict=True):
+            scheduler = replica.engine.scheduler
+            running = scheduler.num_running
+            # Outstanding minus running: waiting in the scheduler plus not yet handed to it.
+            loads.append(ReplicaLoad(max(scheduler.num_waiting, outstanding - running), running))
+        return loads
+
+    def load(self) -> ModelLoad:
+        """The model's load: waiting and running summed over replicas, and the recent time to first token."""
+        loads = self.replica_loads()
+        return ModelLoad(sum(load.waiting for load in loads), sum(load.running for load in loads), self.ttft_s)
+
+    def observe_ttft(self, seconds: float) -> None:
+        previous = self.ttft_s
+        self.ttft_s = seconds if previous is None else previous + TTFT_ALPHA * (seconds - previous)
+
+    def named_replicas(self) -> dict[str, AsyncEngine]:
+        """Replicas by metrics name: the model's name for replica 0, ``name#i`` for replica i."""
+        return {replica_name(self.name, i): replica for i, replica in enumerate(self.replicas)}
+
+    async def shutdown(self) -> None:
+        for replica in self.replicas:
+            await replica.shutdown()
+
+
+def replica_name(model: str, index: int) -> str:
+    """What replica *index* of *model* is called in metrics and readiness (replica 0: the model's name)."""
+    return model if index == 0 else f"{model}#{index}"
 
 
 class ModelPool:
-    """Starts each configured local model's engine on first use; one per model."""
+    """Starts each configured model's engine on first use: local replicas, or a remote client."""
 
     def __init__(self, server: ServerSpec, root: Path = Path("."), registry: CollectorRegistry | None = None):
         self._specs = server.models
         self._root = root
         self._registry = registry
-        self._engines: dict[str, LocalEngine] = {}
+        #: Started models: LocalEngine, or a remote engine (from serving.remote) for other backends.
+        self._engines: dict[str, Any] = {}
         self._lock = asyncio.Lock()
         self.default_model = next(iter(server.models), "")
 
-    async def get(self, name: str) -> LocalEngine:
+    async def get(self, name: str) -> Any:
         if name in self._engines:
             return self._engines[name]
         async with self._lock:
@@ -101,21 +290,48 @@ class ModelPool:
                 self._engines[name] = await self._start(name)
         return self._engines[name]
 
-    async def _start(self, name: str) -> LocalEngine:
+    def load(self, name: str) -> ModelLoad:
+        """How busy model *name* is now, without I/O; a model not started yet is idle."""
+        engine = self._engines.get(name)
+        return ModelLoad() if engine is None else engine.load()
+
+    async def _start(self, name: str) -> Any:
         spec = self._specs.get(name)
         if spec is None:
             raise BackendError(f"no model {name!r} in inferline.yaml (models: {', '.join(self._specs) or 'none'})")
+        if spec.backend == "openai":
+            return self._open_remote(name, spec)
         if spec.backend != "local":
             raise BackendError(f"model {name!r}: backend {spec.backend!r} is not available yet")
+        return await self._start_local(name, spec)
+
+    def _open_remote(self, name: str, spec: ModelSpec) -> Any:
+        from serving.remote import open_remote  # httpx's client: only remote models need it
+
+        engine = open_remote(name, spec, self._root)
+        logger.info("model %s: remote backend %s", name, spec.base_url)
+        return engine
+
+    async def _start_local(self, name: str, spec: ModelSpec) -> LocalEngine:
         config = engine_config(spec, self._root)
-        engine = AsyncEngine(config, name=name, metrics_registry=self._registry)
+        replicas: list[AsyncEngine] = []
         try:
-            await engine.start()
+            # Several replicas share one copy of the weights; one replica loads its own, as it always has.
+            loaded = None
+            if spec.replicas > 1:
+                loaded = await asyncio.to_thread(load_model, config.model, config.dtype, config.device)
+            for index in range(spec.replicas):
+                replicas.append(AsyncEngine(config, name=replica_name(name, index),
+                                            metrics_registry=self._registry, loaded=loaded))
+                await replicas[-1].start()
         except EngineError as exc:
+            for replica in replicas:
+                await replica.shutdown()
             raise BackendError(f"model {name!r} failed to start: {exc}") from exc
         weights_hash = await asyncio.to_thread(weights_sha256, Path(config.model))
-        logger.info("model %s started (weights sha256 %s)", name, weights_hash[:12])
-        return LocalEngine(name, engine, weights_hash)
+        logger.info("model %s started: %d replica(s), weights sha256 %s", name, spec.replicas, weights_hash[:12])
+        placement = Placement(spec.replicas, spec.placement, config.block_size, max_imbalance=spec.max_imbalance)
+        return LocalEngine(name, replicas, weights_hash, placement)
 
     async def start_all(self) -> None:
         """Start every local model now (the server does, so that it is ready when it says so)."""
@@ -124,12 +340,20 @@ class ModelPool:
                 await self.get(name)
 
     def engines(self) -> dict[str, AsyncEngine]:
-        return {name: local.engine for name, local in self._engines.items()}
+        """Every local replica by name (``model``, ``model#1``...), for metrics and readiness."""
+        out: dict[str, AsyncEngine] = {}
+        for engine in self._engines.values():
+            if isinstance(engine, LocalEngine):
+                out.update(engine.named_replicas())
+        return out
 
     async def close(self) -> None:
-        for engine in self._engines.values():
-            await engine.engine.shutdown()
-        self._engines.clear()
+        engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            if isinstance(engine, LocalEngine):
+                await engine.shutdown()
+            else:
+                await engine.aclose()
 
 
 def weights_sha256(source: Path) -> str:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pipeline.registry import StageRegistry
 from stages.audit import AuditStage
+from stages.cache import CacheStage
 from stages.generate import GenerateStage
 from stages.policy import PolicyStage
 from stages.prompt import PromptStage
 from stages.retrieve import RetrieveStage
+from stages.route import RouteStage
 from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
-BUILTIN_STAGES = (PolicyStage, RetrieveStage, PromptStage, TokenizeStage, GenerateStage, StreamStage, AuditStage)
+BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
+                  StreamStage, AuditStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

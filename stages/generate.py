@@ -12,7 +12,10 @@ YAML::
         client_params: [max_tokens, temperature, top_p, seed]   # what a caller may override
         isolate_tenants: true   # tenants never share prefix-cache blocks
 
-Writes ``token_stream``; the ``stream`` stage consumes it. A caller's
+Writes ``token_stream``; the ``stream`` stage consumes it. With a ``route``
+stage before it, failures fall back to the route's next models (see
+:mod:`stages.failover`); a ``cache`` hit has already written ``token_stream``,
+and then nothing is generated. A caller's
 ``params`` may override only the options listed in ``client_params``, and
 ``max_tokens`` never above this stage's own value, nor above a policy
 stage's cap (``max_output_tokens``, or what its token budget reserved).
@@ -36,7 +39,7 @@ from pipeline.tracing import (
     GEN_AI_REQUEST_TEMPERATURE,
     GEN_AI_REQUEST_TOP_P,
 )
-from stages.engines import engine_for
+from stages.failover import submit_with_fallback
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -82,9 +85,11 @@ class GenerateStage(Stage):
         sampling = _sampling(config, ctx.params)
         if ctx.max_output_tokens is not None and sampling.max_tokens > ctx.max_output_tokens:
             sampling = replace(sampling, max_tokens=ctx.max_output_tokens)  # a policy's cap or token budget
-        ctx.model, engine = await engine_for(self.resources, ctx.model)
+        if ctx.token_stream is not None:  # served from the response cache: nothing to generate
+            scope.set_attribute("inferline.cache.hit", True)
+            return
         salt = ctx.tenant if config.isolate_tenants else ""
-        ctx.token_stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
+        ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
         ctx.facts["weights_hash"] = engine.weights_hash

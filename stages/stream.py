@@ -25,7 +25,7 @@ from typing import cast
 from pydantic import Field
 
 from pipeline.context import RequestContext, Usage
-from pipeline.protocols import TextFilter, TokenStream
+from pipeline.protocols import TextFilter, TokenEvent, TokenStream
 from pipeline.stage import NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
 from stages.engines import engine_for
@@ -41,7 +41,7 @@ class StreamStage(Stage):
     type_name = "stream"
     Config = StreamConfig
     reads = frozenset({"token_stream", "model"})
-    writes = frozenset({"output_text", "finish_reason"})
+    writes = frozenset({"output_text", "output_ids", "finish_reason"})
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(StreamConfig, self.config)
@@ -68,7 +68,7 @@ class StreamStage(Stage):
 
     def _account(self, ctx: RequestContext, scope: StageScope, seconds: float) -> None:
         info = self.resources.catalog.models.get(ctx.model)
-        if info is not None:
+        if info is not None and not ctx.facts.get("cache", {}).get("hit"):  # a cached answer costs no model time
             price = info.price
             scope.add_cost(price.tokens_usd(ctx.usage.input_tokens, ctx.usage.output_tokens), "tokens",
                            f"{ctx.model}: {ctx.usage.input_tokens} in, {ctx.usage.output_tokens} out")
@@ -102,6 +102,16 @@ class _Out:
         return reason
 
 
+def _text_of(event: TokenEvent, detokenizer: IncrementalDetokenizer, ids: list[int]) -> str:
+    """The event's new text: a remote backend's own text, else our detokenizer's."""
+    text = getattr(event, "text", None)
+    if event.token_id is not None:
+        ids.append(event.token_id)
+        if text is None:
+            return detokenizer.add(event.token_id)
+    return text or ""
+
+
 async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops: StopStrings,
                 ctx: RequestContext, scope: StageScope) -> str:
     """Send text until the engine finishes, a stop string appears or a rail blocks; return the finish reason."""
@@ -110,7 +120,7 @@ async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops:
     try:
         async for event in stream:
             ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
-            text, hit = stops.feed(detokenizer.add(event.token_id) if event.token_id is not None else "")
+            text, hit = stops.feed(_text_of(event, detokenizer, ctx.output_ids))
             if hit:
                 return await out.send(text, final=True) or "stop"
             if blocked := await out.send(text):

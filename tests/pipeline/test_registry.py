@@ -123,7 +123,7 @@ def test_data_flow_suggests_moving_a_later_writer(registry):
         "p.yaml:3:24: stages[0].type: stage 'prompt' (prompt) reads 'documents' (list[Document]), which no "
         "earlier stage writes; stage 'find' (search) writes it: move it before 'prompt'",
         "p.yaml:5:36: stages[2].when: stage 'late' (record) reads 'prompt_tokens' (int), which no earlier "
-        "stage writes; add a stage of type tokenize or tokenize-fake before it",
+        "stage writes; add a stage of type route or tokenize or tokenize-fake before it",
     ]
 
 

@@ -1,0 +1,106 @@
+"""Submitting to a model with fallbacks: what ``generate`` does with the ``route`` stage's plan.
+
+The models are tried in order (the routed one, then its fallbacks). Each gets
+``retries`` extra attempts; an error, an overload (429) or no first token
+within ``first_token_timeout_s`` moves on to the next. A model that failed is
+left out of rotation for ``cooldown_s`` (the last candidate is always tried).
+A fallback with another tokenizer gets the prompt tokenized again; a remote
+backend gets the chat messages. Fallback happens before the first token only:
+once text has reached the client, a failure ends the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pipeline.context import RequestContext, RoutePlan
+from pipeline.errors import BackendError, Overloaded
+from pipeline.protocols import Engine, Resources, SamplingParams, TokenEvent, TokenStream
+from stages.engines import engine_for
+
+#: Errors that move on to the next model; anything else (a bad request) ends the request.
+RETRYABLE = (Overloaded, BackendError)
+
+
+async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampling: SamplingParams,
+                               salt: str) -> tuple[str, Engine, TokenStream]:
+    plan = ctx.route_plan or RoutePlan()
+    first = ctx.model or (resources.engines.default_model if resources.engines else "")
+    candidates = [first, *(m for m in plan.fallbacks if m != first)]
+    tried: list[dict[str, Any]] = []
+    error: Exception | None = None
+    for index, name in enumerate(candidates):
+        if resources.cooldowns.get(name, 0.0) > time.monotonic() and index < len(candidates) - 1:
+            tried.append({"model": name, "error": "cooldown"})
+            continue
+        for attempt in range(1 + plan.retries):
+            try:
+                engine, stream = await _submit(resources, ctx, name, sampling, salt, plan)
+            except RETRYABLE as exc:
+                error = exc
+                tried.append({"model": name, "attempt": attempt + 1, "error": exc.kind})
+                continue
+            resources.cooldowns.pop(name, None)
+            _record(ctx, name, tried)
+            return name, engine, stream
+        resources.cooldowns[name] = time.monotonic() + plan.cooldown_s
+    _record(ctx, None, tried)
+    raise error if error is not None else BackendError("no model could take the request")
+
+
+async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
+                  plan: RoutePlan) -> tuple[Engine, TokenStream]:
+    name, engine = await engine_for(resources, name)
+    if getattr(engine, "accepts_messages", False):
+        messages = [{"role": m.role, "content": m.content} for m in ctx.messages]
+        stream = await engine.submit_messages(messages, sampling, cache_salt=salt)  # type: ignore[attr-defined]
+    else:
+        if name != ctx.model:  # a fallback: its own tokenizer, its own token ids
+            ctx.prompt_ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                           for m in ctx.messages])
+            ctx.prompt_tokens = len(ctx.prompt_ids)
+        stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
+    if plan.first_token_timeout_s is not None:
+        stream = await _first_token(stream, name, plan.first_token_timeout_s)
+    return engine, stream
+
+
+async def _first_token(stream: TokenStream, name: str, timeout_s: float) -> TokenStream:
+    events = stream.__aiter__()
+    try:
+        first = await asyncio.wait_for(events.__anext__(), timeout_s)
+    except TimeoutError:
+        await stream.aclose()
+        raise BackendError(f"model {name!r} gave no first token within {timeout_s:g} s") from None
+    except StopAsyncIteration:
+        first = None
+    return _Primed(first, events, stream)
+
+
+class _Primed:
+    """A token stream whose first event was already read (to time it)."""
+
+    def __init__(self, first: TokenEvent | None, rest: Any, stream: TokenStream):
+        self._first, self._rest, self._stream = first, rest, stream
+
+    def __aiter__(self) -> Any:
+        return self._events()
+
+    async def _events(self) -> Any:
+        if self._first is None:
+            return
+        yield self._first
+        async for event in self._rest:
+            yield event
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _record(ctx: RequestContext, served: str | None, tried: list[dict[str, Any]]) -> None:
+    route = ctx.facts.setdefault("route", {})
+    route["served_by"] = served
+    if tried:
+        route["fallbacks_tried"] = tried

@@ -1,0 +1,240 @@
+"""Replica placement, model load and the pool's backends; one slow test on the real model with two replicas."""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pipeline.protocols import ModelLoad, SamplingParams
+from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
+from serving.engine.async_engine import TokenEvent
+from serving.model_pool import LocalEngine, ModelPool, Placement, ReplicaLoad, rendezvous
+
+ROOT = Path(__file__).parents[2]
+BLOCK = 16
+IDLE4 = [ReplicaLoad()] * 4
+
+
+def prompt(seed: int, length: int = 5 * BLOCK) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(length)]
+
+
+# -- Placement -------------------------------------------------------------------
+
+
+def test_the_same_prefix_goes_to_the_same_replica():
+    placement = Placement(4)
+    shared = prompt(1, 4 * BLOCK)
+    # Only the first prefix_blocks full blocks count: what follows (the user's question) does not move it.
+    picks = {placement.choose(shared + prompt(seed, 40), "", IDLE4) for seed in range(20)}
+    assert picks == {rendezvous(placement.prefix_key(shared), 4)}
+
+
+def test_a_prefix_shorter_than_prefix_blocks_still_pins_its_replica():
+    placement = Placement(4)
+    shared = prompt(2, 2 * BLOCK)  # two full blocks, then a partial one that differs
+    assert len({placement.choose(shared + prompt(seed, 5), "", IDLE4) for seed in range(10)}) == 1
+
+
+def test_different_prefixes_spread_over_replicas():
+    placement = Placement(4)
+    counts = [0] * 4
+    for seed in range(400):
+        counts[placement.choose(prompt(seed), "", IDLE4)] += 1
+    assert min(counts) >= 60, counts  # 100 each on average
+
+
+def test_the_cache_salt_is_part_of_the_key():
+    placement = Placement(4)
+    ids = prompt(3)
+    assert placement.prefix_key(ids, "tenant-a") != placement.prefix_key(ids, "tenant-b")
+    picks = {placement.choose(ids, f"tenant-{i}", IDLE4) for i in range(40)}
+    assert len(picks) > 1
+
+
+def test_an_overloaded_replica_diverts_to_the_least_loaded():
+    placement = Placement(3, max_imbalance=4)
+    ids = prompt(4)
+    home = placement.choose(ids, "", [ReplicaLoad()] * 3)
+    others = [i for i in range(3) if i != home]
+    loads = [ReplicaLoad(2, 3)] * 3  # everyone at 5
+    loads[home] = ReplicaLoad(5, 4)  # 9: exactly max_imbalance more than the others, still home
+    assert placement.choose(ids, "", loads) == home
+    loads[home] = ReplicaLoad(6, 4)  # 10: over the limit
+    loads[others[1]] = ReplicaLoad(0, 4)  # the lightest
+    assert placement.choose(ids, "", loads) == others[1]
+
+
+def test_a_prompt_shorter_than_one_block_goes_to_the_least_loaded():
+    placement = Placement(3)
+    loads = [ReplicaLoad(1, 0), ReplicaLoad(0, 5), ReplicaLoad(0, 6)]
+    assert placement.prefix_key(prompt(5, BLOCK - 1)) is None
+    assert placement.choose(prompt(5, BLOCK - 1), "", loads) == 1
+
+
+def test_round_robin_cycles():
+    placement = Placement(3, "round_robin")
+    loads = [ReplicaLoad(9, 9), ReplicaLoad(), ReplicaLoad()]  # load plays no part
+    assert [placement.choose(prompt(6), "", loads) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_loaded_takes_the_fewest_waiting_then_running():
+    placement = Placement(3, "least_loaded")
+    assert placement.choose(prompt(7), "", [ReplicaLoad(2, 0), ReplicaLoad(1, 9), ReplicaLoad(1, 3)]) == 2
+    assert placement.choose(prompt(7), "", [ReplicaLoad(0, 1), ReplicaLoad(0, 1), ReplicaLoad(0, 2)]) == 0
+
+
+def test_an_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="unknown placement"):
+        Placement(2, "random")
+
+
+# -- LocalEngine over fake replicas ----------------------------------------------------
+
+
+@dataclass
+class FakeScheduler:
+    num_waiting: int = 0
+    num_running: int = 0
+
+
+class FakeStream:
+    def __init__(self, tokens: int):
+        self._events = [TokenEvent(i, "length" if i == tokens - 1 else None, 10, 0, i + 1) for i in range(tokens)]
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._events:
+            raise StopAsyncIteration
+        return self._events.pop(0)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeReplica:
+    """Just what LocalEngine reads of an AsyncEngine."""
+
+    scheduler: FakeScheduler = field(default_factory=FakeScheduler)
+    submitted: int = 0
+    tokenizer: object = None
+
+    @property
+    def engine(self):
+        return self
+
+    async def submit(self, prompt_ids, sampling, cache_salt=""):
+        self.submitted += 1
+        return FakeStream(3)
+
+
+async def test_streams_name_their_replica_and_count_as_load_until_they_end():
+    replicas = [FakeReplica(), FakeReplica()]
+    local = LocalEngine("smol", replicas, "hash", Placement(2, "round_robin"))
+    first = await local.submit(prompt(1), SamplingParams(max_tokens=3))
+    second = await local.submit(prompt(2), SamplingParams(max_tokens=3))
+    assert (first.replica, second.replica) == (0, 1)
+    # Submitted but not yet seen by the scheduler (its queues are still empty): waiting all the same.
+    assert local.load() == ModelLoad(waiting=2, running=0, ttft_s=None)
+    replicas[1].scheduler.num_running = 1
+    assert local.load() == ModelLoad(waiting=1, running=1)
+    events = [event async for event in first]
+    assert [e.token_id for e in events] == [0, 1, 2]
+    await second.aclose()
+    replicas[1].scheduler.num_running = 0
+    load = local.load()
+    assert (load.waiting, load.running) == (0, 0)
+    assert load.ttft_s is not None and load.ttft_s >= 0
+
+
+def test_ttft_is_an_exponential_average():
+    local = LocalEngine("smol", [FakeReplica()], "hash")
+    local.observe_ttft(1.0)
+    local.observe_ttft(2.0)
+    assert local.ttft_s == pytest.approx(1.2)
+
+
+async def test_one_replica_needs_no_placement():
+    replica = FakeReplica()
+    local = LocalEngine("smol", [replica], "hash", Placement(1, "round_robin"))
+    streams = [await local.submit([1], SamplingParams()) for _ in range(3)]
+    assert [s.replica for s in streams] == [0, 0, 0] and local.placement._next == 0
+
+
+# -- ModelPool ---------------------------------------------------------------------
+
+
+class FakeRemote:
+    def __init__(self):
+        self.closed = False
+
+    def load(self) -> ModelLoad:
+        return ModelLoad(waiting=3, running=1, ttft_s=0.5)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_remote_models_open_lazily_report_their_load_and_close(monkeypatch):
+    opened: list[tuple[str, ModelSpec, Path]] = []
+
+    def open_remote(name, spec, root):
+        opened.append((name, spec, root))
+        return FakeRemote()
+
+    monkeypatch.setitem(sys.modules, "serving.remote", types.SimpleNamespace(open_remote=open_remote))
+    server = ServerSpec(models={"far": ModelSpec(backend="openai", base_url="http://127.0.0.1:9/v1")})
+    pool = ModelPool(server, ROOT)
+    assert pool.load("far") == ModelLoad()  # not opened yet: idle
+    await pool.start_all()
+    assert opened == []  # nothing to start for a remote model
+    remote = await pool.get("far")
+    assert opened[0][0] == "far" and pool.load("far") == ModelLoad(3, 1, 0.5)
+    assert pool.engines() == {}
+    await pool.close()
+    assert remote.closed
+
+
+# -- the real model ----------------------------------------------------------------------
+
+SYSTEM = ("You are the support assistant of Inferline, a small inference server. Answer in one short sentence. "
+          "Inferline serves language models behind YAML pipelines: a pipeline is a list of stages such as "
+          "policy, prompt, retrieve, tokenize, route, generate, stream and audit. Each stage reads and writes "
+          "fields of the request context. The generate stage submits token ids to an engine, which batches "
+          "requests continuously over a paged KV cache and reuses cached prompt prefixes across requests. ") * 2
+
+
+@pytest.mark.slow
+async def test_two_replicas_keep_a_shared_system_prompt_on_one_replica(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec = ModelSpec(source="models/smollm2-135m-instruct", device="cpu", dtype="float32", replicas=2,
+                     kv_cache=KVCacheSpec(memory_gb=0.25))
+    pool = ModelPool(ServerSpec(models={"smol": spec}), ROOT)
+    try:
+        local = await pool.get("smol")
+        assert set(pool.engines()) == {"smol", "smol#1"}
+        assert pool.engines()["smol"] is not pool.engines()["smol#1"]
+        runs = []
+        for question in ("What is a pipeline?", "Which stage talks to the engine?"):
+            ids = local.tokenizer.encode_chat([{"role": "system", "content": SYSTEM},
+                                               {"role": "user", "content": question}])
+            stream = await local.submit(ids, SamplingParams(max_tokens=4, temperature=0))
+            events = [event async for event in stream]
+            runs.append((stream.replica, events[-1]))
+        (first_replica, first), (second_replica, second) = runs
+        assert second_replica == first_replica
+        assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 16 * 10
+        load = pool.load("smol")
+        assert (load.waiting, load.running) == (0, 0) and load.ttft_s is not None and load.ttft_s > 0
+    finally:
+        await pool.close()

@@ -1,0 +1,192 @@
+"""The route stage and generate's fallbacks, over fake engines (a real remote: tests/serving/test_remote.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from collections import Counter
+
+import pytest
+
+from pipeline.context import Principal, RequestContext
+from pipeline.errors import BackendError, Overloaded, SpecError
+from pipeline.events import Done, Error, TextDelta
+from pipeline.loader import load_pipeline_text
+from pipeline.protocols import Catalog, ModelInfo, ModelLoad, Resources
+from pipeline.runner import Pipeline, Runner
+from tests.fakes import FakeEngine, FakeEngines
+
+CATALOG = Catalog(models={"smol": ModelInfo("smol", context_window=64), "big": ModelInfo("big", context_window=4096),
+                          "canary": ModelInfo("canary"), "remote": ModelInfo("remote")})
+
+
+class FailingEngine(FakeEngine):
+    def __init__(self, error: Exception):
+        super().__init__("never")
+        self.error, self.calls = error, 0
+
+    async def submit(self, prompt_ids, sampling, cache_salt=""):
+        self.calls += 1
+        raise self.error
+
+
+class SilentEngine(FakeEngine):
+    """Accepts the request, then never sends a token."""
+
+    def __init__(self):
+        super().__init__("never")
+        self.closed = 0
+
+    async def submit(self, prompt_ids, sampling, cache_salt=""):
+        engine = self
+
+        class Stream:
+            def __aiter__(self):
+                return self._events()
+
+            async def _events(self):
+                await asyncio.sleep(3600)
+                yield None
+
+            async def aclose(self):
+                engine.closed += 1
+
+        return Stream()
+
+
+class RemoteLike(FakeEngine):
+    """Takes chat messages, like serving.remote.RemoteEngine."""
+
+    accepts_messages = True
+
+    def __init__(self):
+        super().__init__("From afar.")
+        self.messages = []
+
+    async def submit_messages(self, messages, sampling, cache_salt=""):
+        self.messages.append(messages)
+        return await self.submit([1, 2, 3], sampling, cache_salt)
+
+
+def build(registry, route: str, **engines):
+    yaml_text = f"""
+    name: routed
+    stages:
+      - {{id: prompt, type: prompt}}
+      - {{id: pick, type: route, with: {route}}}
+      - {{id: tok, type: tokenize}}
+      - {{id: gen, type: generate, with: {{max_tokens: 32, temperature: 0}}}}
+      - {{id: out, type: stream}}
+    """
+    loaded = load_pipeline_text(textwrap.dedent(yaml_text), "routed.yaml", registry, CATALOG)
+    provider = FakeEngines(**({"smol": FakeEngine("small"), "big": FakeEngine("BIG")} | engines))
+    resources = Resources(CATALOG, engines=provider)
+    return Pipeline(loaded, resources), provider, resources
+
+
+async def run(pipeline, text="hi", **kwargs):
+    ctx = RequestContext.from_text("routed", text, **kwargs)
+    events = [e async for e in Runner().stream(pipeline, ctx)]
+    return ctx, events, "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+async def test_rules_first_match_with_reasons(registry):
+    route = """{rules: [{when: "prompt_tokens > 40", model: big, reason: long prompt},
+                        {when: "tags.tier == 'gold'", model: big}], default: smol, context_check: false}"""
+    pipeline, _, _ = build(registry, route)
+    ctx, _, text = await run(pipeline, "hi")
+    assert (ctx.model, text, ctx.facts["route"]["mode"], ctx.facts["route"]["reason"]) == (
+        "smol", "small", "default", "no rule matched")
+    ctx, _, text = await run(pipeline, "x" * 60)
+    assert (ctx.model, ctx.facts["route"]["reason"]) == ("big", "long prompt")
+    ctx, _, _ = await run(pipeline, "hi", tags={"tier": "gold"})
+    assert ctx.facts["route"]["reason"] == "rules[1]: tags.tier == 'gold'"
+    assert ctx.facts["decisions"]["pick"]["model"] == "big"
+
+
+async def test_weighted_split_is_sticky_per_caller_and_follows_the_weights(registry):
+    pipeline, _, _ = build(registry, "{split: [{model: smol, weight: 80}, {model: big, weight: 20}], sticky: true, "
+                                     "context_check: false}")
+    arms = Counter()
+    for caller in range(200):
+        ctx, _, _ = await run(pipeline, principal=Principal(f"key{caller}", "caller"))
+        arms[ctx.model] += 1
+        again, _, _ = await run(pipeline, principal=Principal(f"key{caller}", "caller"))
+        assert again.model == ctx.model  # sticky
+    assert 120 < arms["smol"] < 190 and arms["big"] > 10
+    assert ctx.facts["route"]["reason"].endswith("arm (sticky)")
+
+
+async def test_balance_picks_the_least_busy(registry):
+    pipeline, provider, _ = build(registry, "{balance: [smol, big], context_check: false}")
+    provider.loads = {"smol": ModelLoad(waiting=5, running=8, ttft_s=0.05), "big": ModelLoad(1, 8, ttft_s=0.5)}
+    ctx, _, _ = await run(pipeline)
+    assert ctx.model == "big" and ctx.facts["route"]["reason"] == "fewest waiting (1 waiting, 8 running)"
+    pipeline, provider, _ = build(registry, "{balance: [smol, big], balance_by: ttft, context_check: false}")
+    provider.loads = {"smol": ModelLoad(5, 8, ttft_s=0.05), "big": ModelLoad(1, 8, ttft_s=0.5)}
+    ctx, _, _ = await run(pipeline)
+    assert ctx.model == "smol" and "lowest recent ttft" in ctx.facts["route"]["reason"]
+
+
+@pytest.mark.parametrize("error", [Overloaded("full", retry_after_s=2), BackendError("down")])
+async def test_fallback_on_failure_with_retries_and_cooldown(registry, error):
+    failing = FailingEngine(error)
+    pipeline, _, resources = build(registry, "{default: smol, fallback: [big], retries: 1, cooldown_s: 0.2, "
+                                             "context_check: false}", smol=failing)
+    ctx, events, text = await run(pipeline)
+    assert isinstance(events[-1], Done) and text == "BIG" and ctx.model == "big"
+    assert failing.calls == 2  # one retry on the same model first
+    assert ctx.facts["route"]["fallbacks_tried"] == [{"model": "smol", "attempt": 1, "error": error.kind},
+                                                     {"model": "smol", "attempt": 2, "error": error.kind}]
+    ctx, _, _ = await run(pipeline)  # smol rests: not even tried
+    assert failing.calls == 2 and ctx.facts["route"]["fallbacks_tried"] == [{"model": "smol", "error": "cooldown"}]
+    await asyncio.sleep(0.25)  # the cooldown expires: smol is tried again
+    await run(pipeline)
+    assert failing.calls == 4 and "smol" in resources.cooldowns
+
+
+async def test_a_silent_model_times_out_and_falls_back(registry):
+    silent = SilentEngine()
+    pipeline, _, _ = build(registry, "{default: smol, fallback: [big], first_token_timeout_s: 0.1, "
+                                     "context_check: false}", smol=silent)
+    ctx, _, text = await run(pipeline)
+    assert text == "BIG" and silent.closed == 1
+    assert ctx.facts["route"]["fallbacks_tried"][0]["error"] == "backend_error"
+
+
+async def test_when_every_model_fails_the_request_fails_with_the_last_error(registry):
+    pipeline, _, _ = build(registry, "{default: smol, fallback: [big], context_check: false}",
+                           smol=FailingEngine(BackendError("down")), big=FailingEngine(Overloaded("full")))
+    ctx, events, _ = await run(pipeline)
+    assert isinstance(events[-1], Error) and events[-1].kind == "overloaded"
+    assert [t["model"] for t in ctx.facts["route"]["fallbacks_tried"]] == ["smol", "big"]
+
+
+async def test_a_fallback_to_a_remote_backend_gets_the_chat_messages(registry):
+    remote = RemoteLike()
+    pipeline, _, _ = build(registry, "{default: smol, fallback: [remote], context_check: false}",
+                           smol=FailingEngine(BackendError("down")), remote=remote)
+    ctx, _, text = await run(pipeline, "Bonjour")
+    assert text == "From afar." and ctx.model == "remote"
+    assert remote.messages == [[{"role": "user", "content": "Bonjour"}]]
+
+
+async def test_the_context_window_check_reroutes_or_refuses(registry):
+    pipeline, _, _ = build(registry, "{default: smol, fallback: [big], reserve_output_tokens: 16}")
+    ctx, _, _ = await run(pipeline, "x" * 100)  # ~106 byte-tokens: over smol's 64
+    assert ctx.model == "big" and ctx.facts["route"]["mode"] == "context"
+    pipeline, _, _ = build(registry, "{default: smol, reserve_output_tokens: 16}")
+    ctx, events, _ = await run(pipeline, "x" * 100)
+    assert events[-1].kind == "invalid_input" and "context window" in events[-1].message
+
+
+@pytest.mark.parametrize(("route", "message"), [
+    ("{rules: [{when: 'prompt_tokens >', model: big}]}", "bad expression"),
+    ("{rules: [{when: 'nope > 1', model: big}]}", "unknown field 'nope'"),
+    ("{default: bgi}", "unknown model 'bgi'; did you mean 'big'?"),
+    ("{split: [{model: smol, weight: 0}]}", "greater than 0"),
+])
+def test_configuration_errors_are_located(registry, route, message):
+    with pytest.raises(SpecError) as caught:
+        build(registry, route)
+    assert str(caught.value).startswith("routed.yaml:5:") and message in str(caught.value)
