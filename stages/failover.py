@@ -52,6 +52,18 @@ async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampli
 
 async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
                   plan: RoutePlan) -> tuple[Engine, TokenStream]:
+    if plan.first_token_timeout_s is None:
+        return await _open(resources, ctx, name, sampling, salt)
+    try:  # the deadline covers the submission too: a remote that never answers is as silent as one that stalls
+        async with asyncio.timeout(plan.first_token_timeout_s):
+            engine, stream = await _open(resources, ctx, name, sampling, salt)
+            return engine, await _first_token(stream)
+    except TimeoutError:
+        raise BackendError(f"model {name!r} gave no first token within {plan.first_token_timeout_s:g} s") from None
+
+
+async def _open(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams,
+                salt: str) -> tuple[Engine, TokenStream]:
     name, engine = await engine_for(resources, name)
     if getattr(engine, "accepts_messages", False):
         messages = [{"role": m.role, "content": m.content} for m in ctx.messages]
@@ -62,20 +74,19 @@ async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling
                                                            for m in ctx.messages])
             ctx.prompt_tokens = len(ctx.prompt_ids)
         stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
-    if plan.first_token_timeout_s is not None:
-        stream = await _first_token(stream, name, plan.first_token_timeout_s)
     return engine, stream
 
 
-async def _first_token(stream: TokenStream, name: str, timeout_s: float) -> TokenStream:
+async def _first_token(stream: TokenStream) -> TokenStream:
+    """*stream* with its first event already read (the caller times that); closed if the wait is cancelled."""
     events = stream.__aiter__()
     try:
-        first = await asyncio.wait_for(events.__anext__(), timeout_s)
-    except TimeoutError:
-        await stream.aclose()
-        raise BackendError(f"model {name!r} gave no first token within {timeout_s:g} s") from None
+        first = await events.__anext__()
     except StopAsyncIteration:
         first = None
+    except BaseException:
+        await stream.aclose()
+        raise
     return _Primed(first, events, stream)
 
 
