@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from pipeline.cost import Price
 
@@ -83,6 +83,14 @@ class ModelSpec(Strict):
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     price: PriceSpec = Field(default_factory=PriceSpec)
+
+    @model_validator(mode="after")
+    def _backend_needs(self) -> ModelSpec:
+        if self.backend == "openai" and not (self.base_url or "").startswith(("http://", "https://")):
+            raise ValueError("backend: openai needs base_url: http(s)://host:port/v1")
+        if self.backend == "local" and not self.source:
+            raise ValueError("a local model needs source: (an HF folder or a .gguf file)")
+        return self
 
 
 class IndexSpec(Strict):

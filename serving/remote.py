@@ -267,8 +267,9 @@ class RemoteStream:
     async def _parse(self) -> AsyncIterator[RemoteEvent]:
         """Content events as they come; the finish event is held until the usage chunk or ``[DONE]``."""
         finish: str | None = None
-        prompt, output = 0, 0
-        usage_seen = False
+        # Our own count until the server's usage arrives (it comes last): a stream left early (a stop
+        # string, an output rail, a disconnect) still reports its prompt for cost and budgets.
+        prompt, output = len(self._engine.tokenizer.encode_chat(self._messages)), 0
         async with aclosing(_sse_data(self._response)) as events:
             async for data in events:
                 if data == "[DONE]":
@@ -282,14 +283,11 @@ class RemoteStream:
                     finish = choice.get("finish_reason") or finish
                 if isinstance(usage := chunk.get("usage"), Mapping):
                     prompt, output = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-                    usage_seen = True
                     if finish:
                         break
             else:
                 if finish is None:  # closed without [DONE] or a finish reason: the server went away
                     raise BackendError(f"model {self._engine.name!r}: the stream ended before the reply did")
-        if not usage_seen:  # a server without include_usage: count the prompt ourselves
-            prompt = len(self._engine.tokenizer.encode_chat(self._messages))
         yield RemoteEvent("", finish or "stop", prompt, output)
 
     def _decode(self, data: str) -> dict[str, Any]:

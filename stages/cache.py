@@ -11,15 +11,12 @@ YAML (after ``tokenize``, before ``generate``)::
         ttl_s: 3600
         max_entries: 10000     # memory: LRU beyond this
         max_entry_bytes: 65536 # larger answers are not stored
-        deterministic: true    # the pipeline owner asserts that generate is greedy or seeded
         semantic: {enabled: false, threshold: 0.92, max_entries: 2000}
 
-Only deterministic requests are cached. This stage cannot see the generate
-stage's config, so it relies on the caller's ``params`` and on
-``deterministic``: a request whose params set a ``seed``, or ``temperature: 0``,
-is cacheable; one whose params set ``temperature`` above 0 without a seed
-never is; one that sets neither is cacheable when ``deterministic`` is true
-(the default: set it to false over a sampling generate stage). Requests that
+Only deterministic requests are cached: a request whose params set
+``temperature`` above 0 without a seed is not even looked up, and an answer is
+stored only when generate actually ran greedy or seeded (``facts["sampling"]``,
+from the generate stage's own config), so a sampling pipeline never caches. Requests that
 ask for ``logprobs`` and models behind a remote backend (no faithful token ids
 to replay) are not cached either; ``ctx.facts["cache"]["skipped"]`` says why.
 
@@ -81,7 +78,6 @@ class CacheConfig(NoConfig):
     ttl_s: float = Field(3600, gt=0)
     max_entries: int = Field(10_000, ge=1)
     max_entry_bytes: int = Field(65_536, ge=64)
-    deterministic: bool = True
     #: Serve one tenant's cached answers to another (faster, but a tenant could tell by the speed
     #: what another asked: the prefix cache's isolate_tenants would be undone). Off by default.
     share_across_tenants: bool = False
@@ -192,7 +188,7 @@ class CacheStage(Stage):
     async def _lookup(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(CacheConfig, self.config)
         model, engine = await engine_for(self.resources, ctx.model)
-        params, skipped = _cacheable(ctx.params, config.deterministic)
+        params, skipped = _cacheable(ctx.params)
         if self.resources.caches is None:
             skipped = "no_cache_provider"
         if getattr(engine, "accepts_messages", False):
@@ -201,7 +197,8 @@ class CacheStage(Stage):
             ctx.facts["cache"] = {"hit": False, "skipped": skipped}
             scope.set_attribute("inferline.cache.hit", False)
             return
-        key = request_key(ctx, model, params, "" if config.share_across_tenants else ctx.tenant)
+        key = request_key(ctx, f"{model}@{engine.weights_hash}", params,
+                          "" if config.share_across_tenants else ctx.tenant)
         facts: dict[str, Any] = {"hit": False, "key": key[:16]}
         entry = await self._get(ctx, key, facts)
         semantic_scope, vector = "", None
@@ -257,6 +254,9 @@ class CacheStage(Stage):
         async def store(ctx: RequestContext) -> None:
             if ctx.status != "ok" or ctx.finish_reason not in STORED_FINISH_REASONS or ctx.model != model:
                 return  # failed, cut short, filtered, or answered by a fallback model under another key
+            sampling = ctx.facts.get("sampling", {})
+            if sampling.get("temperature") != 0 and sampling.get("seed") is None:
+                return  # generate sampled (its own config, which this stage cannot see): not repeatable
             if ctx.output_text and not ctx.output_ids:
                 return  # text without token ids (a text-only backend): nothing faithful to replay
             value = {"ids": list(ctx.output_ids), "finish_reason": ctx.finish_reason, "created": self.clock()}
@@ -285,7 +285,7 @@ class CacheStage(Stage):
             facts["error"] = f"{what}: {type(exc).__name__}"
 
 
-def _cacheable(params: dict[str, Any], deterministic: bool) -> tuple[dict[str, Any], str]:
+def _cacheable(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The caller's params as generate validates them, and why the request is not cacheable ('' if it is)."""
     try:
         # Validated and normalised (temperature 0 == 0.0) so equal requests get equal keys.
@@ -298,7 +298,7 @@ def _cacheable(params: dict[str, Any], deterministic: bool) -> tuple[dict[str, A
         return normal, ""
     if "temperature" in normal:
         return normal, "" if normal["temperature"] == 0 else "sampled"
-    return normal, "" if deterministic else "not_deterministic"
+    return normal, ""
 
 
 def _digest(parts: list[Any]) -> str:
@@ -306,7 +306,8 @@ def _digest(parts: list[Any]) -> str:
 
 
 def request_key(ctx: RequestContext, model: str, params: dict[str, Any], tenant: str = "") -> str:
-    """The exact cache key: everything that decides a deterministic answer (and the tenant, unless shared)."""
+    """The exact cache key: everything that decides a deterministic answer (and the tenant, unless shared).
+    *model* names the weights too (``name@weights_hash``): new weights under an old name start afresh."""
     return _digest(["exact", ctx.spec_sha256, tenant, model, params, ctx.stop, ctx.max_output_tokens,
                     ctx.prompt_ids])
 

@@ -63,11 +63,14 @@ class GuardClassifier:
     async def classify(self, resources: Resources, text: str, cache_salt: str = "") -> Verdict:
         """The model's verdict on *text* (a prefill plus a few tokens on its engine)."""
         _, engine = await engine_for(resources, self.config.model)
-        prompt_ids = engine.tokenizer.encode_chat([
-            {"role": "system", "content": self._instruction},
-            {"role": "user", "content": f"Message:\n{text}\n\nIs this message safe or unsafe? One word."}])
-        stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=10, temperature=0.0, logprobs=20),
-                                     cache_salt=cache_salt)
+        messages = [{"role": "system", "content": self._instruction},
+                    {"role": "user", "content": f"Message:\n{text}\n\nIs this message safe or unsafe? One word."}]
+        prompt_ids = engine.tokenizer.encode_chat(messages)
+        sampling = SamplingParams(max_tokens=10, temperature=0.0, logprobs=20)
+        if getattr(engine, "accepts_messages", False):  # a remote guard model: it applies its own template
+            stream = await engine.submit_messages(messages, sampling, cache_salt=cache_salt)  # type: ignore[attr-defined]
+        else:
+            stream = await engine.submit(prompt_ids, sampling, cache_salt=cache_salt)
         ids: list[int] = []
         top: tuple[tuple[int, float], ...] = ()
         try:

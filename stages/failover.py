@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pipeline.context import RequestContext, RoutePlan
-from pipeline.errors import BackendError, Overloaded
+from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import Engine, Resources, SamplingParams, TokenEvent, TokenStream
 from stages.engines import engine_for
 
@@ -39,42 +39,49 @@ async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampli
             try:
                 engine, stream = await _submit(resources, ctx, name, sampling, salt, plan)
             except RETRYABLE as exc:
-                error = exc
+                error = error or exc  # the first model's error is the one to report if all fail
                 tried.append({"model": name, "attempt": attempt + 1, "error": exc.kind})
+                rest = exc.retry_after_s if isinstance(exc, Overloaded) else plan.cooldown_s
                 continue
+            except InvalidInput as exc:
+                if index == 0:
+                    raise  # the request itself is at fault
+                tried.append({"model": name, "attempt": attempt + 1, "error": exc.kind})  # e.g. too small a window
+                rest = 0.0
+                break
             resources.cooldowns.pop(name, None)
             _record(ctx, name, tried)
             return name, engine, stream
-        resources.cooldowns[name] = time.monotonic() + plan.cooldown_s
+        if rest:  # a full model rests as long as it asked; a failing one, cooldown_s
+            resources.cooldowns[name] = time.monotonic() + min(rest, plan.cooldown_s)
     _record(ctx, None, tried)
     raise error if error is not None else BackendError("no model could take the request")
 
 
 async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
                   plan: RoutePlan) -> tuple[Engine, TokenStream]:
+    """Submit to *name* and read its first event (an error before any text still falls back). A deadline
+    covers the submission and the first token, not the model's start (a cold start takes what it takes)."""
+    name, engine = await engine_for(resources, name)
     if plan.first_token_timeout_s is None:
-        return await _open(resources, ctx, name, sampling, salt)
-    try:  # the deadline covers the submission too: a remote that never answers is as silent as one that stalls
+        return engine, await _first_token(await _open(engine, ctx, name, sampling, salt))
+    try:
         async with asyncio.timeout(plan.first_token_timeout_s):
-            engine, stream = await _open(resources, ctx, name, sampling, salt)
-            return engine, await _first_token(stream)
+            return engine, await _first_token(await _open(engine, ctx, name, sampling, salt))
     except TimeoutError:
         raise BackendError(f"model {name!r} gave no first token within {plan.first_token_timeout_s:g} s") from None
 
 
-async def _open(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams,
-                salt: str) -> tuple[Engine, TokenStream]:
-    name, engine = await engine_for(resources, name)
+async def _open(engine: Engine, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str) -> TokenStream:
     if getattr(engine, "accepts_messages", False):
         messages = [{"role": m.role, "content": m.content} for m in ctx.messages]
-        stream = await engine.submit_messages(messages, sampling, cache_salt=salt)  # type: ignore[attr-defined]
-    else:
-        if name != ctx.model:  # a fallback: its own tokenizer, its own token ids
-            ctx.prompt_ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                           for m in ctx.messages])
-            ctx.prompt_tokens = len(ctx.prompt_ids)
-        stream = await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
-    return engine, stream
+        return await engine.submit_messages(messages, sampling, cache_salt=salt)  # type: ignore[attr-defined]
+    if name != ctx.facts.get("prompt_model", ctx.model):  # another tokenizer than the prompt's: encode again
+        ctx.prompt_ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                       for m in ctx.messages])
+        ctx.prompt_tokens = len(ctx.prompt_ids)
+        ctx.facts["prompt_model"] = name
+    return await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
 
 
 async def _first_token(stream: TokenStream) -> TokenStream:

@@ -39,6 +39,7 @@ from pipeline.tracing import (
     GEN_AI_REQUEST_TEMPERATURE,
     GEN_AI_REQUEST_TOP_P,
 )
+from stages.engines import engine_for
 from stages.failover import submit_with_fallback
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -87,12 +88,17 @@ class GenerateStage(Stage):
             sampling = replace(sampling, max_tokens=ctx.max_output_tokens)  # a policy's cap or token budget
         if ctx.token_stream is not None:  # served from the response cache: nothing to generate
             scope.set_attribute("inferline.cache.hit", True)
+            _, engine = await engine_for(self.resources, ctx.model)
+            self._record(ctx, scope, sampling, engine.weights_hash)
             return
         salt = ctx.tenant if config.isolate_tenants else ""
         ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
+        self._record(ctx, scope, sampling, engine.weights_hash)
+
+    def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, weights_hash: str) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
-        ctx.facts["weights_hash"] = engine.weights_hash
+        ctx.facts["weights_hash"] = weights_hash
         scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
         scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
         scope.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, sampling.max_tokens)

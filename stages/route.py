@@ -126,7 +126,12 @@ class RouteStage(Stage):
 
     def _choose(self, ctx: RequestContext, config: RouteConfig) -> tuple[str, str, str]:
         for index, rule in enumerate(config.rules):
-            if rule.expression.evaluate(ctx.field_value):
+            try:
+                matched = rule.expression.evaluate(ctx.field_value)
+            except ExpressionError as exc:  # e.g. a client tag that is not a number: the rule does not apply
+                ctx.facts.setdefault("route_rule_errors", []).append(f"rules[{index}]: {exc}")
+                continue
+            if matched:
                 return rule.model, "rule", rule.reason or f"rules[{index}]: {rule.when}"
         if config.split:
             return self._split(ctx, config)
@@ -155,10 +160,10 @@ class RouteStage(Stage):
         if not loads:
             return config.balance[0], "balance", "no load figures"
         if config.balance_by == "ttft":
-            known = {m: load.ttft_s for m, load in loads.items() if load.ttft_s is not None}
-            if known:
-                best = min(known, key=known.__getitem__)
-                return best, "balance", f"lowest recent ttft ({known[best] * 1e3:.0f} ms)"
+            # A model never measured counts as fastest, so that it gets measured (else it would starve).
+            ttft = {m: load.ttft_s or 0.0 for m, load in loads.items()}
+            best = min(ttft, key=lambda m: (ttft[m], loads[m].waiting + loads[m].running))
+            return best, "balance", f"lowest recent ttft ({ttft[best] * 1e3:.0f} ms)"
         best = min(loads, key=lambda m: (loads[m].waiting, loads[m].running))
         return best, "balance", f"fewest waiting ({loads[best].waiting} waiting, {loads[best].running} running)"
 

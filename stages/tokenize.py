@@ -39,6 +39,7 @@ class TokenizeStage(Stage):
     type_name = "tokenize"
     Config = TokenizeConfig
     reads = frozenset({"messages"})
+    # It may trim ``messages`` (overflow: drop_oldest), but does not provide them: not in ``writes``.
     writes = frozenset({"prompt_ids", "prompt_tokens", "model"})
 
     @classmethod
@@ -50,13 +51,18 @@ class TokenizeStage(Stage):
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(TokenizeConfig, self.config)
         ctx.model, engine = await engine_for(self.resources, ctx.model or config.model or "")
-        ids = _fit(engine.tokenizer, ctx.messages, config.max_input_tokens, config.overflow)
+        ids, kept = _fit(engine.tokenizer, ctx.messages, config.max_input_tokens, config.overflow)
         ctx.prompt_ids, ctx.prompt_tokens = ids, len(ids)
+        if len(kept) != len(ctx.messages):  # a fallback or remote model gets the same trimmed conversation
+            ctx.messages = [ChatMessage(t["role"], t["content"]) for t in kept]
+        ctx.facts["prompt_model"] = ctx.model
         scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
         scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, len(ids))
 
 
-def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None, overflow: str) -> list[int]:
+def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None,
+         overflow: str) -> tuple[list[int], list[dict[str, str]]]:
+    """The prompt's token ids and the turns they encode (fewer when the oldest were dropped)."""
     turns = [{"role": m.role, "content": m.content} for m in messages]
     ids = tokenizer.encode_chat(turns)
     while limit is not None and len(ids) > limit:
@@ -64,7 +70,7 @@ def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None, o
             raise InvalidInput(f"the prompt has {len(ids)} tokens, over this pipeline's limit of {limit}"
                                + ("" if overflow == "error" else " even with only the last turn kept"))
         ids = tokenizer.encode_chat(turns)
-    return ids
+    return ids, turns
 
 
 def _drop_oldest(turns: list[dict[str, str]]) -> bool:

@@ -53,10 +53,11 @@ class FakeClock:
         return self.now
 
 
-def build(registry, cache_with: str = "{}", reply: str = "Paris is the capital. ¡Olé!"):
+def build(registry, cache_with: str = "{}", reply: str = "Paris is the capital. ¡Olé!", temperature: float = 0):
     registry.register(CacheStage)
-    loaded = load_pipeline_text(textwrap.dedent(PIPELINE).replace("CACHE", cache_with), "cached.yaml",
-                                registry, CATALOG)
+    yaml_text = textwrap.dedent(PIPELINE).replace("CACHE", cache_with)
+    yaml_text = yaml_text.replace("max_tokens: 50, temperature: 0}", f"max_tokens: 50, temperature: {temperature}}}")
+    loaded = load_pipeline_text(yaml_text, "cached.yaml", registry, CATALOG)
     engines = FakeEngines(smol=FakeEngine(reply), big=FakeEngine("The big model says Paris."))
     pipeline = Pipeline(loaded, Resources(CATALOG, engines=engines, caches=StoreCaches()))
     stage = next(b.stage for b in pipeline.stages if b.plan.spec.id == "cache")
@@ -125,15 +126,17 @@ async def test_a_sampled_request_is_never_cached(registry):
 
 
 async def test_a_seeded_or_greedy_request_is_cached(registry):
-    pipeline, engines, _ = build(registry, "{deterministic: false}")
-    ctx, _ = await run(pipeline, "Tell me a story")
-    assert ctx.facts["cache"] == {"hit": False, "skipped": "not_deterministic"}
+    pipeline, engines, stage = build(registry, temperature=0.7)  # a sampling pipeline
+    for _ in range(2):
+        ctx, _ = await run(pipeline, "Tell me a story")
+        assert ctx.facts["cache"]["hit"] is False  # looked up, never stored: generate sampled
+    assert len(stage.backend) == 0 and submitted(engines) == 2
     for params in ({"temperature": 0.7, "seed": 7}, {"temperature": 0}):
         await run(pipeline, "Tell me a story", params=params)
         ctx, _ = await run(pipeline, "Tell me a story", params=params)
         assert ctx.facts["cache"]["hit"], params
     ctx, _ = await run(pipeline, "Tell me a story", params={"temperature": 0.0})  # 0 and 0.0: one key
-    assert ctx.facts["cache"]["hit"] and submitted(engines) == 3
+    assert ctx.facts["cache"]["hit"] and submitted(engines) == 4
 
 
 async def test_a_different_prompt_model_or_stop_is_a_miss(registry):

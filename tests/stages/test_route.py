@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.context import Principal, RequestContext
+from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.errors import BackendError, Overloaded, SpecError
 from pipeline.events import Done, Error, TextDelta
 from pipeline.loader import load_pipeline_text
@@ -154,11 +154,11 @@ async def test_a_silent_model_times_out_and_falls_back(registry):
     assert ctx.facts["route"]["fallbacks_tried"][0]["error"] == "backend_error"
 
 
-async def test_when_every_model_fails_the_request_fails_with_the_last_error(registry):
+async def test_when_every_model_fails_the_request_fails_with_the_first_models_error(registry):
     pipeline, _, _ = build(registry, "{default: smol, fallback: [big], context_check: false}",
                            smol=FailingEngine(BackendError("down")), big=FailingEngine(Overloaded("full")))
     ctx, events, _ = await run(pipeline)
-    assert isinstance(events[-1], Error) and events[-1].kind == "overloaded"
+    assert isinstance(events[-1], Error) and events[-1].kind == "backend_error"
     assert [t["model"] for t in ctx.facts["route"]["fallbacks_tried"]] == ["smol", "big"]
 
 
@@ -190,3 +190,57 @@ def test_configuration_errors_are_located(registry, route, message):
     with pytest.raises(SpecError) as caught:
         build(registry, route)
     assert str(caught.value).startswith("routed.yaml:5:") and message in str(caught.value)
+
+
+class ErrorsBeforeText(FakeEngine):
+    """Accepts the request, then fails before its first token (an engine error, a remote error chunk)."""
+
+    async def submit(self, prompt_ids, sampling, cache_salt=""):
+        class Stream:
+            def __aiter__(self):
+                return self._events()
+
+            async def _events(self):
+                raise BackendError("failed while prefilling")
+                yield
+
+            async def aclose(self):
+                return None
+
+        return Stream()
+
+
+async def test_an_error_before_the_first_token_falls_back_without_a_deadline(registry):
+    pipeline, _, _ = build(registry, "{default: smol, fallback: [big], context_check: false}",
+                           smol=ErrorsBeforeText("x"))
+    _, events, text = await run(pipeline)
+    assert isinstance(events[-1], Done) and text == "BIG"
+
+
+async def test_a_rule_over_a_tag_of_the_wrong_type_does_not_match(registry):
+    pipeline, _, _ = build(registry, "{rules: [{when: 'tags.priority > 5', model: big}], default: smol, "
+                                     "context_check: false}")
+    ctx, events, _ = await run(pipeline, tags={"priority": "high"})
+    assert isinstance(events[-1], Done) and ctx.model == "smol"
+    assert ctx.facts["route_rule_errors"][0].startswith("rules[0]:")
+
+
+async def test_a_remote_fallback_gets_the_conversation_as_tokenize_trimmed_it(registry):
+    remote = RemoteLike()
+    yaml_text = """
+    name: routed
+    stages:
+      - {id: prompt, type: prompt}
+      - {id: pick, type: route, with: {default: smol, fallback: [remote], context_check: false}}
+      - {id: tok, type: tokenize, with: {max_input_tokens: 40, overflow: drop_oldest}}
+      - {id: gen, type: generate, with: {max_tokens: 8}}
+      - {id: out, type: stream}
+    """
+    loaded = load_pipeline_text(textwrap.dedent(yaml_text), "routed.yaml", registry, CATALOG)
+    engines = FakeEngines(smol=FailingEngine(BackendError("down")), remote=remote)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=engines))
+    turns = [ChatMessage("user", "a" * 30), ChatMessage("assistant", "b" * 30), ChatMessage("user", "last?")]
+    ctx = RequestContext("routed", turns)
+    final = await Runner().run(pipeline, ctx)
+    assert isinstance(final, Done)
+    assert remote.messages == [[{"role": "user", "content": "last?"}]]
