@@ -75,6 +75,8 @@ class ModelSpec(Strict):
     #: prefix placement: how many more requests (waiting + running) the prefix's replica may have than
     #: the least loaded one before the request goes to the least loaded instead.
     max_imbalance: PositiveInt = 16
+    #: Remote backends: more servers of the same model (replicas), placed like local ones (``placement``).
+    base_urls: list[str] = Field(default_factory=list)
     #: Remote backends (backend: openai): the model id the server expects (default: this model's name),
     #: the request timeout, and a local tokenizer folder for counting tokens (default: an estimate).
     remote_model: str | None = None
@@ -86,8 +88,9 @@ class ModelSpec(Strict):
 
     @model_validator(mode="after")
     def _backend_needs(self) -> ModelSpec:
-        if self.backend == "openai" and not (self.base_url or "").startswith(("http://", "https://")):
-            raise ValueError("backend: openai needs base_url: http(s)://host:port/v1")
+        urls = [self.base_url or "", *self.base_urls]
+        if self.backend == "openai" and not all(u.startswith(("http://", "https://")) for u in urls):
+            raise ValueError("backend: openai needs base_url: http(s)://host:port/v1 (and http(s) base_urls)")
         if self.backend == "local" and not self.source:
             raise ValueError("a local model needs source: (an HF folder or a .gguf file)")
         return self

@@ -39,6 +39,7 @@ import httpx
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import ModelLoad, SamplingParams, TokenEvent, Tokenizer
 from pipeline.spec import ModelSpec
+from serving.placement import Placement, ReplicaLoad
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 _TTFT_ALPHA = 0.2
 #: Concurrent streams to one server; httpx's default (100) would quietly cap a busy model.
 _MAX_CONNECTIONS = 256
+#: Prefix placement over several servers hashes the messages' first 4 blocks of this many bytes.
+_PREFIX_BLOCK_CHARS = 64
 #: 4xx answers that say the endpoint or our configuration is wrong, not the request: the caller should fall back.
 _NOT_THE_REQUEST = frozenset({401, 403, 404, 408})
 
@@ -118,6 +121,10 @@ class RemoteEngine:
             raise BackendError(f"model {name!r}: backend openai needs base_url: (http://host:port/v1)")
         self.name = name
         self.base_url = spec.base_url.rstrip("/")
+        #: Every server of this model: base_url first, then base_urls (replicas).
+        self.base_urls = list(dict.fromkeys([self.base_url, *(u.rstrip("/") for u in spec.base_urls)]))
+        self._placement = Placement(len(self.base_urls), spec.placement, _PREFIX_BLOCK_CHARS,
+                                    max_imbalance=spec.max_imbalance)
         self.remote_model = spec.remote_model or name
         self.tokenizer: Tokenizer = RemoteTokenizer(root / spec.tokenizer if spec.tokenizer else None)
         self.weights_hash = hashlib.sha256(f"remote:{self.base_url}#{self.remote_model}".encode()).hexdigest()
@@ -125,7 +132,7 @@ class RemoteEngine:
         self._timeout_s = spec.timeout_s
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
-        self._in_flight = 0
+        self._in_flight = [0] * len(self.base_urls)
         self._ttft_s: float | None = None
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "") -> RemoteStream:
@@ -136,21 +143,31 @@ class RemoteEngine:
         """Open the stream; raises Overloaded, BackendError or InvalidInput before any text is returned.
 
         *cache_salt* is not sent: the server keeps its own prefix cache, which we can neither partition
-        nor see, and no OpenAI-compatible field for it is common to vLLM, TGI and llama.cpp.
+        nor see, and no OpenAI-compatible field for it is common to vLLM, TGI and llama.cpp. It only
+        salts the choice among several servers (``base_urls``).
         """
-        del cache_salt
         started = time.monotonic()
-        self._in_flight += 1
+        server = self._choose(messages, cache_salt)
+        self._in_flight[server] += 1
         try:
-            response = await self._open(self._body(messages, sampling))
+            response = await self._open(self.base_urls[server], self._body(messages, sampling))
         except BaseException:
-            self._in_flight -= 1
+            self._in_flight[server] -= 1
             raise
-        return RemoteStream(self, response, messages, started)
+        return RemoteStream(self, response, messages, started, server)
+
+    def _choose(self, messages: Sequence[Mapping[str, str]], cache_salt: str) -> int:
+        """Which server: with several, requests whose messages start alike go to the same one (its prefix
+        cache), by the same placement as local replicas, over the text's leading characters."""
+        if len(self.base_urls) == 1:
+            return 0
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages).encode()[:_PREFIX_BLOCK_CHARS * 4]
+        loads = [ReplicaLoad(0, count) for count in self._in_flight]
+        return self._placement.choose(list(text), cache_salt, loads)
 
     def load(self) -> ModelLoad:
-        """Requests in flight count as running: the server's own queue is invisible from here."""
-        return ModelLoad(waiting=0, running=self._in_flight, ttft_s=self._ttft_s)
+        """Requests in flight count as running: the servers' own queues are invisible from here."""
+        return ModelLoad(waiting=0, running=sum(self._in_flight), ttft_s=self._ttft_s)
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -184,26 +201,26 @@ class RemoteEngine:
             logger.debug("model %s: environment variable %s is not set; sending no key", self.name, self._api_key_env)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def _open(self, body: dict[str, Any]) -> httpx.Response:
+    async def _open(self, base_url: str, body: dict[str, Any]) -> httpx.Response:
         client = self._http()
         # client.send(stream=True) is what client.stream() does inside its context manager: the response
         # has to outlive this call, since the TokenStream returned reads it.
-        request = client.build_request("POST", f"{self.base_url}/chat/completions", json=body, headers=self._headers())
+        request = client.build_request("POST", f"{base_url}/chat/completions", json=body, headers=self._headers())
         try:
             response = await client.send(request, stream=True)
         except httpx.PoolTimeout as exc:
             raise Overloaded(f"model {self.name!r}: {_MAX_CONNECTIONS} requests already in flight", 1.0) from exc
         except httpx.TimeoutException as exc:
-            logger.warning("model %s: %s timed out (%s)", self.name, self.base_url, type(exc).__name__)
+            logger.warning("model %s: %s timed out (%s)", self.name, base_url, type(exc).__name__)
             raise BackendError(f"model {self.name!r}: the server timed out") from exc
         except httpx.HTTPError as exc:
-            logger.warning("model %s: %s unreachable (%s)", self.name, self.base_url, type(exc).__name__)
+            logger.warning("model %s: %s unreachable (%s)", self.name, base_url, type(exc).__name__)
             raise BackendError(f"model {self.name!r}: the server is unreachable: {type(exc).__name__}") from exc
         if response.status_code >= 400:
-            raise await self._refusal(response)
+            raise await self._refusal(response, base_url)
         return response
 
-    async def _refusal(self, response: httpx.Response) -> Exception:
+    async def _refusal(self, response: httpx.Response, base_url: str) -> Exception:
         """The error for an HTTP error status (the response is read and closed)."""
         status = response.status_code
         try:
@@ -213,7 +230,7 @@ class RemoteEngine:
             message = response.reason_phrase  # the body broke off; the status alone decides
         finally:
             await response.aclose()
-        logger.warning("model %s: %s answered HTTP %d", self.name, self.base_url, status)
+        logger.warning("model %s: %s answered HTTP %d", self.name, base_url, status)
         logger.debug("model %s: HTTP %d: %s", self.name, status, message)
         if status == 429:
             return Overloaded(f"model {self.name!r} is overloaded: {message}", _retry_after(response))
@@ -225,16 +242,18 @@ class RemoteEngine:
         previous = self._ttft_s
         self._ttft_s = ttft_s if previous is None else _TTFT_ALPHA * ttft_s + (1 - _TTFT_ALPHA) * previous
 
-    def _finished(self) -> None:
-        self._in_flight -= 1
+    def _finished(self, server: int) -> None:
+        self._in_flight[server] -= 1
 
 
 class RemoteStream:
     """The events of one remote request, read from its already open SSE response."""
 
     def __init__(self, engine: RemoteEngine, response: httpx.Response, messages: Sequence[Mapping[str, str]],
-                 started: float):
+                 started: float, server: int = 0):
         self._engine, self._response, self._messages, self._started = engine, response, messages, started
+        #: Which of the model's servers (``base_urls``) answers.
+        self.server = server
         self._closed = False
         self._first = True
 
@@ -246,7 +265,7 @@ class RemoteStream:
         if self._closed:
             return
         self._closed = True
-        self._engine._finished()
+        self._engine._finished(self.server)
         await self._response.aclose()
 
     async def _events(self) -> AsyncIterator[RemoteEvent]:

@@ -94,6 +94,11 @@ class GenerateStage(Stage):
         salt = ctx.tenant if config.isolate_tenants else ""
         ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
         self._record(ctx, scope, sampling, engine.weights_hash)
+        tried = ctx.facts.get("route", {}).get("fallbacks_tried", [])
+        if tried:
+            scope.set_attribute("inferline.route.fallbacks_tried", len(tried))
+            scope.add_event("inferline.route.fallback", {"models_tried": [t["model"] for t in tried],
+                                                         "served_by": ctx.model})
 
     def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, weights_hash: str) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,

@@ -13,7 +13,8 @@ import pytest
 from pipeline.protocols import ModelLoad, SamplingParams
 from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
 from serving.engine.async_engine import TokenEvent
-from serving.model_pool import LocalEngine, ModelPool, Placement, ReplicaLoad, rendezvous
+from serving.model_pool import LocalEngine, ModelPool
+from serving.placement import Placement, ReplicaLoad, rendezvous
 
 ROOT = Path(__file__).parents[2]
 BLOCK = 16

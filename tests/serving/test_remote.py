@@ -281,3 +281,26 @@ async def test_against_a_real_inferline_server(tmp_path):
     assert last.finish_reason in ("stop", "length")
     assert last.num_output_tokens > 0 and last.num_prompt_tokens > 0
     assert all(event.finish_reason is None for event in events[:-1])
+
+
+async def test_several_servers_get_requests_by_prompt_prefix():
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        return httpx.Response(200, content=sse(delta("ok"), delta(None, "stop"), "[DONE]"),
+                              headers={"content-type": "text/event-stream"})
+
+    spec = ModelSpec(backend="openai", base_url="http://a.test/v1", base_urls=["http://b.test/v1"])
+    remote = open_remote("big", spec, ROOT, transport=httpx.MockTransport(handler))
+    systems = [f"You are assistant number {i}, " + "with a long shared system prompt. " * 8 for i in range(8)]
+    for system in systems:
+        for question in ("one?", "two?"):
+            stream = await remote.submit_messages([{"role": "system", "content": system},
+                                                   {"role": "user", "content": question}], SamplingParams())
+            [event async for event in stream]
+    by_prompt = [seen[i:i + 2] for i in range(0, len(seen), 2)]
+    assert all(a == b for a, b in by_prompt)  # a shared prefix stays on one server
+    assert {pair[0] for pair in by_prompt} == {"a.test", "b.test"}  # different prefixes spread
+    assert remote.load().running == 0  # every stream released its server
+    await remote.aclose()

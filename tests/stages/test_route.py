@@ -7,7 +7,10 @@ import textwrap
 from collections import Counter
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pipeline import tracing
 from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.errors import BackendError, Overloaded, SpecError
 from pipeline.events import Done, Error, TextDelta
@@ -244,3 +247,20 @@ async def test_a_remote_fallback_gets_the_conversation_as_tokenize_trimmed_it(re
     final = await Runner().run(pipeline, ctx)
     assert isinstance(final, Done)
     assert remote.messages == [[{"role": "user", "content": "last?"}]]
+
+
+async def test_the_decision_and_the_fallbacks_are_in_the_trace(registry):
+    exporter = InMemorySpanExporter()
+    provider = tracing.make_tracer_provider("none")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    pipeline, _, _ = build(registry, "{rules: [{when: \"tags.tier == 'gold'\", model: smol, reason: gold}], "
+                                     "fallback: [big], context_check: false}", smol=FailingEngine(BackendError("x")))
+    ctx = RequestContext.from_text("routed", "hi", tags={"tier": "gold"})
+    await Runner(provider.get_tracer("test")).run(pipeline, ctx)
+    provider.shutdown()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    pick = spans["stage pick"].attributes
+    assert (pick["inferline.route.model"], pick["inferline.route.mode"], pick["inferline.route.reason"]) == (
+        "smol", "rule", "gold")
+    gen = spans["stage gen"].attributes
+    assert gen["gen_ai.request.model"] == "big" and gen["inferline.route.fallbacks_tried"] == 1
