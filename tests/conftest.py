@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
+from collections.abc import Iterator
 
 # Before anything imports torch: see serving/engine/__init__.py for why.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -37,3 +39,34 @@ def fresh_minute() -> None:
     left = 60 - time.time() % 60
     if left < 20:
         time.sleep(left + 0.05)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The test Redis (db 15 of 127.0.0.1:6379, or $TEST_REDIS_URL); its absence fails loudly."""
+    import redis
+
+    url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis at {url} is unreachable ({exc}); start it, or deselect with -m 'not integration'.",
+                    pytrace=False)
+    finally:
+        client.close()
+    return url
+
+
+@pytest.fixture
+def redis_prefix(redis_url) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"inferline-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()

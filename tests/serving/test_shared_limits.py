@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import textwrap
 import time
-import uuid
 
 import httpx
 import pytest
-import redis
 
 from tests.serving.test_server import Server
-from tests.store.test_counters import REDIS_URL
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -26,16 +23,10 @@ stages:
 """
 
 
-def test_two_processes_share_one_redis_limit(tmp_path):
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({exc})", pytrace=False)
-    prefix = f"inferline-test-{uuid.uuid4().hex[:8]}"
+def test_two_processes_share_one_redis_limit(tmp_path, redis_url, redis_prefix):
     (tmp_path / "pipelines").mkdir()
     (tmp_path / "pipelines" / "limited.yaml").write_text(textwrap.dedent(LIMITED))
-    extra = f"limits: {{backend: redis, redis_url: '{REDIS_URL}', prefix: {prefix}}}\n"
+    extra = f"limits: {{backend: redis, redis_url: '{redis_url}', prefix: {redis_prefix}}}\n"
     servers = []
     try:
         for name in ("a", "b"):
@@ -59,7 +50,3 @@ def test_two_processes_share_one_redis_limit(tmp_path):
     finally:
         for server in servers:
             server.stop()
-        keys = list(client.scan_iter(f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()

@@ -7,9 +7,7 @@ stream filling ``output_ids``.
 from __future__ import annotations
 
 import logging
-import os
 import textwrap
-import uuid
 
 import numpy as np
 import pytest
@@ -25,7 +23,6 @@ from store.response_cache import MemoryCache
 from tests.fakes import FakeEngine, FakeEngines
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol"), "big": ModelInfo("big")})
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 PIPELINE = """
 name: cached
@@ -192,18 +189,15 @@ async def test_an_unreachable_redis_is_a_miss_and_the_request_succeeds(registry)
 
 
 @pytest.mark.integration
-async def test_the_redis_backend_serves_hits(registry):
-    prefix = f"inferline-test-{uuid.uuid4().hex[:8]}"
-    pipeline, engines, stage = build(registry, f"{{backend: redis, redis_url: '{REDIS_URL}', prefix: {prefix}}}")
+async def test_the_redis_backend_serves_hits(registry, redis_url, redis_prefix):
+    cache_with = f"{{backend: redis, redis_url: '{redis_url}', prefix: {redis_prefix}}}"
+    pipeline, engines, stage = build(registry, cache_with)
     try:
         await run(pipeline, "Hello")
         ctx, text = await run(pipeline, "Hello")
         assert ctx.facts["cache"]["hit"] and text == "Paris is the capital. ¡Olé!" and submitted(engines) == 1
+        assert len([key async for key in stage.backend.client.scan_iter(f"{redis_prefix}:*")]) == 1
     finally:
-        client = stage.backend.client
-        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
-        assert len(keys) == 1
-        await client.delete(*keys)
         await stage.aclose()
 
 

@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from store.counters import RedisCounters, SqlCounters, window_of
 
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
 
 @pytest.fixture
-async def redis_counters() -> AsyncIterator[RedisCounters]:
-    counters = RedisCounters(REDIS_URL, prefix=f"inferline-test-{uuid.uuid4().hex[:8]}")
-    try:
-        await counters.ping()
-    except Exception as exc:
-        await counters.close()
-        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({exc}); start it, or deselect with "
-                    "-m 'not integration'.", pytrace=False)
-    try:
-        yield counters
-    finally:
-        keys = [key async for key in counters.client.scan_iter(f"{counters.prefix}:*")]
-        if keys:
-            await counters.client.delete(*keys)
-        await counters.close()
+async def redis_counters(redis_url, redis_prefix) -> AsyncIterator[RedisCounters]:
+    counters = RedisCounters(redis_url, prefix=redis_prefix)
+    yield counters
+    await counters.close()
 
 
 @pytest.fixture(params=["sql", pytest.param("redis", marks=pytest.mark.integration)])

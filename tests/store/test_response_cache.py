@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -11,8 +9,6 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from store.response_cache import MemoryCache, RedisCache, SemanticIndex
-
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
 class FakeClock:
@@ -78,21 +74,10 @@ def test_memory_cache_refuses_nonsense_sizes():
 
 
 @pytest.fixture
-async def redis_cache() -> AsyncIterator[RedisCache]:
-    cache = RedisCache(REDIS_URL, prefix=f"inferline-test-{uuid.uuid4().hex[:8]}", ttl_s=30.5)
-    try:
-        await cache.ping()
-    except Exception as exc:
-        await cache.close()
-        pytest.fail(f"Redis at {REDIS_URL} is unreachable ({exc}); start it, or deselect with "
-                    "-m 'not integration'.", pytrace=False)
-    try:
-        yield cache
-    finally:
-        keys = [key async for key in cache.client.scan_iter(f"{cache.prefix}:*")]
-        if keys:
-            await cache.client.delete(*keys)
-        await cache.close()
+async def redis_cache(redis_url, redis_prefix) -> AsyncIterator[RedisCache]:
+    cache = RedisCache(redis_url, prefix=redis_prefix, ttl_s=30.5)
+    yield cache
+    await cache.close()
 
 
 @pytest.mark.integration
@@ -107,8 +92,8 @@ async def test_redis_cache_round_trips_with_an_expiry(redis_cache):
 
 
 @pytest.mark.integration
-async def test_redis_caches_with_other_prefixes_do_not_see_each_other(redis_cache):
-    other = RedisCache(REDIS_URL, prefix=f"{redis_cache.prefix}-other", ttl_s=30)
+async def test_redis_caches_with_other_prefixes_do_not_see_each_other(redis_cache, redis_url):
+    other = RedisCache(redis_url, prefix=f"{redis_cache.prefix}-other", ttl_s=30)
     try:
         await redis_cache.set("k", entry(1))
         assert await other.get("k") is None
