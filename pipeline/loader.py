@@ -211,6 +211,10 @@ class _PipelineChecker:
                 if field not in available:
                     self._issue(("stages", index, key), self._missing(plans, index, field))
             available |= plan.cls.writes
+            late = next((p.spec for p in plans[:index] if p.spec.type in plan.cls.before), None)
+            if late is not None:
+                self._issue(("stages", index, "type"), f"stage {plan.spec.id!r} ({plan.spec.type}) must come before "
+                            f"stage {late.id!r} ({late.type}), whose work it decides: move it up")
 
     def _missing(self, plans: list[StagePlan], index: int, field: str) -> str:
         stage = plans[index].spec

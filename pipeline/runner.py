@@ -60,6 +60,16 @@ class Pipeline:
             BoundStage(plan, plan.cls(plan.spec.id, plan.config, resources)) for plan in loaded.plans
         )
 
+    async def aclose(self) -> None:
+        """Let stages that hold connections (a cache's Redis client) close them; at shutdown."""
+        for bound in self.stages:
+            close = getattr(bound.stage, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # one stage failing to close must not keep the others open
+                    logger.exception("stage %s: closing failed", bound.stage.id)
+
 
 class _Scope:
     """The :class:`~pipeline.stage.StageScope` given to one running stage."""

@@ -55,6 +55,8 @@ class Stage:
     reads: ClassVar[frozenset[str]] = frozenset()
     #: Flow fields this stage provides to later stages.
     writes: ClassVar[frozenset[str]] = frozenset()
+    #: Stage types this one must come before (it decides what they do): checked at load.
+    before: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
         self.id = stage_id

@@ -91,6 +91,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
                 logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
                                server.http.shutdown_grace_s)
             await pool.close()
+            for pipeline in pipelines.values():
+                await pipeline.aclose()
             if watcher is not None:
                 watcher.cancel()
             if counters is not None:

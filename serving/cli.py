@@ -197,6 +197,7 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
                 print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
     finally:
         await pool.close()
+        await pipeline.aclose()
         await counters.close()
         provider.shutdown()
         db.dispose()

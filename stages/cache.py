@@ -137,6 +137,7 @@ class CacheStage(Stage):
     reads = frozenset({"prompt_ids", "model", "params"})
     # token_stream is written on a hit only, so it is not declared: a pipeline still needs its generate stage.
     writes: frozenset[str] = frozenset()
+    before = frozenset({"generate"})  # a hit replaces generation; after it, it would replace a live stream
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Any):
         super().__init__(stage_id, config, resources)

@@ -88,6 +88,7 @@ class RouteStage(Stage):
     Config = RouteConfig
     reads = frozenset({"input_messages"})
     writes = frozenset({"model", "route_plan", "prompt_tokens"})
+    before = frozenset({"generate"})
 
     @classmethod
     def required_reads(cls, config: BaseModel) -> frozenset[str]:

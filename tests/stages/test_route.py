@@ -264,3 +264,19 @@ async def test_the_decision_and_the_fallbacks_are_in_the_trace(registry):
         "smol", "rule", "gold")
     gen = spans["stage gen"].attributes
     assert gen["gen_ai.request.model"] == "big" and gen["inferline.route.fallbacks_tried"] == 1
+
+
+@pytest.mark.parametrize("late", [
+    "{id: pick, type: route, with: {default: smol}}", "{id: guard, type: policy}", "{id: c, type: cache}"])
+def test_deciding_stages_after_generate_are_load_errors(registry, late):
+    yaml_text = f"""
+    name: late
+    stages:
+      - {{id: prompt, type: prompt}}
+      - {{id: tok, type: tokenize}}
+      - {{id: gen, type: generate}}
+      - {late}
+      - {{id: out, type: stream}}
+    """
+    with pytest.raises(SpecError, match=r"late.yaml:7:.*must come before stage 'gen' \(generate\)"):
+        load_pipeline_text(textwrap.dedent(yaml_text), "late.yaml", registry, CATALOG)
