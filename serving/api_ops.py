@@ -20,10 +20,7 @@ async def healthz() -> dict[str, str]:
 @get("/readyz", summary="Readiness: models loaded, ready for traffic", tags=["operations"])
 async def readyz(request: Request) -> Response[dict[str, Any]]:
     state = AppState.of(request)
-    engines = {name: engine.stats() for name, engine in state.pool.engines().items()}
-    body = {"status": "ready" if state.ready else "starting",
-            "models": {name: {k: stats[k] for k in ("running", "waiting", "kv_usage")}
-                       for name, stats in engines.items()},
+    body = {"status": "ready" if state.ready else "starting", "models": _models(state),
             "pipelines": sorted(state.executor.pipelines)}
     if not state.ready:
         raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"}, body)
@@ -36,3 +33,19 @@ async def metrics(request: Request) -> Response[bytes]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("auditor",), "read metrics")
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _models(state: AppState) -> dict[str, dict[str, Any]]:
+    """Each configured model by its own name: a local one's replicas summed (KV usage: the fullest
+    replica's), a remote one's requests in flight."""
+    engines = {name: engine.stats() for name, engine in state.pool.engines().items()}
+    models: dict[str, dict[str, Any]] = {}
+    for name, spec in state.workspace.server.models.items():
+        load = state.pool.load(name)
+        entry: dict[str, Any] = {"backend": spec.backend, "running": load.running, "waiting": load.waiting}
+        if spec.backend == "local":
+            replicas = [stats for key, stats in engines.items() if key == name or key.startswith(f"{name}#")]
+            entry |= {"replicas": len(replicas), "kv_usage": max((r["kv_usage"] for r in replicas), default=0.0),
+                      "running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas)}
+        models[name] = entry
+    return models

@@ -134,7 +134,8 @@ def test_disconnect_frees_the_engine(server, caller_key):
         if models["running"] == 0 and models["kv_usage"] == 0:
             break
         time.sleep(0.1)
-    assert readiness(server, caller_key) == {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    assert readiness(server, caller_key) == {"backend": "local", "replicas": 1, "running": 0, "waiting": 0,
+                                             "kv_usage": 0.0}
     auditor = {"Authorization": f"Bearer {server.key('auditor')}"}
     records = httpx.get(f"{server.url}/audit/records", params={"status": "disconnected"}, headers=auditor).json()
     assert [(r["status"], r["http_status"]) for r in records["records"]] == [("disconnected", 499)]
