@@ -27,6 +27,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, InferlineError, RateLimited
 from pipeline.protocols import Counters, Resources
+from pipeline.protocols import CounterState as Count
 from pipeline.stage import NoConfig
 
 MINUTE_S = 60
@@ -89,27 +90,35 @@ class Limits:
         counters = self._counters()
         base = f"{ctx.pipeline}:{self.config.per}:{self.config.subject(ctx)}"
         report: dict[str, Any] = ctx.facts.setdefault("limits", {})
+        counted: Count | None = None
         try:
             if values.requests_per_minute:
-                await self._requests(counters, f"{base}:requests", values.requests_per_minute, report)
+                counted = await self._requests(counters, f"{base}:requests", values.requests_per_minute, report)
             if values.cost_per_day_usd:
                 await self._cost(ctx, counters, f"{base}:cost", values.cost_per_day_usd, report)
             if values.tokens_per_day:
                 limit = values.tokens_per_day
                 max_output = await self._tokens(ctx, counters, f"{base}:tokens", limit, input_tokens,
                                                 max_output or self.config.reserve_output_tokens, report)
+        except RateLimited as exc:
+            if counted is not None and exc.rule != "limits.requests_per_minute":
+                # Refused by a budget: the request never ran, so it does not use up a slot of the minute.
+                await counters.add(f"{base}:requests", -1, MINUTE_S, counted.window_start)
+                report["requests"]["remaining"] += 1
+            raise
         except InferlineError:
             raise
         except Exception as exc:  # the counter store is down: refuse rather than serve unmetered
             raise BackendError(f"policy {self.stage_id!r}: the rate-limit store cannot be reached") from exc
         return max_output
 
-    async def _requests(self, counters: Counters, key: str, limit: int, report: dict[str, Any]) -> None:
+    async def _requests(self, counters: Counters, key: str, limit: int, report: dict[str, Any]) -> Count:
         state = await counters.consume(key, 1, limit, MINUTE_S)
         report["requests"] = _entry(limit, limit - state.used, state.reset_s)
         if not state.allowed:
             raise self._refuse("requests_per_minute", f"the limit of {limit} requests per minute is reached",
                                state.reset_s)
+        return state
 
     async def _cost(self, ctx: RequestContext, counters: Counters, key: str, limit: float,
                     report: dict[str, Any]) -> None:

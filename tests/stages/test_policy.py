@@ -336,3 +336,12 @@ def test_the_hold_back_covers_the_longest_rule(registry):
     text = "ok " * 10 + "aaaa bbbb cccc dddd eeee ffff gggg hhhh iiii jjjj kkkk llll mmmm and more"
     sent = "".join(rails.feed(ch)[0] for ch in text)
     assert "aaaa" not in sent and rails.feed(" ")[1] == "content_filter"
+
+
+async def test_a_request_refused_by_a_budget_gives_its_minute_slot_back(registry):
+    counters = MemoryCounters()
+    pipeline, _ = build(registry, "{limits: {requests_per_minute: 5, tokens_per_day: 20}}", counters=counters)
+    ctx, _, _ = await run(pipeline, "x" * 40)  # too many tokens for the day's budget
+    assert ctx.error.rule == "limits.tokens_per_day"
+    assert counters.values["guarded:key:anonymous:requests"] == 0
+    assert ctx.facts["limits"]["requests"]["remaining"] == 5
