@@ -26,6 +26,11 @@ class ChatMessage:
     content: str
 
 
+def chat_turns(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """*messages* as the ``{"role", "content"}`` dicts tokenizers and OpenAI-compatible servers take."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 @dataclass(slots=True)
 class Principal:
     """Who is calling: an API key's id (never the key), its role and tenant."""

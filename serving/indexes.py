@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import fields
 from pathlib import Path
 
 from pipeline.spec import IndexSpec
@@ -29,8 +30,7 @@ def index_folder(workspace: Workspace, name: str) -> Path:
 
 def index_settings(spec: IndexSpec | None, **overrides: object) -> IndexSettings:
     spec = spec or IndexSpec()
-    values = spec.model_dump(include={"type", "model", "chunk_tokens", "overlap", "nlist", "nprobe", "m",
-                                      "ef_construction", "ef_search"})
+    values = spec.model_dump(include={f.name for f in fields(IndexSettings)})
     values.update({k: v for k, v in overrides.items() if v is not None})
     return IndexSettings(**values)
 

@@ -34,12 +34,11 @@ from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, EngineOverloaded, InvalidRequest
 from serving.engine.models import load_model
 from serving.engine.sampling_params import SamplingParams as EngineSampling
-from serving.placement import Placement, ReplicaLoad
+from serving.placement import Placement, ReplicaLoad, ewma
 
 logger = logging.getLogger(__name__)
 
 #: Weight of the newest sample in a model's time-to-first-token average.
-TTFT_ALPHA = 0.2
 
 
 class HFTokenizer:
@@ -154,8 +153,7 @@ class LocalEngine:
         return ModelLoad(sum(load.waiting for load in loads), sum(load.running for load in loads), self.ttft_s)
 
     def observe_ttft(self, seconds: float) -> None:
-        previous = self.ttft_s
-        self.ttft_s = seconds if previous is None else previous + TTFT_ALPHA * (seconds - previous)
+        self.ttft_s = ewma(self.ttft_s, seconds)
 
     def named_replicas(self) -> dict[str, AsyncEngine]:
         """Replicas by metrics name: the model's name for replica 0, ``name#i`` for replica i."""

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 
 from serving.engine.block_manager import hash_block
 
+#: Weight of the newest sample in the load figures' moving averages (time to first token).
+EWMA_ALPHA = 0.2
+
+
+def ewma(previous: float | None, sample: float) -> float:
+    """The exponential moving average after *sample* (the sample itself when there was none)."""
+    return sample if previous is None else previous + EWMA_ALPHA * (sample - previous)
+
 _MASK64 = (1 << 64) - 1
 
 

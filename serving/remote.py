@@ -39,12 +39,10 @@ import httpx
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import ModelLoad, SamplingParams, TokenEvent, Tokenizer
 from pipeline.spec import ModelSpec
-from serving.placement import Placement, ReplicaLoad
+from serving.placement import Placement, ReplicaLoad, ewma
 
 logger = logging.getLogger(__name__)
 
-#: Weight of the newest time to first token in the exponential average.
-_TTFT_ALPHA = 0.2
 #: Concurrent streams to one server; httpx's default (100) would quietly cap a busy model.
 _MAX_CONNECTIONS = 256
 #: Prefix placement over several servers hashes the messages' first 4 blocks of this many bytes.
@@ -239,8 +237,7 @@ class RemoteEngine:
         return InvalidInput(message)
 
     def _observe_ttft(self, ttft_s: float) -> None:
-        previous = self._ttft_s
-        self._ttft_s = ttft_s if previous is None else _TTFT_ALPHA * ttft_s + (1 - _TTFT_ALPHA) * previous
+        self._ttft_s = ewma(self._ttft_s, ttft_s)
 
     def _finished(self, server: int) -> None:
         self._in_flight[server] -= 1

@@ -645,7 +645,8 @@ _INDEX_MAX_DIGITS = 6
 PLACEHOLDER_MAX_CHARS: int = 1 + _KIND_MAX_CHARS + 1 + _INDEX_MAX_DIGITS + 1
 """Length of the longest placeholder, ``<KKKKKKKKKK_999999>``: how much a stream must hold back."""
 
-_PLACEHOLDER = re.compile(rf"<[A-Z]{{1,{_KIND_MAX_CHARS}}}_\d{{1,{_INDEX_MAX_DIGITS}}}>")
+#: A placeholder; group 1 is its kind (``EMAIL``...). Rails and the policy stage match the same ones.
+PLACEHOLDER = re.compile(rf"<([A-Z]{{1,{_KIND_MAX_CHARS}}})_\d{{1,{_INDEX_MAX_DIGITS}}}>")
 _NOT_KIND = re.compile(r"[^A-Z]+")
 
 
@@ -689,7 +690,7 @@ class Redactor:
         """*text* with every known placeholder replaced by its value; unknown ones are left as they are."""
         if "<" not in text or not self._values:
             return text
-        return _PLACEHOLDER.sub(lambda m: self._values.get(m.group(), m.group()), text)
+        return PLACEHOLDER.sub(lambda m: self._values.get(m.group(), m.group()), text)
 
     def _placeholder(self, kind: str, value: str, text: str) -> str:
         known = self._by_value.get((kind, value))

@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import Any
 
-from pipeline.context import RequestContext, RoutePlan
+from pipeline.context import RequestContext, RoutePlan, chat_turns
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import Engine, Resources, SamplingParams, TokenEvent, TokenStream
 from stages.engines import engine_for
@@ -74,11 +74,9 @@ async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling
 
 async def _open(engine: Engine, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str) -> TokenStream:
     if getattr(engine, "accepts_messages", False):
-        messages = [{"role": m.role, "content": m.content} for m in ctx.messages]
-        return await engine.submit_messages(messages, sampling, cache_salt=salt)  # type: ignore[attr-defined]
+        return await engine.submit_messages(chat_turns(ctx.messages), sampling, cache_salt=salt)  # type: ignore[attr-defined]
     if name != ctx.facts.get("prompt_model", ctx.model):  # another tokenizer than the prompt's: encode again
-        ctx.prompt_ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                       for m in ctx.messages])
+        ctx.prompt_ids = engine.tokenizer.encode_chat(chat_turns(ctx.messages))
         ctx.prompt_tokens = len(ctx.prompt_ids)
         ctx.facts["prompt_model"] = name
     return await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)

@@ -37,18 +37,17 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from pipeline.context import ChatMessage, RequestContext
+from pipeline.context import ChatMessage, RequestContext, chat_turns
 from pipeline.errors import InvalidInput, PolicyDenied
 from pipeline.protocols import Catalog
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from stages.classifier import ClassifierConfig, GuardClassifier
-from stages.detectors import PII_TYPES, DenyMatcher, DenyRule, Finding, Redactor, injection_score
+from stages.detectors import PII_TYPES, PLACEHOLDER, DenyMatcher, DenyRule, Finding, Redactor, injection_score
 from stages.engines import engine_for
 from stages.limits import Limits, LimitsConfig
 from stages.rails import Action, Decision, Detectors, OutputRails, non_overlapping, pii_actions, strongest
 
 PiiType = Literal["email", "phone", "card", "iban", "ssn", "ip", "secret"]
-_PLACEHOLDER = re.compile(r"<([A-Z]+)_(\d+)>")
 
 
 class PiiConfig(NoConfig):
@@ -217,8 +216,7 @@ class PolicyStage(Stage):
         if config.max_input_tokens is None and not (self._limits and self._limits.config.counts_tokens):
             return 0
         _, engine = await engine_for(self.resources, ctx.model)
-        count = len(engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                  for m in ctx.input_messages]))
+        count = len(engine.tokenizer.encode_chat(chat_turns(ctx.input_messages)))
         limit = config.max_input_tokens
         if limit is not None and count > limit:
             decisions.append(Decision(self.id, "input", "limits.max_input_tokens", "limits", "block", 1.0, ()))
@@ -262,7 +260,7 @@ class PolicyStage(Stage):
             ctx.facts["redacted_input"] = ctx.input
         mapping = redactor.mapping
         return ({placeholder: value for placeholder, value in mapping.items()
-                 if (m := _PLACEHOLDER.fullmatch(placeholder)) and m.group(1).lower() in PII_TYPES}, list(mapping))
+                 if (m := PLACEHOLDER.fullmatch(placeholder)) and m.group(1).lower() in PII_TYPES}, list(mapping))
 
     async def _classify(self, ctx: RequestContext, scope: StageScope, decisions: list[Decision]) -> None:
         classifier = cast(GuardClassifier, self._classifier)

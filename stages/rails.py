@@ -9,15 +9,13 @@ in the trace and the audit record, and never carry the offending text.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from stages.detectors import PII_TYPES, PLACEHOLDER_MAX_CHARS, DenyMatcher, Finding, find_pii
+from stages.detectors import PII_TYPES, PLACEHOLDER, PLACEHOLDER_MAX_CHARS, DenyMatcher, Finding, find_pii
 
 Action = Literal["block", "redact", "flag", "allow"]
-_PLACEHOLDER = re.compile(r"<[A-Z]+_\d+>")
 _STRENGTH = {"allow": 0, "flag": 1, "redact": 2, "block": 3}
 
 
@@ -188,7 +186,7 @@ class OutputRails:
         if not self._restore or "<" not in text:
             return text
         restore = self._restore
-        return _PLACEHOLDER.sub(lambda m: restore.get(m.group(0), m.group(0)), text)
+        return PLACEHOLDER.sub(lambda m: restore.get(m.group(0), m.group(0)), text)
 
     def _word_start(self, pending: str, cut: int) -> int:
         """*cut* moved to the start of the word it is in (a secret, an address or a keyword may still be

@@ -38,7 +38,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, Field, PositiveFloat
 
-from pipeline.context import FIELDS, RequestContext, RoutePlan
+from pipeline.context import FIELDS, RequestContext, RoutePlan, chat_turns
 from pipeline.errors import ExpressionError, InvalidInput
 from pipeline.expr import Expression
 from pipeline.expr import parse as parse_expression
@@ -196,5 +196,4 @@ class RouteStage(Stage):
     async def _count(self, ctx: RequestContext) -> None:
         _, engine = await engine_for(self.resources, "")
         messages = ctx.messages or ctx.input_messages
-        ctx.prompt_tokens = len(engine.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                              for m in messages]))
+        ctx.prompt_tokens = len(engine.tokenizer.encode_chat(chat_turns(messages)))

@@ -20,7 +20,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, Field
 
-from pipeline.context import ChatMessage, RequestContext
+from pipeline.context import ChatMessage, RequestContext, chat_turns
 from pipeline.errors import InvalidInput
 from pipeline.protocols import Catalog, Tokenizer
 from pipeline.refs import ModelRef
@@ -63,7 +63,7 @@ class TokenizeStage(Stage):
 def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None,
          overflow: str) -> tuple[list[int], list[dict[str, str]]]:
     """The prompt's token ids and the turns they encode (fewer when the oldest were dropped)."""
-    turns = [{"role": m.role, "content": m.content} for m in messages]
+    turns = chat_turns(messages)
     ids = tokenizer.encode_chat(turns)
     while limit is not None and len(ids) > limit:
         if overflow == "error" or not _drop_oldest(turns):
