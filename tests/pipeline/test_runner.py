@@ -144,7 +144,6 @@ async def test_timeout_fails_the_stage(registry):
     assert (final.status, final.kind) == ("failed", "stage_timeout")
     assert final.message == "stage 'slow' timed out after 0.05 s"
     assert [s.status for s in final.summary.stages] == ["timeout", "ok"]
-    assert final.summary.duration_s < 5
 
 
 async def test_timeout_with_on_error_skip(registry):
