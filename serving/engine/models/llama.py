@@ -9,18 +9,24 @@ On CPU, float32 linear layers run through oneDNN with weights packed once at
 load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
 EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
 MKL does not pick its fast kernels on AMD processors.
+
+With ``int8=True`` every linear weight (and a copy of a tied LM head) is
+quantized per output channel (``serving/engine/quant.py``); activations, the
+KV cache and the embedding lookup stay in *dtype* (float32).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
+from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,18 +61,25 @@ class LlamaShape:
         )
 
 
+#: A linear layer's weight as the forward's ``linear`` takes it: dense, oneDNN-packed or int8.
+Weight = torch.Tensor | Int8Weight
+
+#: The layer weights that go through ``linear`` (packed or quantized at load).
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Linear = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 #: The batch size oneDNN packs weights for; measured best across batch 1 to 512.
 _PACK_FOR_BATCH = 64
@@ -83,15 +96,19 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class LlamaModel:
     """Weights plus the forward pass; the KV cache belongs to the model runner."""
 
-    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 *, int8: bool = False):
+        """*dtype* is the activations' and KV cache's; *int8* quantizes the linear weights."""
         self.shape = shape = LlamaShape.from_config(config)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.is_int8 = dtype, device, int8
         self.embed = state["model.embed_tokens.weight"]
         self.norm = state["model.norm.weight"]
-        self.lm_head = self.embed if shape.tie_word_embeddings else state["lm_head.weight"]
+        self.lm_head: Weight = self.embed if shape.tie_word_embeddings else state["lm_head.weight"]
         self.layers = [_layer(state, i, shape.attention_bias) for i in range(shape.num_layers)]
         self.linear: Linear = F.linear
-        if use_onednn(dtype, device):
+        if int8:
+            self._quantize()
+        elif use_onednn(dtype, device):
             self._pack()
         self.cos, self.sin = _rope_tables(config, shape, dtype, device)
         self._q_size = shape.num_heads * shape.head_dim
@@ -100,10 +117,26 @@ class LlamaModel:
     def _pack(self) -> None:
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in LINEARS:
                 setattr(layer, name, pack(getattr(layer, name), _PACK_FOR_BATCH))
         self.lm_head = pack(self.lm_head, _PACK_FOR_BATCH)  # a packed copy: the embedding stays dense
         self.linear = _onednn_linear
+
+    def _quantize(self) -> None:
+        for layer in self.layers:
+            for name in LINEARS:
+                setattr(layer, name, quantize_weight(getattr(layer, name), self.device))
+        self.lm_head = quantize_weight(self.lm_head, self.device)  # its own copy: the embedding stays dense
+        self.linear = int8_linear
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the weights the forward reads, as stored: packed copies and int8 matrices
+        with their scales count at their own size, and a tensor read twice (a tied LM head) once."""
+        weights = [self.embed, self.norm, self.lm_head]
+        weights += [getattr(layer, f.name) for layer in self.layers for f in fields(LayerWeights)]
+        unique = {id(w): w for w in weights if w is not None}
+        return sum(w.num_bytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+                   for w in unique.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

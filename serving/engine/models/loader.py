@@ -1,17 +1,41 @@
 """Load a causal LM's weights, config and tokenizer from a local HF folder or a .gguf file.
 
-Nothing here reaches a model hub: both paths are local files. A GGUF file is
-read through transformers' GGUF support (it needs the ``gguf`` package) and
-dequantized to the requested dtype.
+Nothing here reaches a model hub: both paths are local files.
+
+dtypes: ``float32``; ``bfloat16``, refused on a CPU where a probe matmul runs
+more than 4x slower than in float32 (:func:`bf16_is_slow`), rather than
+serving silently slowly; ``int8``, float32 weights quantized per output
+channel at load (``serving/engine/quant.py``), activations and KV cache float32.
+
+GGUF and stored precision: a GGUF file is read through transformers' GGUF
+support (it needs the ``gguf`` package), which dequantizes every tensor to
+float at load. No GGUF type (Q4_0, Q4_1, Q4_K, Q5_*, Q6_K, Q8_0, ...) has a
+kernel here, so a file's quantization saves disk, not memory or time: loaded
+as float32, a Q4 file takes float32's memory and speed with its 4-bit
+weights' quality. ``dtype: int8`` requantizes the dequantized weights per
+output channel: a Q8_0 file (int8 blocks of 32, one scale each) lands at a
+similar, slightly coarser precision (one scale per row instead of per 32
+values); a 4-, 5- or 6-bit file keeps its own rounding error plus the int8
+step's. Either way it takes int8's memory and speed.
+
+The default model's linear weights are 4-bit at the source: its
+``model.gguf`` is Q4_1 (token embedding Q8_0), and ``scripts/fetch_model.py``
+wrote ``model.safetensors`` from that file, dequantized. Both sources load the
+same weights (checked: identical tensors, and identical perplexity in
+``bench/quality.py --gguf``), and "float32" there means Q4_1 weights computed
+in float32.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -23,7 +47,11 @@ logger = logging.getLogger(__name__)
 #: HF ``model_type``s served by the Llama-family forward pass.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Each dtype's weights as loaded (int8 quantizes float32 weights after loading).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
+
+#: bfloat16 is refused where the probe matmul is this many times slower than float32.
+MAX_BF16_SLOWDOWN = 4.0
 
 
 @dataclass(slots=True)
@@ -41,6 +69,11 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
     if dtype not in DTYPES:
         raise EngineError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    if dtype == "bfloat16" and torch_device.type == "cpu":
+        slow, ratio = bf16_is_slow(torch_device)
+        if slow:
+            raise EngineError(f"bfloat16 runs {ratio:.1f}x slower than float32 on this CPU (no fast bfloat16 "
+                              "matmul); use dtype float32, or int8 for half the memory and more speed")
     if path.suffix == ".gguf":
         config, tokenizer, state = _from_gguf(path, torch_dtype)
     else:
@@ -51,7 +84,52 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
         raise EngineError(f"model type {config.model_type!r} is not supported; supported: {sorted(LLAMA_FAMILY)}")
     state = {name: t.to(device=torch_device, dtype=torch_dtype).contiguous() for name, t in state.items()}
     logger.info("loaded %s (%s, %d tensors) on %s as %s", path, config.model_type, len(state), device, dtype)
-    return LoadedModel(LlamaModel(config, state, torch_dtype, torch_device), config, tokenizer)
+    model = LlamaModel(config, state, torch_dtype, torch_device, int8=dtype == "int8")
+    return LoadedModel(model, config, tokenizer)
+
+
+def bf16_is_slow(device: torch.device | str = "cpu") -> tuple[bool, float]:
+    """Whether bfloat16 is more than :data:`MAX_BF16_SLOWDOWN` x slower than float32 on *device*, and the
+    measured ratio (bfloat16 time / float32 time of one decode-sized matmul). Measured once per process."""
+    ratio = _bf16_slowdown(torch.device(device).type)
+    return ratio > MAX_BF16_SLOWDOWN, ratio
+
+
+@functools.cache
+def _bf16_slowdown(device_type: str) -> float:
+    # One decode step's down projection (batch 1, 1536 -> 576), timed in short
+    # rounds that alternate between the dtypes, best round of each: on a busy
+    # shared machine a burst of load then hits both alike. A "slow" verdict is
+    # measured again before it stands (up to three times): it refuses a dtype.
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(1, 1536, generator=generator), torch.randn(576, 1536, generator=generator)
+    calls = [functools.partial(F.linear, x.to(device_type, dtype), weight.to(device_type, dtype))
+             for dtype in (torch.float32, torch.bfloat16)]
+    ratio = float("inf")
+    for _ in range(3):
+        float32_s, bfloat16_s = _best_times(calls, device_type)
+        ratio = min(ratio, bfloat16_s / float32_s)
+        if ratio <= MAX_BF16_SLOWDOWN:
+            break
+    return ratio
+
+
+def _best_times(calls: list, device_type: str, rounds: int = 15, repeats: int = 5) -> list[float]:
+    """Seconds per call of each of *calls*, best of *rounds* interleaved rounds."""
+    best = [float("inf")] * len(calls)
+    for call in calls:
+        call()  # warm-up: first-call packing and allocation
+    for _ in range(rounds):
+        for index, call in enumerate(calls):
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            best[index] = min(best[index], (time.perf_counter() - start) / repeats)
+    return best
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

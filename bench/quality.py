@@ -1,0 +1,254 @@
+"""What int8 (and bfloat16) weights cost in quality against float32, and what int8 buys in memory and speed.
+
+    .venv/bin/python bench/quality.py [--model DIR] [--max-tokens N] [--decode-tokens N] [--rounds R]
+                                      [--gguf FILE]
+
+The default model on our engine (``LLMEngine``, 2 torch threads, CPU), one engine per dtype: float32, int8, and
+bfloat16 only where ``bf16_is_slow`` says it is not more than 4x slower than float32 here (else it would be
+refused at load).
+
+greedy      Eight varied chat prompts (chat template applied; 20 to 300 tokens), submitted together, N (64)
+            greedy new tokens each. Against float32's tokens: ``*_greedy_agreement`` = positions where both
+            hold the same token / positions of the longer output; ``*_greedy_prefix_agreement`` = tokens
+            before the first difference / float32's tokens.
+perplexity  exp(mean negative log-likelihood) of the first 512 tokens of a fixed English passage, from one
+            prefill over the whole passage (every position's logits). ``*_next_token_agreement``: positions of
+            that passage where the dtype's most likely next token is float32's (teacher-forced, so one
+            difference does not derail the rest, unlike greedy generation).
+memory      ``LlamaModel.weight_bytes()``: bytes held by the weights the forward reads, as stored. float32
+            holds the embedding and a oneDNN-packed copy of the tied LM head; int8 holds the float32
+            embedding and an int8 LM head. ``int8_weight_memory_ratio`` = int8 / float32 (target <= 0.5).
+decode      One request alone, a short prompt and D (128) new tokens with EOS ignored, R (3) rounds with the
+            dtypes interleaved, best round of each (shared machine). ``int8_decode_speedup`` = int8 tok/s /
+            float32 tok/s (target >= 1.5). ``--decode-tokens 0`` skips it.
+gguf        With ``--gguf FILE``: the same perplexity for that file loaded as float32 (its own precision,
+            dequantized) and as int8 (requantized per channel). Off by default: loading a GGUF file
+            through transformers takes about 25 s.
+
+The last line of output is one JSON object: every figure above, ``bf16_slow`` and ``bf16_slowdown`` (the
+probe's bfloat16 / float32 time), and ``timings_s``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This folder holds http.py, which would shadow the standard library's http
+# package (imported by torch, httpx...) for any script run from here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.model_runner import ModelRunner
+from serving.engine.models.llama import LlamaModel
+from serving.engine.models.loader import bf16_is_slow, load_model
+from serving.engine.sampling_params import SamplingParams
+
+MODEL_DIR = "models/smollm2-135m-instruct"
+NUM_THREADS = 2
+PERPLEXITY_TOKENS = 512
+KV_CACHE_BYTES = 256 << 20
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old in two sentences.",
+    "Give me three tips for writing clean Python code.",
+    "Translate into French: Good morning, how are you today?",
+    "List the planets of the solar system in order from the sun, with one fact about each.",
+    "What is 17 times 23? Show your working.",
+    "Summarize this: " + "The committee met on Tuesday to review the budget, approved the new library wing, "
+    "postponed the decision on street lighting and asked the treasurer for a revised forecast. " * 6,
+)
+
+PASSAGE = """\
+The first public libraries in the small market towns of the north were not built by the councils but by the
+mill owners, who hoped that a room full of books would keep their workers out of the taverns on a Saturday
+night. The rooms were usually above a shop or beside the chapel, lit by gas, heated by a single stove, and
+open for three evenings a week. A librarian, often a retired schoolmaster, sat at a high desk by the door and
+wrote every loan into a ledger by hand. Members paid a penny a month, and for that they could borrow one book
+at a time for a fortnight.
+
+What the workers chose to read surprised the owners. Sermons and improving tracts sat untouched on the
+shelves, while travel books, popular science and the new serial novels were worn to pieces within a year.
+The ledgers that survive show the same names borrowing an atlas, a manual of engineering and a romance in the
+same month. Some readers formed societies that met in the reading room after closing time to discuss what
+they had read, and a few of those societies later became the first evening schools in the district.
+
+By the end of the century the councils had taken over most of the rooms, and the penny subscription was
+abolished. New buildings went up with wide staircases, tall windows and carved stone over the doors, paid for
+partly by a tax on property and partly by a wealthy donor whose name was cut into the lintel. The collections
+grew from a few hundred volumes to many thousands, and the ledgers gave way to card catalogues and printed
+tickets. Children were admitted for the first time, though at first only to a separate room with its own
+entrance, so that their noise would not disturb the adults.
+
+Historians who study these libraries today rely on the loan records, the minutes of the committees and the
+letters that readers wrote to the local newspapers, complaining about the hours, the rules on silence or the
+shortage of new fiction. Together these sources give an unusually detailed picture of what ordinary people
+wanted to know at a time when few of them had stayed at school beyond the age of twelve. They also show how
+quickly a service meant to improve its users was reshaped by what those users actually asked for, and how the
+habit of reading, once acquired, was passed from parents to children across several generations.
+"""
+
+
+def next_token_logits(model: LlamaModel, token_ids: Sequence[int]) -> torch.Tensor:
+    """``[len - 1, vocab]`` float32: the logits predicting each next token, from one prefill (fresh KV cache)."""
+    num_tokens = len(token_ids)
+    runner = ModelRunner(model, num_tokens, 1)  # slot i holds token i
+    device = model.device
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(positions, [], [PrefillChunk(0, num_tokens, 0, None, None)])
+    with torch.inference_mode():
+        return model.forward(ids, positions, meta, runner.k_caches, runner.v_caches, positions[:-1]).float().cpu()
+
+
+def perplexity(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids[1:]`` under :func:`next_token_logits`' *logits*."""
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:])).item())
+
+
+def agreement(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """(positions equal / positions of the longer output, tokens before the first difference / reference's)."""
+    same = total = prefix = num_reference = 0
+    for ref, out in zip(reference, outputs, strict=True):
+        matches = [a == b for a, b in zip(ref, out, strict=False)]
+        same += sum(matches)
+        total += max(len(ref), len(out))
+        prefix += matches.index(False) if False in matches else len(matches)
+        num_reference += len(ref)
+    return same / max(total, 1), prefix / max(num_reference, 1)
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    prompts = []
+    for question in QUESTIONS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def decode_speeds(engines: dict[str, LLMEngine], num_tokens: int, rounds: int) -> dict[str, float]:
+    """Best-of-*rounds* tok/s of one greedy request per engine, the engines interleaved."""
+    first = next(iter(engines.values()))
+    prompt = first.tokenizer("The history of the Roman Empire is long and complicated. It began")["input_ids"]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    for engine in engines.values():
+        engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(rounds):
+        for dtype, engine in engines.items():
+            start = time.perf_counter()
+            engine.generate([prompt], params)
+            best[dtype] = max(best[dtype], num_tokens / (time.perf_counter() - start))
+    return best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    timings: dict[str, float] = {}
+    result: dict[str, Any] = {}
+    start = time.perf_counter()
+    slow, slowdown = bf16_is_slow("cpu")
+    result.update(bf16_slow=slow, bf16_slowdown=slowdown)
+    dtypes = ["float32", "int8"] + ([] if slow else ["bfloat16"])
+    engines = {dtype: LLMEngine(EngineConfig(model=args.model, dtype=dtype, num_threads=NUM_THREADS,
+                                             kv_cache_bytes=KV_CACHE_BYTES)) for dtype in dtypes}
+    timings["load_s"] = time.perf_counter() - start
+
+    tokenizer = engines["float32"].tokenizer
+    prompts = chat_prompts(tokenizer)
+    passage = tokenizer(PASSAGE)["input_ids"][:PERPLEXITY_TOKENS]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    outputs: dict[str, list[list[int]]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    for dtype, engine in engines.items():
+        start = time.perf_counter()
+        outputs[dtype] = [out.token_ids for out in engine.generate(prompts, greedy)]
+        timings[f"{dtype}_greedy_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        logits[dtype] = next_token_logits(engine.model, passage)
+        result[f"{dtype}_perplexity"] = perplexity(logits[dtype], passage)
+        timings[f"{dtype}_perplexity_s"] = time.perf_counter() - start
+        result[f"{dtype}_weight_bytes"] = engine.model.weight_bytes()
+        if dtype != "float32":
+            result[f"{dtype}_greedy_agreement"], result[f"{dtype}_greedy_prefix_agreement"] = agreement(
+                outputs["float32"], outputs[dtype])
+            result[f"{dtype}_weight_memory_ratio"] = result[f"{dtype}_weight_bytes"] / result["float32_weight_bytes"]
+            result[f"{dtype}_next_token_agreement"] = (
+                (logits[dtype].argmax(-1) == logits["float32"].argmax(-1)).float().mean().item())
+    result["perplexity_tokens"] = len(passage)
+
+    if args.decode_tokens:
+        start = time.perf_counter()
+        speeds = decode_speeds(engines, args.decode_tokens, args.rounds)
+        for dtype, tok_s in speeds.items():
+            result[f"{dtype}_decode_tok_s"] = tok_s
+        result["int8_decode_speedup"] = speeds["int8"] / speeds["float32"]
+        timings["decode_s"] = time.perf_counter() - start
+    del engines
+
+    if args.gguf:
+        start = time.perf_counter()
+        for dtype in ("float32", "int8"):
+            model = load_model(args.gguf, dtype).model
+            result[f"gguf_{dtype}_perplexity"] = perplexity(next_token_logits(model, passage), passage)
+        timings["gguf_s"] = time.perf_counter() - start
+    result["timings_s"] = timings
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    dtypes = [d for d in ("float32", "int8", "bfloat16") if f"{d}_perplexity" in result]
+    columns = ("perplexity", "next_token_agreement", "greedy_agreement", "greedy_prefix_agreement", "weight_bytes",
+               "decode_tok_s")
+    print(f"{'dtype':<10}" + "".join(f"{c:>24}" for c in columns))
+    for dtype in dtypes:
+        cells = [result.get(f"{dtype}_{c}", 1.0 if dtype == "float32" and "agreement" in c else None)
+                 for c in columns]
+        print(f"{dtype:<10}" + "".join(f"{_fmt(v):>24}" for v in cells))
+    print(f"int8 weight memory / float32: {_fmt(result['int8_weight_memory_ratio'])}; "
+          f"int8 decode speedup: {_fmt(result.get('int8_decode_speedup'))}; "
+          f"bfloat16 probe slowdown: {_fmt(result['bf16_slowdown'])} (slow: {result['bf16_slow']})")
+    for dtype in ("float32", "int8"):
+        if f"gguf_{dtype}_perplexity" in result:
+            print(f"gguf loaded as {dtype}: perplexity {_fmt(result[f'gguf_{dtype}_perplexity'])}")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", default=MODEL_DIR, help="local HF folder (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default: 64)")
+    parser.add_argument("--decode-tokens", type=int, default=128,
+                        help="tokens per decode-speed run; 0 skips it (default: 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="decode-speed rounds per dtype (default: 3)")
+    parser.add_argument("--gguf", default=None, help="also measure this .gguf file's perplexity as float32 and int8")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(NUM_THREADS)
+    result = run(args)
+    print_table(result)
+    print(json.dumps({k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in result.items()}), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Int8 weights: symmetric, one scale per output channel, for every linear layer of a model.
+
+    # inferline.yaml
+    models:
+      - name: smollm2-int8
+        source: models/smollm2-135m-instruct
+        dtype: int8
+
+``dtype: int8`` loads float32 weights (from safetensors or a GGUF file) and
+stores each linear weight (fused q/k/v, o, fused gate/up, down, and the LM
+head, its own copy when tied to the embedding) as ``int8 * scale[:, None]``
+with ``scale = max |row| / 127``. Activations, the KV cache, norms, biases and
+the embedding lookup stay float32.
+
+On CPU the matmul is fbgemm's dynamic quantized linear (``quantized::linear_dynamic``):
+it quantizes the activations to uint8 on the fly and multiplies in integers
+(AVX512-VNNI). Measured on the 2-core AMD EPYC machines here at batch 1:
+about 2x the speed of the oneDNN float32 linear on a layer's shapes, 9x on the
+49152x576 LM head, and 2.0-2.2x for a whole decode step. Two alternatives
+lost: ``torch._weight_int8pack_mm`` (int8 weight, float activations) was 5-10x
+slower than float32, and ``torch._int_mm`` with our own per-row activation
+scales 1.3-3x slower than fbgemm.
+
+Quantized activations cost more quality than the weights' rounding alone:
+perplexity of the default model on ``bench/quality.py``'s passage is 35.26 in
+float32, 35.40 with int8 weights and float activations, 36.77 here. Most of
+the difference comes from the q/k/v input, which has a few large channels;
+SmoothQuant-style rescaling calibrated on a short text gained 0.4 to 1.1 and
+was not kept (it varied with the calibration text and needs a pass at load).
+
+Per-row activation ranges: fbgemm picks one range for the whole input tensor.
+Used as is, one token with large activations coarsens every other token's
+(perplexity 59 instead of 36.8 over a 512-token prefill) and a row's result
+depends on the rest of the batch. With more than one row, :func:`int8_linear`
+divides each row by its max ``|x|`` and appends a fixed row holding +1 and -1,
+which pins the tensor's range to [-1, 1]: each row is quantized against its
+own maximum, and its output is bit-identical whatever else is in the batch
+(tested). A single row (batch-1 decode) goes to fbgemm as it is: its range is
+already its own, and the four extra small ops cost ~15% of a decode step. It
+rounds to its own asymmetric range, so a row alone and the same row in a batch
+can differ in the last bits.
+
+The engine as a whole is not bit-for-bit batch-invariant in int8: batched
+decode attention (padded SDPA groups) differs from single decode in the last
+bits, as in float32, but int8's rounding turns more of those differences into
+another greedy token (8 chat prompts run together vs one at a time: about two
+thirds of greedy tokens equal in int8, all of them in float32).
+
+fbgemm's quantized ops are deprecated upstream. Where they are missing, and on
+CUDA, the weight is dequantized at each matmul (``F.linear`` on
+``int8.to(x.dtype)``, scaled after): correct, with int8's weight memory, but
+no faster than float32 (untested on a GPU so far).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """One linear layer's weight ``[out, in]`` as int8 with a float32 scale per output channel."""
+
+    int8: torch.Tensor | None
+    """``[out, in]`` int8, for the dequantizing path; None when fbgemm's packed copy holds it."""
+    scale: torch.Tensor
+    """``[out]`` float32: ``weight ≈ int8 * scale[:, None]``."""
+    packed: object | None
+    """fbgemm's packed weight (CPU), or None."""
+    range_row: torch.Tensor | None
+    """``[1, in]`` float32 +1, -1, then zeros: appended to fbgemm's input to pin its range to [-1, 1]."""
+
+    @property
+    def in_features(self) -> int:
+        return self.range_row.shape[1] if self.int8 is None else self.int8.shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the int8 matrix and its scales. fbgemm's packed copy holds the same matrix plus
+        per-channel offsets and padding that torch does not expose."""
+        return self.scale.numel() * (self.in_features + self.scale.element_size())
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: ``(q, scale)`` with ``weight ≈ q * scale[:, None]``.
+
+    ``q`` is in [-127, 127]; the error of each element is at most ``scale / 2`` of its row.
+    """
+    w = weight.float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``q * scale[:, None]``."""
+    return q.float() * scale[:, None]
+
+
+def has_fbgemm(device: torch.device) -> bool:
+    """Whether fbgemm's dynamic quantized linear serves int8 on *device*."""
+    return (device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_dynamic"))
+
+
+def quantize_weight(weight: torch.Tensor, device: torch.device) -> Int8Weight:
+    """*weight* ``[out, in]`` (any float dtype) as an :class:`Int8Weight` for :func:`int8_linear`."""
+    q, scale = quantize_per_channel(weight)
+    if not has_fbgemm(device):
+        return Int8Weight(q.to(device), scale.to(device), None, None)
+    with warnings.catch_warnings():
+        # Quantized tensors are deprecated upstream; fbgemm's prepack takes nothing else.
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(
+            q, scale.double(), torch.zeros_like(scale, dtype=torch.int64), 0)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+    range_row = torch.zeros(1, weight.shape[1])
+    range_row[0, :2] = torch.tensor([1.0, -1.0])
+    return Int8Weight(None, scale, packed, range_row)
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` float32."""
+    if weight.packed is None:
+        out = F.linear(x, weight.int8.to(x.dtype)) * weight.scale
+        return out if bias is None else out + bias
+    if x.shape[0] == 1:  # one row: fbgemm's per-tensor range is already the row's own
+        out = torch.ops.quantized.linear_dynamic(x, weight.packed, _REDUCE_RANGE)
+        return out if bias is None else out.add_(bias)
+    absmax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(_TINY)
+    rows = torch.cat((x / absmax, weight.range_row))
+    out = torch.ops.quantized.linear_dynamic(rows, weight.packed, _REDUCE_RANGE)[:-1]
+    return out.mul_(absmax) if bias is None else torch.addcmul(bias, out, absmax)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+#: fbgemm's 7-bit activation range guards against int16 overflow on CPUs without VNNI.
+_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
