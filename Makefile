@@ -7,7 +7,7 @@ MODEL  := models/smollm2-135m-instruct/inferline-model.json
 HANDBOOK_INDEX := indexes/handbook/CURRENT
 PIP    := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install run test test-fast bench lint clean
+.PHONY: install run test test-fast bench bench-deps lint clean
 
 install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX)
 
@@ -40,6 +40,11 @@ bench: install
 	$(PY) bench/engine.py --quick
 	$(PY) bench/http.py --quick
 	$(PY) bench/audit.py --quick
+
+# Optional: llama-cpp-python for `bench/engine_speed.py --llamacpp`. It compiles llama.cpp from source,
+# about 12 minutes on 2 cores; one build job (CMAKE_BUILD_PARALLEL_LEVEL=1) leaves the other core free.
+bench-deps: install
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-1} $(PIP) install -e '.[bench]'
 
 lint: install
 	$(VENV)/bin/ruff check .
