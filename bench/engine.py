@@ -97,6 +97,8 @@ log = logging.getLogger("bench.engine")
 
 MODEL_DIR = "models/smollm2-135m-instruct"
 NUM_THREADS = 2
+#: Where our engine runs (``--device``); on cuda in bfloat16, and the HF baselines are skipped.
+DEVICE = "cpu"
 STATIC_BATCH = 16
 MAX_NUM_SEQS = 64
 MAX_BATCHED_TOKENS = 512
@@ -433,7 +435,8 @@ def load_engine(model_dir: str, enable_prefix_caching: bool = True) -> Any:
     from serving.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model_dir, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                                  enable_prefix_caching=enable_prefix_caching, num_threads=NUM_THREADS))
+                                  enable_prefix_caching=enable_prefix_caching, num_threads=NUM_THREADS,
+                                  device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else "float32"))
 
 
 def ours_run(engine: Any, requests: Sequence[Request]) -> Run:
@@ -510,10 +513,11 @@ def uniform_workload(b: Bench) -> None:
 def decode_workload(b: Bench) -> None:
     request = Request(_slice(b.pool, random.Random(b.seed + 2), DECODE_PROMPT_LEN), DECODE_NEW_TOKENS)
     repeats, f = b.sizes.num_decode_repeats, b.report.figures
-    with b.report.part("decode/bandwidth"):
-        f["read_bandwidth_gb_s"] = read_bandwidth_gb_s()
-        f["weight_bytes_per_step"] = weight_bytes(b.model)
-        f["decode_bound_tok_s"] = f["read_bandwidth_gb_s"] * 1e9 / f["weight_bytes_per_step"]
+    if DEVICE == "cpu":  # the bound is the CPU's: on a GPU, decode_vs_bound stays null
+        with b.report.part("decode/bandwidth"):
+            f["read_bandwidth_gb_s"] = read_bandwidth_gb_s()
+            f["weight_bytes_per_step"] = weight_bytes(b.model)
+            f["decode_bound_tok_s"] = f["read_bandwidth_gb_s"] * 1e9 / f["weight_bytes_per_step"]
     if b.run_hf:
         with b.report.part("decode/hf"):
             pad_id = b.tokenizer.pad_token_id
@@ -624,7 +628,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--only", choices=("hf", "ours"), help="run only the HF baselines, or only our engine")
     parser.add_argument("--model", default=MODEL_DIR, help=f"HF model folder (default: {MODEL_DIR})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts and lengths")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where our engine runs (cuda: bfloat16, our engine only; compare with a cpu run)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+        args.only = "ours"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -636,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     compute_ratios(b.report.figures)
     b.report.table("Ratios", RATIO_KEYS)
     b.report.timings_s["total"] = round(time.perf_counter() - started, 1)
-    return {**b.report.figures, "quick": args.quick, "sizes": asdict(b.sizes), "torch_threads": NUM_THREADS,
+    return {**b.report.figures, "quick": args.quick, "device": DEVICE, "sizes": asdict(b.sizes),
+            "torch_threads": NUM_THREADS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "timings_s": b.report.timings_s,
             "notes": b.report.notes}
 

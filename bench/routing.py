@@ -221,7 +221,8 @@ class _Engines:
         self.default_model = name
         self.engine = SimpleNamespace(tokenizer=tokenizer, weights_hash="bench", submit=self._submit)
 
-    async def _submit(self, prompt_ids: list[int], sampling: Any, cache_salt: str = "") -> _Replay:
+    async def _submit(self, prompt_ids: list[int], sampling: Any, cache_salt: str = "", *,
+                      hints: Any = None) -> _Replay:
         return _Replay(len(prompt_ids))
 
     async def get(self, name: str) -> Any:

@@ -123,3 +123,9 @@ class Overloaded(InferlineError):
     def __init__(self, message: str, retry_after_s: float = 1.0):
         self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+class DeadlineExceeded(InferlineError):
+    """The request was still queued for its model at its deadline (``queue_timeout_ms``): dropped unstarted."""
+
+    kind = "deadline_exceeded"

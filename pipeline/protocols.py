@@ -47,6 +47,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: Let the engine's speculative decoding guess tokens (same output, only speed differs).
+    speculative: bool = True
+
+
+#: Priority classes, most urgent first: an engine admits ``interactive`` before ``batch``.
+PRIORITY_CLASSES = ("interactive", "batch")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingHints:
+    """How an engine should queue a request among others; what ``generate`` hands it with the sampling.
+
+    A local engine admits by class (``interactive`` before ``batch``, batch never starved), tenants of
+    a class taking turns; a remote backend ignores the hints.
+    """
+
+    priority: str = "interactive"
+    """One of :data:`PRIORITY_CLASSES`."""
+    tenant: str = ""
+    deadline_s: float | None = None
+    """``time.perf_counter()`` by which the request must have started (prefill); still queued then, it
+    ends with :class:`~pipeline.errors.DeadlineExceeded`. None: it waits as long as it takes."""
 
 
 class TokenEvent(Protocol):
@@ -98,8 +120,12 @@ class Engine(Protocol):
     weights_hash: str
 
     async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                     cache_salt: str = "") -> TokenStream:
-        """Queue a request; raises Overloaded, BackendError or InvalidInput before queueing anything."""
+                     cache_salt: str = "", *, hints: SchedulingHints | None = None) -> TokenStream:
+        """Queue a request; raises Overloaded, BackendError or InvalidInput before queueing anything.
+
+        *hints* place it in the queue (None: interactive, no tenant, no deadline); its stream raises
+        DeadlineExceeded if it is still queued at ``hints.deadline_s``.
+        """
         ...
 
 

@@ -57,6 +57,30 @@ class BatchingSpec(Strict):
     max_waiting: PositiveInt = 256
 
 
+class SpeculativeSpec(Strict):
+    """Speculative decoding for a local model: guesses checked in one forward, same output, fewer steps."""
+
+    #: ngram: prompt lookup (guesses copied from earlier in the prompt and output; no extra model);
+    #: draft: a smaller model of the same tokenizer, named by ``draft_model``.
+    method: Literal["ngram", "draft"] = "ngram"
+    #: Tokens guessed per step.
+    num_tokens: PositiveInt = 4
+    #: Speculation pauses while more requests than this are running (large batches gain little).
+    max_batch: PositiveInt = 4
+    prompt_lookup_max: PositiveInt = 4
+    prompt_lookup_min: PositiveInt = 2
+    #: method draft: the name of another local model of this file.
+    draft_model: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> SpeculativeSpec:
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method: draft needs draft_model: (the name of another model)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
 class ModelSpec(Strict):
     """One model the server can run or reach."""
 
@@ -84,6 +108,8 @@ class ModelSpec(Strict):
     tokenizer: str | None = None
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    #: Local engines: speculative decoding (off when absent).
+    speculative: SpeculativeSpec | None = None
     price: PriceSpec = Field(default_factory=PriceSpec)
 
     @model_validator(mode="after")
@@ -176,6 +202,19 @@ class ServerSpec(Strict):
     http: HttpSpec = Field(default_factory=HttpSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+
+    @model_validator(mode="after")
+    def _drafts_exist(self) -> ServerSpec:
+        for name, model in self.models.items():
+            draft = model.speculative.draft_model if model.speculative else None
+            if draft is None or model.speculative.method != "draft":
+                continue
+            other = self.models.get(draft)
+            if other is None or other.backend != "local" or draft == name:
+                local = sorted(n for n, m in self.models.items() if m.backend == "local" and n != name)
+                raise ValueError(f"models.{name}.speculative.draft_model: {draft!r} is not another local model "
+                                 f"of this file (others: {local})")
+        return self
 
 
 # --- pipelines/*.yaml ---------------------------------------------------------

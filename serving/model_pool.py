@@ -2,7 +2,8 @@
 
 One :class:`LocalEngine` per configured local model, started on first use and shared by every
 pipeline of the process. This is where the engine's own errors become the pipeline's
-(``Overloaded``, ``InvalidInput``, ``BackendError``), since the engine imports nothing of ours.
+(``Overloaded``, ``InvalidInput``, ``BackendError``, ``DeadlineExceeded``), since the engine imports
+nothing of ours.
 
 Replicas: ``replicas: N`` runs N independent ``AsyncEngine`` objects for one model, each with its own
 step thread, scheduler, KV cache and prefix cache, and its own ``kv_cache.memory_gb`` (the budget is
@@ -26,12 +27,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import ModelLoad, SamplingParams, TokenEvent
+from pipeline.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded
+from pipeline.protocols import PRIORITY_CLASSES, ModelLoad, SamplingParams, SchedulingHints, TokenEvent
 from pipeline.spec import ModelSpec, ServerSpec
 from serving.engine.async_engine import AsyncEngine, RequestStream
 from serving.engine.config import EngineConfig
-from serving.engine.errors import EngineError, EngineOverloaded, InvalidRequest
+from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOverloaded, InvalidRequest
 from serving.engine.models import load_model
 from serving.engine.sampling_params import SamplingParams as EngineSampling
 from serving.placement import Placement, ReplicaLoad, ewma
@@ -84,6 +85,8 @@ class _Stream:
                     timed = True
                     self._owner.observe_ttft(time.perf_counter() - self._submitted_s)
                 yield event
+        except EngineDeadlineExceeded as exc:
+            raise DeadlineExceeded(f"model {self._owner.name!r}: {exc}") from exc
         except EngineError as exc:
             raise BackendError(f"model {self._owner.name!r}: {exc}") from exc
         finally:
@@ -121,13 +124,17 @@ class LocalEngine:
         #: Exponential average of the time from submit to first token; None before the first.
         self.ttft_s: float | None = None
 
-    async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "") -> _Stream:
+    async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "", *,
+                     hints: SchedulingHints | None = None) -> _Stream:
         submitted_s = time.perf_counter()
+        hints = hints or SchedulingHints()
         index = 0
         if len(self.replicas) > 1:
             index = self.placement.choose(prompt_ids, cache_salt, self.replica_loads())
         try:
-            stream = await self.replicas[index].submit(prompt_ids, EngineSampling(**asdict(sampling)), cache_salt)
+            stream = await self.replicas[index].submit(
+                prompt_ids, EngineSampling(**asdict(sampling)), cache_salt,
+                priority=PRIORITY_CLASSES.index(hints.priority), tenant=hints.tenant, deadline_s=hints.deadline_s)
         except EngineOverloaded as exc:
             raise Overloaded(f"model {self.name!r} is overloaded: {exc}", exc.retry_after_s) from exc
         except InvalidRequest as exc:
@@ -212,7 +219,8 @@ class ModelPool:
         return engine
 
     async def _start_local(self, name: str, spec: ModelSpec) -> LocalEngine:
-        config = engine_config(spec, self._root)
+        draft = spec.speculative.draft_model if spec.speculative else None
+        config = engine_config(spec, self._root, self._specs[draft] if draft else None)
         replicas: list[AsyncEngine] = []
         try:
             # Several replicas share one copy of the weights; one replica loads its own, as it always has.
@@ -266,8 +274,8 @@ def weights_sha256(source: Path) -> str:
     return digest.hexdigest()
 
 
-def engine_config(spec: ModelSpec, root: Path) -> EngineConfig:
-    """The engine options for a model of ``inferline.yaml`` (resolving ``auto``)."""
+def engine_config(spec: ModelSpec, root: Path, draft: ModelSpec | None = None) -> EngineConfig:
+    """The engine options for a model of ``inferline.yaml`` (resolving ``auto``); *draft*: its draft model's spec."""
     import torch
 
     if spec.source is None:
@@ -276,8 +284,6 @@ def engine_config(spec: ModelSpec, root: Path) -> EngineConfig:
     dtype = spec.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    if dtype == "int8":
-        raise BackendError("dtype int8 (weight-only quantization) is not available yet; use float32")
     kv = spec.kv_cache
     return EngineConfig(
         model=str(root / spec.source), dtype=dtype, device=device, block_size=kv.block_size,
@@ -285,4 +291,15 @@ def engine_config(spec: ModelSpec, root: Path) -> EngineConfig:
         kv_cache_bytes=int(kv.memory_gb * (1 << 30)), enable_prefix_caching=kv.prefix_cache,
         max_num_seqs=spec.batching.max_num_seqs, max_num_batched_tokens=spec.batching.max_num_batched_tokens,
         max_waiting=spec.batching.max_waiting, max_model_len=spec.context_window,
+        **_speculative_options(spec, root, draft),
     )
+
+
+def _speculative_options(spec: ModelSpec, root: Path, draft: ModelSpec | None) -> dict[str, object]:
+    options = spec.speculative
+    if options is None:
+        return {}
+    return {"speculative": options.method, "num_speculative_tokens": options.num_tokens,
+            "speculative_max_batch": options.max_batch, "prompt_lookup_max": options.prompt_lookup_max,
+            "prompt_lookup_min": options.prompt_lookup_min,
+            "draft_model": str(root / draft.source) if draft is not None and draft.source else None}

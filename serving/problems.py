@@ -22,6 +22,7 @@ STATUS_BY_KIND = {
     "overloaded": 429,
     "stage_timeout": 504,
     "backend_error": 503,
+    "deadline_exceeded": 503,
     "no_engine": 503,
 }
 
@@ -57,7 +58,7 @@ def from_error(exc: BaseException) -> Problem:
         status = status_of(exc.kind)
         retry_after = getattr(exc, "retry_after_s", None)  # Overloaded, RateLimited
         headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
-        title = _TITLES.get(status, "Request failed")
+        title = _KIND_TITLES.get(exc.kind) or _TITLES.get(status, "Request failed")
         # A refusal names the policy and rule, never the content that triggered it.
         extra = {"policy": exc.policy, "rule": exc.rule, "category": exc.category} if isinstance(
             exc, PolicyDenied) else {}
@@ -72,7 +73,7 @@ def from_final(kind: str, message: str, error: BaseException | None) -> Problem:
         if problem.status != 500:
             return problem
     status = status_of(kind)
-    return Problem(status, _TITLES.get(status, "Request failed"), message, kind)
+    return Problem(status, _KIND_TITLES.get(kind) or _TITLES.get(status, "Request failed"), message, kind)
 
 
 _TITLES = {
@@ -80,6 +81,8 @@ _TITLES = {
     422: "Unprocessable request", 429: "Too many requests", 500: "Internal error", 503: "Backend unavailable",
     504: "Stage timed out",
 }
+#: Titles more precise than their status's.
+_KIND_TITLES = {"deadline_exceeded": "Queue deadline passed"}
 
 
 #: ``ctx.facts["limits"]`` entry -> header name part.

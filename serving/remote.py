@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import ModelLoad, SamplingParams, TokenEvent, Tokenizer
+from pipeline.protocols import ModelLoad, SamplingParams, SchedulingHints, TokenEvent, Tokenizer
 from pipeline.spec import ModelSpec
 from serving.placement import Placement, ReplicaLoad, ewma
 
@@ -133,7 +133,8 @@ class RemoteEngine:
         self._in_flight = [0] * len(self.base_urls)
         self._ttft_s: float | None = None
 
-    async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "") -> RemoteStream:
+    async def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str = "", *,
+                     hints: SchedulingHints | None = None) -> RemoteStream:
         raise InvalidInput(f"model {self.name!r} is remote: it takes chat messages (submit_messages), not token ids")
 
     async def submit_messages(self, messages: Sequence[Mapping[str, str]], sampling: SamplingParams,

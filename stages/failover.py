@@ -6,7 +6,9 @@ within ``first_token_timeout_s`` moves on to the next. A model that failed is
 left out of rotation for ``cooldown_s`` (the last candidate is always tried).
 A fallback with another tokenizer gets the prompt tokenized again; a remote
 backend gets the chat messages. Fallback happens before the first token only:
-once text has reached the client, a failure ends the request.
+once text has reached the client, a failure ends the request. A request still
+queued at its deadline (``DeadlineExceeded``) does not fall back: the deadline
+has passed for every model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from pipeline.context import RequestContext, RoutePlan, chat_turns
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import Engine, Resources, SamplingParams, TokenEvent, TokenStream
+from pipeline.protocols import Engine, Resources, SamplingParams, SchedulingHints, TokenEvent, TokenStream
 from stages.engines import engine_for
 
 #: Errors that move on to the next model; anything else (a bad request) ends the request.
@@ -25,7 +27,7 @@ RETRYABLE = (Overloaded, BackendError)
 
 
 async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampling: SamplingParams,
-                               salt: str) -> tuple[str, Engine, TokenStream]:
+                               salt: str, hints: SchedulingHints | None = None) -> tuple[str, Engine, TokenStream]:
     plan = ctx.route_plan or RoutePlan()
     first = ctx.model or (resources.engines.default_model if resources.engines else "")
     candidates = [first, *(m for m in plan.fallbacks if m != first)]
@@ -37,7 +39,7 @@ async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampli
             continue
         for attempt in range(1 + plan.retries):
             try:
-                engine, stream = await _submit(resources, ctx, name, sampling, salt, plan)
+                engine, stream = await _submit(resources, ctx, name, sampling, salt, plan, hints)
             except RETRYABLE as exc:
                 error = error or exc  # the first model's error is the one to report if all fail
                 tried.append({"model": name, "attempt": attempt + 1, "error": exc.kind})
@@ -59,27 +61,28 @@ async def submit_with_fallback(resources: Resources, ctx: RequestContext, sampli
 
 
 async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
-                  plan: RoutePlan) -> tuple[Engine, TokenStream]:
+                  plan: RoutePlan, hints: SchedulingHints | None) -> tuple[Engine, TokenStream]:
     """Submit to *name* and read its first event (an error before any text still falls back). A deadline
     covers the submission and the first token, not the model's start (a cold start takes what it takes)."""
     name, engine = await engine_for(resources, name)
     if plan.first_token_timeout_s is None:
-        return engine, await _first_token(await _open(engine, ctx, name, sampling, salt))
+        return engine, await _first_token(await _open(engine, ctx, name, sampling, salt, hints))
     try:
         async with asyncio.timeout(plan.first_token_timeout_s):
-            return engine, await _first_token(await _open(engine, ctx, name, sampling, salt))
+            return engine, await _first_token(await _open(engine, ctx, name, sampling, salt, hints))
     except TimeoutError:
         raise BackendError(f"model {name!r} gave no first token within {plan.first_token_timeout_s:g} s") from None
 
 
-async def _open(engine: Engine, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str) -> TokenStream:
+async def _open(engine: Engine, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
+                hints: SchedulingHints | None) -> TokenStream:
     if getattr(engine, "accepts_messages", False):
         return await engine.submit_messages(chat_turns(ctx.messages), sampling, cache_salt=salt)  # type: ignore[attr-defined]
     if name != ctx.facts.get("prompt_model", ctx.model):  # another tokenizer than the prompt's: encode again
         ctx.prompt_ids = engine.tokenizer.encode_chat(chat_turns(ctx.messages))
         ctx.prompt_tokens = len(ctx.prompt_ids)
         ctx.facts["prompt_model"] = name
-    return await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt)
+    return await engine.submit(ctx.prompt_ids, sampling, cache_salt=salt, hints=hints)
 
 
 async def _first_token(stream: TokenStream) -> TokenStream:

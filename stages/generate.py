@@ -11,6 +11,9 @@ YAML::
         seed: 7                 # same seed and prompt -> same output
         client_params: [max_tokens, temperature, top_p, seed]   # what a caller may override
         isolate_tenants: true   # tenants never share prefix-cache blocks
+        speculative: false      # opt out of the model's speculative decoding (default: on where configured)
+        priority: interactive   # or batch: admitted after interactive work, never starved
+        queue_timeout_ms: 2000  # still queued for the model after this long: 503 deadline_exceeded
 
 Writes ``token_stream``; the ``stream`` stage consumes it. With a ``route``
 stage before it, failures fall back to the route's next models (see
@@ -19,18 +22,29 @@ and then nothing is generated. A caller's
 ``params`` may override only the options listed in ``client_params``, and
 ``max_tokens`` never above this stage's own value, nor above a policy
 stage's cap (``max_output_tokens``, or what its token budget reserved).
+
+Scheduling (local engines; a remote backend ignores it): ``priority`` is the
+pipeline's class. When the model is busy, waiting ``interactive`` requests are
+admitted first, but a waiting ``batch`` request is passed over at most 4 times
+in a row. Within a class, tenants (the caller's API-key tenant) take turns, so
+one tenant's burst cannot starve another's request. ``queue_timeout_ms`` bounds
+the wait for admission (counted from this stage's start, fallbacks included):
+a request still queued then is dropped before prefill and fails with
+``deadline_exceeded`` (HTTP 503). Once started, a request is never dropped for
+its deadline.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, replace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, ValidationError
 
 from pipeline.context import RequestContext
 from pipeline.errors import InvalidInput
-from pipeline.protocols import Catalog, SamplingParams
+from pipeline.protocols import Catalog, SamplingParams, SchedulingHints
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.tracing import (
     GEN_AI_OPERATION_NAME,
@@ -60,6 +74,8 @@ class Sampling(NoConfig):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    #: Let the model's speculative decoding (inferline.yaml) guess tokens: same output, only speed differs.
+    speculative: bool = True
 
 
 class GenerateConfig(Sampling):
@@ -67,6 +83,10 @@ class GenerateConfig(Sampling):
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "logprobs"])
     isolate_tenants: bool = False
+    #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).
+    priority: Literal["interactive", "batch"] = "interactive"
+    #: Longest wait for admission by the model; None: as long as it takes.
+    queue_timeout_ms: int | None = Field(None, ge=1)
 
 
 class GenerateStage(Stage):
@@ -92,7 +112,9 @@ class GenerateStage(Stage):
             self._record(ctx, scope, sampling, engine.weights_hash)
             return
         salt = ctx.tenant if config.isolate_tenants else ""
-        ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
+        deadline_s = None if config.queue_timeout_ms is None else time.perf_counter() + config.queue_timeout_ms / 1000
+        hints = SchedulingHints(config.priority, ctx.tenant, deadline_s)
+        ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt, hints)
         self._record(ctx, scope, sampling, engine.weights_hash)
         tried = ctx.facts.get("route", {}).get("fallbacks_tried", [])
         if tried:

@@ -186,10 +186,13 @@ class FakeEngine:
         self.weights_hash = "f" * 64
         self.reply = reply.encode()
         self.submitted: list[tuple[list[int], object, str]] = []
+        #: The scheduling hints of each submission, in the same order.
+        self.hints: list[object] = []
         self.streams: list[FakeStream] = []
 
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         self.submitted.append((list(prompt_ids), sampling, cache_salt))
+        self.hints.append(hints)
         stream = FakeStream(self.reply, len(prompt_ids), sampling.max_tokens)
         self.streams.append(stream)
         return stream

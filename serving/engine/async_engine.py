@@ -30,7 +30,7 @@ from typing import Any
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine, StepOutput
-from serving.engine.errors import EngineError, EngineOverloaded, EngineStopped
+from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOverloaded, EngineStopped
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.sequence import Sequence
 
@@ -137,12 +137,18 @@ class AsyncEngine:
             stream._put(EngineStopped("the engine shut down"))
         self._streams.clear()
 
-    async def submit(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "") -> RequestStream:
-        """Validate and queue a request. Raises InvalidRequest or EngineOverloaded at once."""
+    async def submit(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "", *,
+                     priority: int = 0, tenant: str = "", deadline_s: float | None = None) -> RequestStream:
+        """Validate and queue a request. Raises InvalidRequest or EngineOverloaded at once.
+
+        *priority*, *tenant* and *deadline_s* order it among the waiting (see ``LLMEngine.add_request``);
+        still waiting at *deadline_s*, its stream raises :class:`EngineDeadlineExceeded`.
+        """
         if self._thread is None or self._stopping:
             raise EngineStopped("the engine is not running")
         engine = self.engine
-        seq = engine.make_sequence(prompt_ids, sampling, cache_salt)
+        seq = engine.make_sequence(prompt_ids, sampling, cache_salt, priority=priority, tenant=tenant,
+                                   deadline_s=deadline_s)
         if engine.scheduler.num_waiting + self._num_pending >= engine.config.max_waiting:
             raise EngineOverloaded(f"{engine.config.max_waiting} requests are already waiting; retry shortly")
         stream = RequestStream(seq.seq_id, self._abort)
@@ -220,6 +226,12 @@ class AsyncEngine:
             stream = self._streams.get(out.seq_id)
             if stream is None:
                 continue  # aborted by its consumer
+            if out.finish_reason == "deadline":
+                del self._streams[out.seq_id]
+                stream._put(EngineDeadlineExceeded(
+                    "the request was still waiting for the model at its deadline and was dropped before "
+                    "prefill (the model is busy: retry later, or allow a longer queue timeout)"))
+                continue
             lp = out.logprobs
             stream._put(TokenEvent(out.token_id, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
                                    out.num_output_tokens, lp.logprob if lp else None,

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.errors import InvalidRequest
+from serving.engine.errors import EngineError, InvalidRequest
 from serving.engine.metrics import EngineMetrics
 from serving.engine.model_runner import ModelRunner, kv_bytes_per_block
 from serving.engine.models import LoadedModel, load_model
@@ -28,6 +28,7 @@ from serving.engine.sampler import Sampler, TokenLogprobs
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
+from serving.engine.speculative import DraftModel, Guessed, PromptLookup, accepted_prefix, check_draft, propose_counts
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ class LLMEngine:
     """Continuous batching over a paged KV cache for one model."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
-                 name: str | None = None, metrics_registry: CollectorRegistry | None = None):
+                 name: str | None = None, metrics_registry: CollectorRegistry | None = None,
+                 draft: LoadedModel | None = None):
         """Load ``config.model`` (or use *loaded*, already in memory) and size the KV pool.
 
         *name* labels the metrics (default: the model folder's name); *metrics_registry*
-        is where they register (default: a private one).
+        is where they register (default: a private one). *draft*: the draft model for
+        ``speculative="draft"``, already loaded (default: loaded from ``config.draft_model``).
         """
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -83,6 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.sampler = Sampler()
+        self.proposer = _proposer(config, self.model, self.tokenizer, num_blocks, draft)
         self.metrics = EngineMetrics(name or _model_name(config.model), metrics_registry)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
@@ -90,18 +94,26 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------
 
-    def add_request(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "") -> Sequence:
-        """Validate and queue a request; raises InvalidRequest or EngineOverloaded."""
-        seq = self.make_sequence(prompt_ids, sampling, cache_salt)
+    def add_request(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "", *,
+                    priority: int = 0, tenant: str = "", deadline_s: float | None = None) -> Sequence:
+        """Validate and queue a request; raises InvalidRequest or EngineOverloaded.
+
+        *priority* is its class (0 interactive, 1 batch: lower first), *tenant* whose turn it takes,
+        *deadline_s* the ``time.perf_counter()`` by which it must be admitted (else it finishes as
+        ``deadline``); see wait_queue.py.
+        """
+        seq = self.make_sequence(prompt_ids, sampling, cache_salt, priority=priority, tenant=tenant,
+                                 deadline_s=deadline_s)
         self.scheduler.add(seq)
         self._seqs[seq.seq_id] = seq
         return seq
 
-    def make_sequence(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "") -> Sequence:
+    def make_sequence(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "", *,
+                      priority: int = 0, tenant: str = "", deadline_s: float | None = None) -> Sequence:
         """A validated, not yet queued sequence (the async front validates on the caller's side)."""
         self.validate(prompt_ids, sampling)
         return Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, self.eos_token_ids,
-                        cache_salt)
+                        cache_salt, priority=priority, tenant=tenant, deadline_s=deadline_s)
 
     def validate(self, prompt_ids: Seq[int], sampling: SamplingParams) -> None:
         vocab = self.model.shape.vocab_size
@@ -138,30 +150,66 @@ class LLMEngine:
             return ended
         ordered = self.runner.order(plan.scheduled)
         logits = self.runner.run(ordered)
-        sampling_seqs = [item.seq for item in ordered if item.samples]
-        sampled = self.sampler(logits, sampling_seqs)
-        token_by_seq = dict(zip((s.seq_id for s in sampling_seqs), sampled.token_ids, strict=True))
+        sampling_items = [item for item in ordered if item.samples]
+        # A row per sampling item, plus one per guess: row j of a verified decode is sampled as if
+        # its first j guesses were already accepted (speculative.py says why that is exact).
+        rows = [Guessed(item.seq, list(item.guesses[:j])) if j else item.seq
+                for item in sampling_items for j in range(len(item.guesses) + 1)]
+        sampled = self.sampler(logits, rows)
+        token_by_seq, logprobs_by_seq, row = {}, {}, 0
+        for item in sampling_items:
+            num_rows = len(item.guesses) + 1
+            tokens = sampled.token_ids[row:row + num_rows]
+            num_accepted = accepted_prefix(item.guesses, tokens)
+            token_by_seq[item.seq.seq_id] = tokens[:num_accepted + 1]
+            logprobs_by_seq[item.seq.seq_id] = sampled.logprobs[row:row + num_accepted + 1]
+            if item.guesses:
+                self.metrics.add_speculation(len(item.guesses), num_accepted)
+            row += num_rows
+        lengths = {item.seq.seq_id: item.seq.num_tokens for item in sampling_items}
         self.scheduler.update(plan, token_by_seq)
-        return ended + self._collect(sampling_seqs, sampled.logprobs)
+        outputs = ended + self._collect([item.seq for item in sampling_items], lengths, logprobs_by_seq)
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def _propose(self) -> None:
+        """Guess the next tokens of the running decodes, unless the batch is too large for it to pay."""
+        decoding = [seq for seq in self.scheduler.running
+                    if seq.num_uncomputed_tokens == 1 and seq.sampling.speculative]
+        if not decoding or len(self.scheduler.running) > self.config.speculative_max_batch:
+            return
+        counts = propose_counts(decoding, self.config.num_speculative_tokens, self.max_model_len)
+        for seq, guesses in zip(decoding, self.proposer.propose(decoding, counts), strict=True):
+            seq.guesses = guesses
 
     def _ended(self, seq: Sequence) -> StepOutput:
         """The last output of a sequence the scheduler finished without running it."""
         self._release(seq)
+        if seq.finish_reason == "deadline":
+            self.metrics.add_deadline_drops(1)
         return StepOutput(seq.seq_id, None, seq.finish_reason, None, seq.num_prompt_tokens,
                           seq.num_cached_tokens, seq.num_output_tokens)
 
-    def _collect(self, seqs: list[Sequence], logprobs: list[TokenLogprobs | None]) -> list[StepOutput]:
+    def _collect(self, seqs: list[Sequence], lengths: dict[int, int],
+                 logprobs: dict[int, list[TokenLogprobs | None]]) -> list[StepOutput]:
+        """One output per new token (a verified decode may add several), the last one with the finish reason."""
         now = time.perf_counter()
         outputs, itls = [], []
-        for seq, lp in zip(seqs, logprobs, strict=True):
+        for seq in seqs:
+            new_tokens = seq.token_ids[lengths[seq.seq_id]:]
             if seq.first_token_s is None:
                 seq.first_token_s = now
                 self.metrics.observe_first_token(now - seq.arrival_s, (seq.first_scheduled_s or now) - seq.arrival_s)
-            else:
-                itls.append(now - (seq.last_token_s or now))
+                itls += [0.0] * (len(new_tokens) - 1)
+            else:  # tokens that arrive together share the wait
+                itls += [(now - (seq.last_token_s or now)) / len(new_tokens)] * len(new_tokens)
             seq.last_token_s = now
-            outputs.append(StepOutput(seq.seq_id, seq.last_token_id, seq.finish_reason, lp,
-                                      seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens))
+            base = seq.num_output_tokens - len(new_tokens)
+            for index, (token_id, lp) in enumerate(zip(new_tokens, logprobs[seq.seq_id], strict=False)):
+                last = index == len(new_tokens) - 1
+                outputs.append(StepOutput(seq.seq_id, token_id, seq.finish_reason if last else None, lp,
+                                          seq.num_prompt_tokens, seq.num_cached_tokens, base + index + 1))
             if seq.is_finished:
                 self.metrics.observe_finished(now - seq.arrival_s)
                 self.metrics.add_tokens(seq.num_prompt_tokens, seq.num_output_tokens)
@@ -172,6 +220,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.sampler.release(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
 
     def _update_gauges(self) -> None:
@@ -200,6 +250,26 @@ class LLMEngine:
             "waiting": self.scheduler.num_waiting, "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks, "kv_usage": bm.usage, **self.metrics.snapshot(),
         }
+
+
+def _proposer(config: EngineConfig, model, tokenizer, num_blocks: int,
+              draft: LoadedModel | None) -> PromptLookup | DraftModel | None:
+    if config.speculative is None:
+        return None
+    if config.speculative == "ngram":
+        return PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.speculative != "draft":
+        raise EngineError(f"speculative must be ngram or draft, got {config.speculative!r}")
+    if draft is None:
+        if not config.draft_model:
+            raise EngineError("speculative: draft needs a draft model (draft_model)")
+        draft = load_model(config.draft_model, "float32" if config.dtype == "int8" else config.dtype,
+                           config.device)
+    try:
+        check_draft(model, draft.model, tokenizer, draft.tokenizer)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    return DraftModel(draft.model, num_blocks, config.block_size)
 
 
 def _model_name(model: str) -> str:

@@ -21,3 +21,7 @@ class EngineOverloaded(EngineError):
 
 class EngineStopped(EngineError):
     """The engine was shut down, or its loop died; the request did not finish."""
+
+
+class EngineDeadlineExceeded(EngineError):
+    """The request was still waiting for admission at its deadline; it was dropped before prefill."""

@@ -42,8 +42,11 @@ _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Sequences preempted to free KV-cache blocks.",
+    "num_deadline_drops": "Requests dropped before prefill: still waiting at their deadline.",
     "prompt_tokens": "Prompt tokens prefilled.",
     "generation_tokens": "Output tokens generated.",
+    "spec_decode_num_draft_tokens": "Tokens proposed by speculative decoding.",
+    "spec_decode_num_accepted_tokens": "Proposed tokens the model accepted.",
 }
 _PERCENTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 
@@ -146,6 +149,13 @@ class EngineMetrics:
     def add_preemptions(self, num: int) -> None:
         self._add({"num_preemptions": num})
 
+    def add_deadline_drops(self, num: int) -> None:
+        self._add({"num_deadline_drops": num})
+
+    def add_speculation(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: tokens a step verified for one sequence, and how many it accepted."""
+        self._add({"spec_decode_num_draft_tokens": proposed, "spec_decode_num_accepted_tokens": accepted})
+
     def add_tokens(self, prompt: int, generated: int) -> None:
         """Prompt tokens prefilled and output tokens generated (by a step, or by a request)."""
         self._add({"prompt_tokens": prompt, "generation_tokens": generated})
@@ -163,6 +173,8 @@ class EngineMetrics:
             out[name] = _summary(count, total, recent)
         queries = out["prefix_cache_queries"]
         out["prefix_cache_hit_rate"] = out["prefix_cache_hits"] / queries if queries else 0.0
+        proposed = out["spec_decode_num_draft_tokens"]
+        out["spec_decode_acceptance_rate"] = out["spec_decode_num_accepted_tokens"] / proposed if proposed else 0.0
         return out
 
     def _observe(self, name: str, values_s: Iterable[float]) -> None:

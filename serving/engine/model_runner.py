@@ -42,7 +42,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
-        """Logits ``[num_sampling, vocab]``, one row per item that samples, in batch order.
+        """Logits ``[num_rows, vocab]``, in batch order: a row per item that samples, plus one per guess.
 
         The batch order is decodes first, then prefill chunks; :meth:`order`
         gives it so the caller can match rows to sequences.
@@ -141,11 +141,12 @@ def _flatten(items: list[ScheduledSeq], block_size: int) -> tuple[list[int], lis
     for item in items:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
-        input_ids += seq.token_ids[start:end]
+        input_ids += seq.token_ids[start:end - len(item.guesses)]
+        input_ids += item.guesses
         positions += range(start, end)
         slots += _slots(seq.block_table, start, end, block_size)
-        if item.samples:
-            logits_rows.append(len(input_ids) - 1)
+        if item.samples:  # a verified decode: a row for its last token and one per guess
+            logits_rows.extend(range(len(input_ids) - 1 - len(item.guesses), len(input_ids)))
     return input_ids, positions, slots, logits_rows
 
 

@@ -24,6 +24,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return this many top log-probabilities per token (None: none)."""
+    speculative: bool = True
+    """Let the engine's speculative decoding guess this request's tokens (when the engine has it on).
+
+    The output is the same either way (speculative.py); turning it off only changes the speed.
+    """
 
     @property
     def is_greedy(self) -> bool:

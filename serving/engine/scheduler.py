@@ -3,7 +3,13 @@
 Plain Python (no torch). Each step has a token budget
 (``max_num_batched_tokens``) shared by decodes (one token each) and prefill
 chunks. Running sequences are served first, in admission order; then waiting
-ones are admitted first-in first-out. When the KV pool runs out, the most
+ones are admitted in the order of the :class:`WaitQueue` (wait_queue.py):
+preempted ones first, then by priority class (interactive before batch, batch
+never starved), tenants taking turns within a class, first-in first-out within
+a tenant. If the head does not fit in the KV cache, nobody overtakes it; it
+retries next step. A waiting sequence still unadmitted at its ``deadline_s``
+finishes as ``deadline`` before any prefill (a running one is never dropped
+for its deadline). When the KV pool runs out, the most
 recently admitted running sequence is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue (its prefix usually comes
 back from the prefix cache on readmission).
@@ -19,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineOverloaded
 from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.wait_queue import WaitQueue
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +42,18 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    """Including the guesses: a verified decode is its last token plus ``len(guesses)``."""
+    guesses: tuple[int, ...] = ()
+    """Speculative decoding: tokens proposed to follow the sequence, checked by this step's forward."""
     samples: bool = field(init=False)
-    """This step computes the sequence's last token, so a token is sampled for it.
+    """This step computes the sequence's last token, so a token is sampled for it (one per guess, plus one).
 
     Fixed at schedule time: ``update`` changes the counts it is derived from.
     """
 
     def __post_init__(self) -> None:
-        samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-        object.__setattr__(self, "samples", samples)
+        num_real = self.num_new_tokens - len(self.guesses)
+        object.__setattr__(self, "samples", self.seq.num_computed_tokens + num_real == self.seq.num_tokens)
 
 
 @dataclass(slots=True)
@@ -54,7 +63,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
-    """Finished while scheduling: alone, they outgrew the whole KV pool (``length``).
+    """Finished while scheduling: alone, they outgrew the whole KV pool (``length``), or they were
+    still waiting at their deadline (``deadline``).
 
     ``update`` returns them with the rest.
     """
@@ -79,7 +89,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         """Admission order: the tail is the first to be preempted."""
         self._blocked_seq_id: int | None = None
@@ -104,7 +114,7 @@ class Scheduler:
                 f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})",
                 retry_after_s=1.0)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch within the token budget; may preempt to free blocks."""
@@ -121,12 +131,28 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            guesses = self._guesses(seq, budget)
+            if guesses:
+                num_new += len(guesses)
             if num_new > 0 and self._make_room(seq, num_new, output):
                 self.block_manager.allocate(seq, num_new)
-                output.scheduled.append(ScheduledSeq(seq, num_new))
+                output.scheduled.append(ScheduledSeq(seq, num_new, guesses))
                 budget -= num_new
             i += 1
         return budget
+
+    def _guesses(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The speculative tokens to verify with ``seq``'s next decode: what the budget and free blocks allow.
+
+        A guess never preempts anyone: without room for all of them, the sequence decodes plainly.
+        """
+        guesses, seq.guesses = seq.guesses, []
+        if not guesses or seq.num_uncomputed_tokens != 1:
+            return ()
+        guesses = guesses[:budget - 1]
+        if guesses and not self.block_manager.can_allocate(seq, 1 + len(guesses)):
+            return ()
+        return tuple(guesses)
 
     def _make_room(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
         """Preempt from the tail of ``running`` until ``seq`` fits; False if ``seq`` itself went."""
@@ -153,24 +179,25 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
         logger.debug("preempted sequence %d (preemption %d)", seq.seq_id, seq.num_preemptions)
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        self._drop_expired(output)
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
             if not seq.block_table:
                 manager.allocate_cached_prefix(seq, is_retry=seq.seq_id == self._blocked_seq_id)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not manager.can_allocate(seq, num_new):
-                # First in, first out: nobody overtakes the head; it retries next step.
+                # Nobody overtakes the head the policy chose; it retries next step.
                 manager.free(seq)
                 seq.num_computed_tokens = 0
                 self._blocked_seq_id = seq.seq_id
                 return
             manager.allocate(seq, num_new)
-            self.waiting.popleft()
+            self.waiting.pop_head()
             self._blocked_seq_id = None
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_s is None:
@@ -179,24 +206,40 @@ class Scheduler:
             output.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def _drop_expired(self, output: SchedulerOutput) -> None:
+        """Finish as ``deadline`` every waiting sequence never admitted whose deadline has passed."""
+        for seq in self.waiting.expire(time.perf_counter()):
+            if self._blocked_seq_id == seq.seq_id:
+                self._blocked_seq_id = None
+            self._finish(seq, "deadline")
+            output.finished.append(seq)
+            logger.info("sequence %d dropped: still waiting at its deadline", seq.seq_id)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Apply a step's results: advance computed counts, append sampled tokens, finish.
 
         ``sampled`` maps ``seq_id`` to the token sampled for each item that
-        ``samples``. Returns the sequences that finished; their blocks are freed.
+        ``samples``, or for a verified decode to its tokens: the accepted
+        guesses, then the token sampled after them. Returns the sequences that
+        finished; their blocks are freed.
         """
         finished = list(output.finished)
         for item in output.scheduled:
             seq = item.seq
             if seq.is_finished:
                 continue  # aborted after schedule(); its blocks are already free
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens - len(item.guesses)
+            reason = None
+            if item.samples:
+                tokens = sampled[seq.seq_id]
+                for index, token_id in enumerate([tokens] if isinstance(tokens, int) else tokens):
+                    if index:  # the token before this one was an accepted guess: this step computed its KV
+                        seq.num_computed_tokens += 1
+                    seq.token_ids.append(token_id)
+                    reason = self._finish_reason(seq, token_id)
+                    if reason is not None:
+                        break
             self.block_manager.commit(seq)
-            if not item.samples:
-                continue
-            token_id = sampled[seq.seq_id]
-            seq.token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -224,12 +267,13 @@ class Scheduler:
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drop a waiting or running sequence and free its blocks; None if unknown or done."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.seq_id == seq_id:
-                    queue.remove(seq)
-                    if self._blocked_seq_id == seq_id:
-                        self._blocked_seq_id = None
-                    self._finish(seq, "abort")
-                    return seq
-        return None
+        seq = self.waiting.remove(seq_id)
+        if seq is None:
+            seq = next((s for s in self.running if s.seq_id == seq_id), None)
+            if seq is None:
+                return None
+            self.running.remove(seq)
+        if self._blocked_seq_id == seq_id:
+            self._blocked_seq_id = None
+        self._finish(seq, "abort")
+        return seq

@@ -33,6 +33,13 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str = ""
     """Mixed into prefix-cache hashes: sequences with different salts never share blocks."""
+    priority: int = 0
+    """Priority class, lower first: 0 interactive, 1 batch (see wait_queue.py)."""
+    tenant: str = ""
+    """Whose request: tenants of one class take turns at admission."""
+    deadline_s: float | None = None
+    """``time.perf_counter()`` by which it must have been admitted; still waiting then, it finishes
+    as ``deadline`` before any prefill. None: no deadline."""
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
@@ -41,6 +48,8 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at (the latest) admission."""
     num_preemptions: int = 0
+    guesses: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow, for the next step to verify (see speculative.py)."""
     finish_reason: str | None = None
     """stop (EOS or a stop token) | length (max_tokens or max_model_len) | abort"""
     arrival_s: float = field(default_factory=time.perf_counter)

@@ -88,7 +88,7 @@ def test_unknown_pipeline_is_404(client):
 
 
 def test_overload_is_429_with_retry_after(client, fake_engines):
-    async def overloaded(prompt_ids, sampling, cache_salt=""):
+    async def overloaded(prompt_ids, sampling, cache_salt="", *, hints=None):
         raise Overloaded("queue full", retry_after_s=2.0)
 
     fake_engines.engines["smol"].submit = overloaded

@@ -134,7 +134,7 @@ class FakeReplica:
     def engine(self):
         return self
 
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", **hints):
         self.submitted += 1
         return FakeStream(3)
 
@@ -237,5 +237,48 @@ async def test_two_replicas_keep_a_shared_system_prompt_on_one_replica(monkeypat
         assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 16 * 10
         load = pool.load("smol")
         assert (load.waiting, load.running) == (0, 0) and load.ttft_s is not None and load.ttft_s > 0
+    finally:
+        await pool.close()
+
+
+# -- speculative decoding settings ------------------------------------------------------
+
+def test_speculative_settings_reach_the_engine_config():
+    from serving.model_pool import engine_config
+
+    target = ModelSpec(source="models/target", device="cpu", dtype="float32",
+                       speculative={"method": "draft", "draft_model": "small", "num_tokens": 3, "max_batch": 2})
+    draft = ModelSpec(source="models/small", device="cpu", dtype="float32")
+    ServerSpec(models={"big": target, "small": draft})  # a valid pair
+    config = engine_config(target, ROOT, draft)
+    assert (config.speculative, config.num_speculative_tokens, config.speculative_max_batch) == ("draft", 3, 2)
+    assert config.draft_model == str(ROOT / "models/small")
+    assert engine_config(ModelSpec(source="models/target", device="cpu"), ROOT).speculative is None
+
+
+@pytest.mark.parametrize(("speculative", "message"), [
+    ({"method": "draft"}, "needs draft_model"),
+    ({"method": "draft", "draft_model": "nowhere"}, "'nowhere' is not another local model"),
+    ({"method": "draft", "draft_model": "big"}, "'big' is not another local model"),
+    ({"method": "ngram", "prompt_lookup_min": 5}, "prompt_lookup_min must not exceed"),
+])
+def test_bad_speculative_settings_are_refused(speculative, message):
+    with pytest.raises(ValueError, match=message):
+        ServerSpec(models={"big": ModelSpec(source="models/big", speculative=speculative)})
+
+
+@pytest.mark.slow
+async def test_a_pool_model_with_prompt_lookup_speculates(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec = ModelSpec(source="models/smollm2-135m-instruct", device="cpu", dtype="float32",
+                     kv_cache=KVCacheSpec(memory_gb=0.25), speculative={"method": "ngram"})
+    pool = ModelPool(ServerSpec(models={"smol": spec}), ROOT)
+    try:
+        local = await pool.get("smol")
+        ids = local.tokenizer.encode_chat([{"role": "user", "content": "Repeat exactly: " + SYSTEM}])
+        stream = await local.submit(ids, SamplingParams(max_tokens=32, temperature=0))
+        events = [event async for event in stream]
+        assert events[-1].num_output_tokens == len(events) and events[-1].finish_reason is not None
+        assert local.engine.stats()["spec_decode_num_draft_tokens"] > 0
     finally:
         await pool.close()

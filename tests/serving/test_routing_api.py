@@ -28,7 +28,7 @@ stages:
 
 
 class Down(FakeEngine):
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         raise BackendError("engine down")
 
 

@@ -28,7 +28,7 @@ class FailingEngine(FakeEngine):
         super().__init__("never")
         self.error, self.calls = error, 0
 
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         self.calls += 1
         raise self.error
 
@@ -40,7 +40,7 @@ class SilentEngine(FakeEngine):
         super().__init__("never")
         self.closed = 0
 
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         engine = self
 
         class Stream:
@@ -198,7 +198,7 @@ def test_configuration_errors_are_located(registry, route, message):
 class ErrorsBeforeText(FakeEngine):
     """Accepts the request, then fails before its first token (an engine error, a remote error chunk)."""
 
-    async def submit(self, prompt_ids, sampling, cache_salt=""):
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         class Stream:
             def __aiter__(self):
                 return self._events()

@@ -1,12 +1,18 @@
-"""The real default model, loaded once for the engine tests (marked slow)."""
+"""The real default model, loaded once for the engine tests (marked slow).
+
+``INFERLINE_TEST_MODEL`` and ``INFERLINE_TEST_DEVICE`` point them at another model folder and
+device (bench/gpu_check.sh runs them on CUDA that way); the defaults are the bundled model on the CPU.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-MODEL = Path(__file__).parents[3] / "models" / "smollm2-135m-instruct"
+MODEL = Path(os.environ.get("INFERLINE_TEST_MODEL") or Path(__file__).parents[3] / "models" / "smollm2-135m-instruct")
+DEVICE = os.environ.get("INFERLINE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +21,7 @@ def loaded_model():
 
     # make test fetches the model first: its absence is a failure, not a skip.
     assert (MODEL / "config.json").exists(), f"no model at {MODEL}; run make install"
-    return load_model(str(MODEL))
+    return load_model(str(MODEL), "float32", DEVICE)
 
 
 @pytest.fixture(scope="session")

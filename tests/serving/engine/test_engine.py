@@ -12,6 +12,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineOverloaded, InvalidRequest
 from serving.engine.sampling_params import SamplingParams
+from tests.serving.engine.conftest import DEVICE, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
 
 
 def make_engine(loaded_model, **options) -> LLMEngine:
-    config = EngineConfig(model="models/smollm2-135m-instruct", **options)
+    config = EngineConfig(model=str(MODEL), device=DEVICE, **options)
     return LLMEngine(config, loaded=loaded_model)
 
 
@@ -29,12 +30,12 @@ def hf_greedy(loaded_model, chat_prompts) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding to blur it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained("models/smollm2-135m-instruct", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).to(DEVICE)
     outputs = []
     with torch.inference_mode():
         for ids in chat_prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=DEVICE))
             tokens = out[0, len(ids):].tolist()
             eos = loaded_model.tokenizer.eos_token_id
             outputs.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
