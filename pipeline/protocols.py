@@ -49,6 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     #: Let the engine's speculative decoding guess tokens (same output, only speed differs).
     speculative: bool = True
+    #: Constrained decoding: one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}.
+    output: dict[str, Any] | None = None
 
 
 #: Priority classes, most urgent first: an engine admits ``interactive`` before ``batch``.

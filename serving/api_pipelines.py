@@ -42,6 +42,8 @@ class GenerationParams(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    output: dict[str, Any] | None = Field(
+        None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
 
     def overrides(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))

@@ -185,6 +185,13 @@ class RemoteEngine:
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.output is not None:  # OpenAI's structured outputs, and vLLM's guided decoding for the rest
+            (kind, value), = sampling.output.items()
+            if kind == "json_schema":
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "output", "schema": value, "strict": True}}
+            else:
+                body["guided_regex" if kind == "regex" else "guided_choice"] = value
         return body
 
     def _http(self) -> httpx.AsyncClient:

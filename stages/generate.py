@@ -12,6 +12,8 @@ YAML::
         client_params: [max_tokens, temperature, top_p, seed]   # what a caller may override
         isolate_tenants: true   # tenants never share prefix-cache blocks
         speculative: false      # opt out of the model's speculative decoding (default: on where configured)
+        output:                 # constrained decoding: one of json_schema, regex, choice
+          json_schema: {type: object, properties: {name: {type: string}}, required: [name]}
         priority: interactive   # or batch: admitted after interactive work, never starved
         queue_timeout_ms: 2000  # still queued for the model after this long: 503 deadline_exceeded
 
@@ -40,7 +42,7 @@ import time
 from dataclasses import fields, replace
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.context import RequestContext
 from pipeline.errors import InvalidInput
@@ -57,6 +59,24 @@ from stages.engines import engine_for
 from stages.failover import submit_with_fallback
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+class OutputSpec(NoConfig):
+    """What the output must be: exactly one of a JSON Schema, a regular expression, or one of fixed strings."""
+
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> OutputSpec:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex or choice (got {given or 'none'})")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: value for name, value in self.model_dump().items() if value is not None}
 
 
 class Sampling(NoConfig):
@@ -76,12 +96,14 @@ class Sampling(NoConfig):
     logprobs: int | None = Field(None, ge=0, le=20)
     #: Let the model's speculative decoding (inferline.yaml) guess tokens: same output, only speed differs.
     speculative: bool = True
+    #: Constrained decoding: the output is guaranteed to match (local models; see OutputSpec).
+    output: OutputSpec | None = None
 
 
 class GenerateConfig(Sampling):
     client_params: list[str] = Field(
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                 "presence_penalty", "frequency_penalty", "logprobs"])
+                                 "presence_penalty", "frequency_penalty", "logprobs", "output"])
     isolate_tenants: bool = False
     #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).
     priority: Literal["interactive", "batch"] = "interactive"
@@ -125,6 +147,9 @@ class GenerateStage(Stage):
     def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, weights_hash: str) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
+        if sampling.output is not None:
+            ctx.facts["sampling"]["output"] = next(iter(sampling.output))
+            ctx.facts["output_constraint"] = sampling.output
         ctx.facts["weights_hash"] = weights_hash
         scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
         scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
@@ -147,4 +172,5 @@ def _sampling(config: GenerateConfig, params: dict[str, Any]) -> SamplingParams:
         raise InvalidInput(f"max_tokens {merged.max_tokens} is over this pipeline's limit of {config.max_tokens}")
     data = merged.model_dump()
     data["stop_token_ids"] = tuple(data["stop_token_ids"])
+    data["output"] = merged.output.as_dict() if merged.output is not None else None
     return SamplingParams(**data)

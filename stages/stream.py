@@ -12,16 +12,23 @@ applies stop strings, its own and the client's (they are not sent), runs the
 policy stage's output rails when there is one (``output_filter``: held-back
 text, redaction, and a block that stops generation with finish reason
 ``content_filter``), sends text deltas to the client, and records usage,
-finish reason and cost. The cost is the model's token
+finish reason and cost. When ``generate`` constrained the output
+(``output:``), the final text is checked against the constraint and the
+result recorded: trace attribute ``inferline.output.valid``, and the stage's
+decision in the audit record (``{"output_valid": ..., "error": ...}``). The cost is the model's token
 prices plus its compute price for the time spent generating. Leaving early
 (a stop string, a client disconnect) aborts the request in the engine.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
-from typing import cast
+from typing import Any, cast
 
+import jsonschema
 from pydantic import Field
 
 from pipeline.context import RequestContext, Usage
@@ -31,6 +38,8 @@ from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_
 from stages.engines import engine_for
 from stages.rails import strongest
 from stages.text import IncrementalDetokenizer, StopStrings
+
+logger = logging.getLogger(__name__)
 
 
 class StreamConfig(NoConfig):
@@ -56,6 +65,26 @@ class StreamStage(Stage):
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)
             self._record_rails(ctx, scope)
+        if "output_constraint" in ctx.facts:
+            self._validate(ctx, scope)
+
+    def _validate(self, ctx: RequestContext, scope: StageScope) -> None:
+        """Check the text against ``generate``'s ``output`` constraint; record the result in trace and audit.
+
+        A local model decodes under the constraint, so a failure there is a bug to report (logged as an
+        error), not something to repair; a remote backend may not enforce it. Text cut by ``max_tokens``
+        or a stop string is incomplete and recorded as such.
+        """
+        error = check_output(ctx.output_text, ctx.facts["output_constraint"])
+        if error is None and ctx.finish_reason != "stop":
+            error = f"incomplete: generation ended with finish reason {ctx.finish_reason!r}"
+        scope.set_attribute("inferline.output.valid", error is None)
+        result = {"output_valid": error is None} | ({"error": error} if error else {})
+        ctx.facts.setdefault("decisions", {}).setdefault(self.id, {}).update(result)
+        if error is not None:
+            scope.add_event("inferline.output.invalid", {"error": error})
+            # Under a local engine's constrained decoding a complete output that fails is a bug to report.
+            logger.warning("output of request %s does not match its constraint: %s", ctx.request_id, error)
 
     def _record_rails(self, ctx: RequestContext, scope: StageScope) -> None:
         if ctx.output_filter is None or not ctx.output_filter.decisions:
@@ -77,6 +106,21 @@ class StreamStage(Stage):
         scope.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, ctx.usage.output_tokens)
         if ctx.finish_reason:
             scope.set_attribute(GEN_AI_RESPONSE_FINISH_REASONS, [ctx.finish_reason])
+
+
+def check_output(text: str, constraint: dict[str, Any]) -> str | None:
+    """Why *text* does not match *constraint* (``generate``'s ``output``), or None when it does."""
+    (kind, value), = constraint.items()
+    if kind == "choice":
+        return None if text in value else f"not one of the {len(value)} choices"
+    if kind == "regex":
+        return None if re.fullmatch(value, text, flags=re.DOTALL) else "does not match the regular expression"
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON: {exc}"
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(value).iter_errors(document))
+    return None if error is None else f"schema: {error.message} at {'/'.join(map(str, error.absolute_path)) or '/'}"
 
 
 class _Out:

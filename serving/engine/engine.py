@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.constraints import Constraint, ConstraintCompiler, ConstraintError, Grammar
 from serving.engine.errors import EngineError, InvalidRequest
 from serving.engine.metrics import EngineMetrics
 from serving.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -87,6 +89,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.sampler = Sampler()
         self.proposer = _proposer(config, self.model, self.tokenizer, num_blocks, draft)
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self.metrics = EngineMetrics(name or _model_name(config.model), metrics_registry)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
@@ -112,8 +116,26 @@ class LLMEngine:
                       priority: int = 0, tenant: str = "", deadline_s: float | None = None) -> Sequence:
         """A validated, not yet queued sequence (the async front validates on the caller's side)."""
         self.validate(prompt_ids, sampling)
-        return Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, self.eos_token_ids,
-                        cache_salt, priority=priority, tenant=tenant, deadline_s=deadline_s)
+        seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, self.eos_token_ids,
+                       cache_salt, priority=priority, tenant=tenant, deadline_s=deadline_s)
+        if sampling.output is not None:
+            seq.matcher = self.compile_output(sampling.output).start()
+        return seq
+
+    def compile_output(self, output) -> Grammar:
+        """The compiled constraint of a request's ``output`` (cached by content); raises InvalidRequest.
+
+        The compiler (a table over the vocabulary, about half a second) is built on first use.
+        """
+        (kind, value), = output.items()
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.model.shape.vocab_size,
+                                                    eos_token_id=self.tokenizer.eos_token_id)
+        try:
+            return self._compiler.compile(Constraint(kind, value))
+        except ConstraintError as exc:
+            raise InvalidRequest(f"output: {exc}") from None
 
     def validate(self, prompt_ids: Seq[int], sampling: SamplingParams) -> None:
         vocab = self.model.shape.vocab_size
@@ -176,7 +198,7 @@ class LLMEngine:
     def _propose(self) -> None:
         """Guess the next tokens of the running decodes, unless the batch is too large for it to pay."""
         decoding = [seq for seq in self.scheduler.running
-                    if seq.num_uncomputed_tokens == 1 and seq.sampling.speculative]
+                    if seq.num_uncomputed_tokens == 1 and seq.sampling.speculative and seq.matcher is None]
         if not decoding or len(self.scheduler.running) > self.config.speculative_max_batch:
             return
         counts = propose_counts(decoding, self.config.num_speculative_tokens, self.max_model_len)
@@ -206,7 +228,9 @@ class LLMEngine:
                 itls += [(now - (seq.last_token_s or now)) / len(new_tokens)] * len(new_tokens)
             seq.last_token_s = now
             base = seq.num_output_tokens - len(new_tokens)
-            for index, (token_id, lp) in enumerate(zip(new_tokens, logprobs[seq.seq_id], strict=False)):
+            # Sampled tokens have logprobs; tokens a constraint forced after them have none.
+            token_logprobs = logprobs[seq.seq_id] + [None] * (len(new_tokens) - len(logprobs[seq.seq_id]))
+            for index, (token_id, lp) in enumerate(zip(new_tokens, token_logprobs, strict=False)):
                 last = index == len(new_tokens) - 1
                 outputs.append(StepOutput(seq.seq_id, token_id, seq.finish_reason if last else None, lp,
                                           seq.num_prompt_tokens, seq.num_cached_tokens, base + index + 1))

@@ -67,7 +67,12 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [{len(seqs)}, vocab] for {len(seqs)} sequences, "
                              f"got {list(logits.shape)}")
-        logits = logits.float()
+        raw = logits = logits.float()
+        constrained = [i for i, seq in enumerate(seqs) if getattr(seq, "matcher", None) is not None]
+        if constrained:  # tokens the request's constraint forbids get -inf (raw logprobs stay unmasked)
+            logits = logits.clone()
+            for i in constrained:
+                seqs[i].matcher.apply(logits[i])
         greedy_rows = [i for i, seq in enumerate(seqs) if _is_greedy(seq.sampling)]
         if len(greedy_rows) == len(seqs) and not any(_has_penalty(seq.sampling) for seq in seqs):
             token_ids = logits.argmax(dim=-1).tolist()  # the common case: one kernel, one sync
@@ -78,7 +83,7 @@ class Sampler:
                 if rows:
                     for row, token_id in zip(rows, pick(logits, [seqs[i] for i in rows], rows), strict=True):
                         token_ids[row] = token_id
-        return SamplerOutput(token_ids, _raw_logprobs(logits, seqs, token_ids))
+        return SamplerOutput(token_ids, _raw_logprobs(raw, seqs, token_ids))
 
     def release(self, seq_id: int) -> None:
         """Drop what the sampler keeps for a finished or aborted sequence.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from serving.engine.errors import InvalidRequest
 
@@ -29,6 +31,9 @@ class SamplingParams:
 
     The output is the same either way (speculative.py); turning it off only changes the speed.
     """
+    output: Mapping[str, Any] | None = None
+    """Constrained decoding: exactly one of ``{"json_schema": {...}}``, ``{"regex": "..."}`` or
+    ``{"choice": ["...", ...]}``; the output is guaranteed to match (see constraints.py)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -49,6 +54,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids),
              f"stop_token_ids must be token ids in [0, {vocab_size})"),
+            (self.output is None or (isinstance(self.output, Mapping) and len(self.output) == 1
+                                     and next(iter(self.output)) in ("json_schema", "regex", "choice")),
+             "output must be exactly one of {json_schema: ...}, {regex: ...} or {choice: [...]}"),
         ]
         for ok, message in checks:
             if not ok:

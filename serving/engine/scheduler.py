@@ -239,6 +239,8 @@ class Scheduler:
                     reason = self._finish_reason(seq, token_id)
                     if reason is not None:
                         break
+                if reason is None and seq.matcher is not None:
+                    reason = self._append_forced(seq)
             self.block_manager.commit(seq)
             if reason is not None:
                 self._finish(seq, reason)
@@ -247,8 +249,24 @@ class Scheduler:
             self.running[:] = [seq for seq in self.running if not seq.is_finished]
         return finished
 
+    def _append_forced(self, seq: Sequence) -> str | None:
+        """Constrained decoding: append the tokens the constraint allows in one way only, unsampled.
+
+        They are computed by the next step like a prompt chunk. Returns a finish reason if one ends the request.
+        """
+        for token_id in seq.matcher.forced():
+            seq.token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                return reason
+        return None
+
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sampling = seq.sampling
+        if seq.matcher is not None:
+            seq.matcher.advance(token_id)  # raises if the sampler broke the constraint: a bug, not input
+            if seq.matcher.is_terminated():
+                return "stop"  # complete, and nothing but EOS may follow
         if token_id in sampling.stop_token_ids:
             return "stop"
         if not sampling.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.eos_token_ids):

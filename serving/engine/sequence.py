@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from serving.engine.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class Sequence:
     """Prompt tokens served from the prefix cache at (the latest) admission."""
     num_preemptions: int = 0
     guesses: list[int] = field(default_factory=list)
+    matcher: Any = None
+    """Constrained decoding: the request's position in its constraint (a constraints.Matcher), or None."""
     """Speculative decoding: tokens proposed to follow, for the next step to verify (see speculative.py)."""
     finish_reason: str | None = None
     """stop (EOS or a stop token) | length (max_tokens or max_model_len) | abort"""

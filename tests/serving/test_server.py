@@ -113,6 +113,18 @@ def test_sse_pipeline_route(server, caller_key):
     assert done["output"] == "The capital of France is Paris." and done["usage"]["output_tokens"] == 8
 
 
+def test_structured_output_end_to_end(server, caller_key):
+    headers = {"Authorization": f"Bearer {caller_key}"}
+    text = "Mary Jones, 35, moved from Leeds to Bristol last May."
+    body = httpx.post(f"{server.url}/pipelines/extract", json={"input": text}, headers=headers, timeout=60).json()
+    record = json.loads(body["output"])
+    assert set(record) == {"name", "age", "city"} and isinstance(record["age"], int)
+    assert body["finish_reason"] == "stop"
+    bad = httpx.post(f"{server.url}/pipelines/chat", headers=headers, timeout=60,
+                     json={"input": "hi", "output": {"json_schema": {"type": "object", "not": {}}}})
+    assert bad.status_code == 400 and "Unimplemented keys: [\"not\"]" in bad.json()["detail"]
+
+
 def test_auth_against_the_real_server(server, caller_key):
     auditor = server.key("auditor")
     body = {"input": QUESTION}

@@ -1,0 +1,79 @@
+"""generate's ``output`` option and stream's check of the final text, against a fake engine."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from pipeline.context import RequestContext
+from pipeline.errors import SpecError
+from pipeline.loader import load_pipeline_text
+from pipeline.protocols import Catalog, ModelInfo, Resources
+from pipeline.runner import Pipeline, Runner
+from stages.stream import check_output
+from tests.fakes import FakeEngine, FakeEngines
+
+CATALOG = Catalog(models={"smol": ModelInfo("smol")})
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+EXTRACT = """
+name: extract
+stages:
+  - {id: prompt, type: prompt}
+  - {id: tok, type: tokenize}
+  - id: gen
+    type: generate
+    with:
+      max_tokens: 64
+      temperature: 0
+      output: {json_schema: {type: object, properties: {name: {type: string}}, required: [name]}}
+  - {id: out, type: stream}
+"""
+
+
+def build(yaml_text: str, registry, engines) -> Pipeline:
+    loaded = load_pipeline_text(textwrap.dedent(yaml_text), "p.yaml", registry, CATALOG)
+    return Pipeline(loaded, Resources(CATALOG, engines=engines))
+
+
+async def run(pipeline, ctx):
+    return [event async for event in Runner().stream(pipeline, ctx)]
+
+
+@pytest.mark.parametrize(("reply", "valid"), [('{"name": "Ada"}', True), ('{"nom": "Ada"}', False), ("Ada", False)])
+async def test_the_constraint_reaches_the_engine_and_the_text_is_checked(registry, reply, valid):
+    engines = FakeEngines(smol=FakeEngine(reply))
+    ctx = RequestContext.from_text("extract", "Ada Lovelace wrote the first program.")
+    await run(build(EXTRACT, registry, engines), ctx)
+    _, sampling, _ = engines.engines["smol"].submitted[0]
+    assert sampling.output == {"json_schema": SCHEMA}
+    decision = ctx.facts["decisions"]["out"]
+    assert decision["output_valid"] is valid
+    assert ("error" in decision) is not valid
+    assert ctx.facts["sampling"]["output"] == "json_schema"
+
+
+async def test_a_caller_may_constrain_the_output_where_client_params_allow(registry):
+    engines = FakeEngines(smol=FakeEngine("yes"))
+    pipeline = build(EXTRACT.replace("      output: {json_schema: {type: object, properties: {name: {type: string}}, "
+                                     "required: [name]}}\n", ""), registry, engines)
+    ctx = RequestContext.from_text("extract", "Is it?", params={"output": {"choice": ["yes", "no"]}})
+    await run(pipeline, ctx)
+    assert engines.engines["smol"].submitted[0][1].output == {"choice": ["yes", "no"]}
+    assert ctx.facts["decisions"]["out"] == {"output_valid": True}
+
+
+async def test_two_kinds_at_once_are_refused(registry):
+    bad = EXTRACT.replace("output: {json_schema:", "output: {regex: 'a+', json_schema:")
+    with pytest.raises(SpecError, match="exactly one of json_schema, regex or choice"):
+        build(bad, registry, FakeEngines())
+
+
+def test_check_output():
+    assert check_output('{"name": "Ada"}', {"json_schema": SCHEMA}) is None
+    assert "name" in check_output("{}", {"json_schema": SCHEMA})
+    assert check_output("2026-11-30", {"regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}) is None
+    assert check_output("30/11/2026", {"regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}) is not None
+    assert check_output("no", {"choice": ["yes", "no"]}) is None
+    assert check_output("maybe", {"choice": ["yes", "no"]}) is not None
