@@ -106,6 +106,9 @@ FIELDS: dict[str, FieldInfo] = {
     "tags": FieldInfo("dict[str, str]", "free-form request tags from the client", initial=True),
     "params": FieldInfo("dict[str, Any]", "sampling overrides from the client", initial=True),
     "stop": FieldInfo("list[str]", "stop strings from the client", initial=True),
+    "tools": FieldInfo("list[dict[str, Any]]", "functions the client offers the model (OpenAI's tools)",
+                       initial=True),
+    "tool_choice": FieldInfo("str | dict[str, Any]", "auto | none | required | one named function", initial=True),
     "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
     "documents": FieldInfo("list[Document]", "retrieved passages"),
     "model": FieldInfo("str", "name of the model chosen for the request"),
@@ -132,6 +135,9 @@ class RequestContext:
     tags: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
+    #: Functions the model may call, as OpenAI's ``tools`` (see stages/tools.py); empty: none offered.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
     messages: list[ChatMessage] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     model: str = ""

@@ -5,6 +5,14 @@
 ``stream_options: {include_usage: true}`` a last chunk carries the usage.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 so the official ``openai`` package raises its usual exceptions.
+
+Structured output and function calling (both need ``output`` in the pipeline's ``generate``
+``client_params``, as by default): ``response_format`` ``json_object`` or ``json_schema`` constrains the reply to
+JSON (to that schema). ``tools`` are offered to the model (see :mod:`stages.tools`); with
+``tool_choice`` ``required`` or a named function the reply is constrained to a valid call, with
+``auto`` (the default) a reply that is a call of an offered function becomes one. A call answers
+``message.tool_calls`` with ``finish_reason: "tool_calls"``; streamed, the reply is held back while
+it may still be a call. Earlier calls and ``tool`` results in ``messages`` travel as text.
 """
 
 from __future__ import annotations
@@ -12,12 +20,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from litestar import Request, get, post
 from litestar.params import JSONBody
 from litestar.response import Response, Stream
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
@@ -25,6 +33,7 @@ from serving.api_pipelines import GenerationParams, failure, response_headers, s
 from serving.execution import chain, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
+from stages import tools
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -36,15 +45,78 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id...: accepted, not used
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    model_config = ConfigDict(extra="ignore")  # name, refusal...: accepted, not used
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaIn
+
+
+_RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(
+    Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")])
+_TOOLS: TypeAdapter[list[ToolIn]] = TypeAdapter(list[ToolIn])
+_TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] | NamedToolChoice)
 
 
 class _Common(GenerationParams):
@@ -68,6 +140,10 @@ class _Common(GenerationParams):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class CompletionRequest(_Common):
@@ -76,8 +152,7 @@ class CompletionRequest(_Common):
 
 @post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200)
 async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response[Any]:
-    messages = [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in data.messages]
-    return await _complete(request, data, messages, "chat.completion")
+    return await _complete(request, data, _chat(data.messages), "chat.completion")
 
 
 @post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200)
@@ -93,9 +168,100 @@ async def list_models(request: Request) -> dict[str, Any]:
                                        for name in sorted(state.executor.pipelines)]}
 
 
+def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """The turns, with earlier tool calls as the assistant's text and results as user turns (a pipeline's
+    prompt builds on the last user turn, and most chat templates know no ``tool`` role)."""
+    turns: list[ChatMessage] = []
+    for m in messages:
+        if m.role == "tool":
+            result = tools.result_text(m.text())
+            if turns and turns[-1].role == "user" and turns[-1].content.startswith("<tool_response>"):
+                turns[-1].content += "\n" + result  # parallel calls' results: one turn
+            else:
+                turns.append(ChatMessage("user", result))
+        elif m.role == "assistant" and m.tool_calls:
+            calls = [tools.call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+            turns.append(ChatMessage("assistant", "\n".join([m.text(), *calls]).strip()))
+        else:
+            turns.append(ChatMessage("system" if m.role == "developer" else m.role, m.text()))
+    return turns
+
+
+def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
+    """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
+    response_format = _checked(_RESPONSE_FORMAT, data.response_format, "response_format")
+    ctx.tools = _tools(data.tools)
+    ctx.tool_choice = _tool_choice(data.tool_choice, list(tools.functions(ctx.tools)))
+    schema: dict[str, Any] | None = None
+    if isinstance(response_format, JsonObjectFormat):
+        schema = {"type": "object"}
+    elif isinstance(response_format, JsonSchemaFormat):
+        schema = response_format.json_schema.schema_
+    forced = tools.forced_names(ctx.tools, ctx.tool_choice)
+    if forced:  # a call is the whole reply: a response format has nothing left to shape
+        schema = tools.call_schema(ctx.tools, forced)
+    elif schema is not None and tools.is_offered(ctx.tools, ctx.tool_choice):  # the format, or a call
+        schema = {"anyOf": [schema, tools.call_schema(ctx.tools, list(tools.functions(ctx.tools)))]}
+    if schema is not None:
+        ctx.params["output"] = {"json_schema": schema}
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    offered = [t.model_dump() for t in _checked(_TOOLS, value, "tools") or []]
+    names = [t["function"]["name"] for t in offered]
+    if len(set(names)) != len(names):
+        raise _bad_request("tools: function names must be unique", "tools")
+    for index, function in enumerate(t["function"] for t in offered):
+        problem = tools.schema_problem(function["parameters"])
+        if problem is None and function["parameters"].get("type", "object") != "object":
+            problem = "the arguments are an object: 'type' must be 'object'"
+        if problem is not None:
+            raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
+    return offered
+
+
+def _tool_choice(value: Any, names: list[str]) -> str | dict[str, Any]:
+    choice = _checked(_TOOL_CHOICE, value, "tool_choice",
+                      """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""") or "auto"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise _bad_request(f"tool_choice: no function {choice.function.name!r} in tools", "tool_choice")
+        return choice.model_dump()
+    if choice == "required" and not names:
+        raise _bad_request("tool_choice 'required' needs tools", "tool_choice")
+    return choice
+
+
+def _checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "") -> Any:
+    """*value* validated by *adapter*; a 400 naming *param* (and where in it) if it does not fit."""
+    if value is None:
+        return None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        if expected:
+            raise _bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
+        tag = (value.get("type"),) if isinstance(value, dict) else ()
+        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
+        raise _bad_request(where, param) from None
+
+
+def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
+    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
+    if tag and loc[:1] == tag:
+        loc = loc[1:]
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def _bad_request(message: str, param: str) -> Problem:
+    return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})
+
+
 async def _complete(request: Request, data: _Common, messages: list[ChatMessage], kind: str) -> Response[Any]:
     state = AppState.of(request)
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
+    if isinstance(data, ChatCompletionRequest):
+        _offer_tools(ctx, data)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         events = state.executor.stream(pipeline, ctx)
@@ -113,13 +279,23 @@ async def _complete(request: Request, data: _Common, messages: list[ChatMessage]
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
     summary = final.summary
-    if kind == "chat.completion":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
-                                  "finish_reason": _finish(summary.finish_reason), "logprobs": None}
+    call = _call(ctx, summary.output_text)
+    if call is not None:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
+                                                          "tool_calls": [call.to_openai()]},
+                                  "finish_reason": "tool_calls", "logprobs": None}
+    elif kind == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
+                  "finish_reason": _finish(summary.finish_reason), "logprobs": None}
     else:
         choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
                   "logprobs": None}
     return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final)}
+
+
+def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
+    """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
+    return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -150,15 +326,24 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
             body["usage"] = None
         return _data(body)
 
+    held = _HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
     try:
-        if chunk_kind.startswith("chat"):
+        if chunk_kind.startswith("chat") and held is None:
             yield chunk({"role": "assistant", "content": ""}, None)
         async for event in events:
-            if isinstance(event, TextDelta):
+            if isinstance(event, TextDelta) and held is not None:
+                for delta in held.feed(event.text):
+                    yield chunk(delta, None)
+            elif isinstance(event, TextDelta):
                 yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
             elif isinstance(event, Done):
+                finish = _finish(event.summary.finish_reason)
+                if held is not None:
+                    deltas, finish = held.end(finish)
+                    for delta in deltas:
+                        yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
-                yield chunk(empty, _finish(event.summary.finish_reason))
+                yield chunk(empty, finish)
                 if include_usage:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):
@@ -168,6 +353,36 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
         await events.aclose()  # type: ignore[attr-defined]
 
 
+class _HeldReply:
+    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of
+    it when a call is forced), then sent as content or as one call (id and name, then the arguments)."""
+
+    def __init__(self, ctx: RequestContext):
+        self._ctx = ctx
+        self._forced = bool(tools.forced_names(ctx.tools, ctx.tool_choice))
+        self._text = ""
+        self._passing = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self._passing:
+            return [{"content": text}]
+        self._text += text
+        if self._forced or tools.could_be_call(self._text):
+            return []
+        self._passing = True
+        return [{"role": "assistant", "content": self._text}]
+
+    def end(self, finish: str) -> tuple[list[dict[str, Any]], str]:
+        if self._passing:
+            return [], finish
+        call = _call(self._ctx, self._text)
+        if call is None:
+            return [{"role": "assistant", "content": self._text}], finish
+        head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [{"role": "assistant", "content": None, "tool_calls": [head]},
+                {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}], "tool_calls"
+
+
 def _data(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -175,7 +390,7 @@ def _data(body: dict[str, Any]) -> bytes:
 def error_body(problem: Problem) -> dict[str, Any]:
     return {"error": {"message": problem.detail or problem.title,
                       "type": _ERROR_TYPES.get(problem.status, "server_error"),
-                      "param": None, "code": problem.kind}}
+                      "param": problem.extra.get("param"), "code": problem.kind}}
 
 
 def error_response(problem: Problem) -> Response[Any]:

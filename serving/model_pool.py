@@ -52,6 +52,14 @@ class HFTokenizer:
         ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
+    def encode_chat_tools(self, messages: Sequence[Mapping[str, str]], tools: Sequence[Mapping]) -> list[int] | None:
+        """Token ids with *tools* rendered by the model's chat template; None when the template ignores them
+        (then stages/tools.py lists the tools in the system message instead)."""
+        render = self._tokenizer.apply_chat_template
+        plain = render(list(messages), add_generation_prompt=True, tokenize=False)
+        text = render(list(messages), tools=list(tools), add_generation_prompt=True, tokenize=False)
+        return None if text == plain else list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 

@@ -11,22 +11,26 @@ YAML::
                                   #   non-system turns until the prompt fits (the
                                   #   conversation never opens with an assistant turn)
 
-Writes ``prompt_ids``, ``prompt_tokens`` and the resolved ``model``.
+Writes ``prompt_ids``, ``prompt_tokens`` and the resolved ``model``. Functions a caller offers
+(``tools``, from the OpenAI API) are rendered by the chat template where it takes them, else listed in
+the system message (see :mod:`stages.tools`); that system message is then part of ``messages``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, cast
 
 from pydantic import BaseModel, Field
 
 from pipeline.context import ChatMessage, RequestContext, chat_turns
 from pipeline.errors import InvalidInput
-from pipeline.protocols import Catalog, Tokenizer
+from pipeline.protocols import Catalog
 from pipeline.refs import ModelRef
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_REQUEST_MODEL, GEN_AI_USAGE_INPUT_TOKENS
 from stages.engines import engine_for
+from stages.tools import prompt_encoder
 
 
 class TokenizeConfig(NoConfig):
@@ -38,7 +42,7 @@ class TokenizeConfig(NoConfig):
 class TokenizeStage(Stage):
     type_name = "tokenize"
     Config = TokenizeConfig
-    reads = frozenset({"messages"})
+    reads = frozenset({"messages", "tools", "tool_choice"})
     # It may trim ``messages`` (overflow: drop_oldest), but does not provide them: not in ``writes``.
     writes = frozenset({"prompt_ids", "prompt_tokens", "model"})
 
@@ -51,25 +55,27 @@ class TokenizeStage(Stage):
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(TokenizeConfig, self.config)
         ctx.model, engine = await engine_for(self.resources, ctx.model or config.model or "")
-        ids, kept = _fit(engine.tokenizer, ctx.messages, config.max_input_tokens, config.overflow)
+        turns = chat_turns(ctx.messages)
+        encode, rendered = prompt_encoder(engine.tokenizer, turns, ctx.tools, ctx.tool_choice)
+        ids, kept = _fit(encode, rendered, config.max_input_tokens, config.overflow)
         ctx.prompt_ids, ctx.prompt_tokens = ids, len(ids)
-        if len(kept) != len(ctx.messages):  # a fallback or remote model gets the same trimmed conversation
+        if kept != turns:  # a fallback or remote model gets the same conversation: trimmed, tools listed
             ctx.messages = [ChatMessage(t["role"], t["content"]) for t in kept]
         ctx.facts["prompt_model"] = ctx.model
         scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
         scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, len(ids))
 
 
-def _fit(tokenizer: Tokenizer, messages: list[ChatMessage], limit: int | None,
+def _fit(encode: Callable[[list[dict[str, str]]], list[int]], turns: list[dict[str, str]], limit: int | None,
          overflow: str) -> tuple[list[int], list[dict[str, str]]]:
     """The prompt's token ids and the turns they encode (fewer when the oldest were dropped)."""
-    turns = chat_turns(messages)
-    ids = tokenizer.encode_chat(turns)
+    turns = list(turns)
+    ids = encode(turns)
     while limit is not None and len(ids) > limit:
         if overflow == "error" or not _drop_oldest(turns):
             raise InvalidInput(f"the prompt has {len(ids)} tokens, over this pipeline's limit of {limit}"
                                + ("" if overflow == "error" else " even with only the last turn kept"))
-        ids = tokenizer.encode_chat(turns)
+        ids = encode(turns)
     return ids, turns
 
 

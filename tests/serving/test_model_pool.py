@@ -282,3 +282,24 @@ async def test_a_pool_model_with_prompt_lookup_speculates(monkeypatch):
         assert local.engine.stats()["spec_decode_num_draft_tokens"] > 0
     finally:
         await pool.close()
+
+
+def test_tools_go_through_the_chat_template_only_where_it_renders_them():
+    from transformers import AutoTokenizer
+
+    from serving.model_pool import HFTokenizer
+
+    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(ROOT / "models/smollm2-135m-instruct"))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    assert tokenizer.encode_chat_tools(messages, [tool]) is None  # SmolLM2's template ignores tools
+
+    class Renders:  # a template that does render them
+        def apply_chat_template(self, messages, tools=None, **kwargs):
+            return "user: hi" + (" tools: get_weather" if tools else "")
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+    ids = HFTokenizer(Renders()).encode_chat_tools(messages, [tool])
+    assert "".join(map(chr, ids)) == "user: hi tools: get_weather"
