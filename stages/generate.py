@@ -134,6 +134,7 @@ class GenerateStage(Stage):
             self._record(ctx, scope, sampling, engine.weights_hash)
             return
         salt = ctx.tenant if config.isolate_tenants else ""
+        ctx.facts["generate_request"] = (sampling, salt)  # for stream's retry_invalid
         deadline_s = None if config.queue_timeout_ms is None else time.perf_counter() + config.queue_timeout_ms / 1000
         hints = SchedulingHints(config.priority, ctx.tenant, deadline_s)
         ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt, hints)

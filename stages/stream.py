@@ -6,6 +6,7 @@ YAML::
       type: stream
       with:
         stop: ["\\n\\nUser:"]     # stop strings, matched across chunk boundaries
+        retry_invalid: 2         # with generate's output: and a backend that may not enforce it
 
 Detokenizes incrementally (a delta never splits a multi-byte character),
 applies stop strings, its own and the client's (they are not sent), runs the
@@ -36,6 +37,7 @@ from pipeline.protocols import TextFilter, TokenEvent, TokenStream
 from pipeline.stage import NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
 from stages.engines import engine_for
+from stages.failover import submit_with_fallback
 from stages.rails import strongest
 from stages.text import IncrementalDetokenizer, StopStrings
 
@@ -44,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 class StreamConfig(NoConfig):
     stop: list[str] = Field(default_factory=list)
+    #: With generate's ``output:``, generate again up to this many times when a complete answer does not
+    #: match (for backends that do not enforce the constraint: a remote server may ignore it). The text is
+    #: then held back until it is checked, so the client gets it in one piece.
+    retry_invalid: int = Field(0, ge=0, le=5)
 
 
 class StreamStage(Stage):
@@ -54,21 +60,34 @@ class StreamStage(Stage):
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(StreamConfig, self.config)
+        retries = config.retry_invalid if "output_constraint" in ctx.facts else 0
+        for attempt in range(retries + 1):
+            held = attempt < retries  # another try may follow: nothing reaches the client until it is checked
+            await self._once(ctx, scope, config, held)
+            error = self._validate(ctx, scope) if "output_constraint" in ctx.facts else None
+            if error is None or ctx.finish_reason != "stop" or not held:
+                if held and ctx.output_text:
+                    await scope.emit_text(ctx.output_text)  # held back until it was checked
+                return
+            scope.add_event("inferline.output.retry", {"attempt": attempt + 1, "error": error})
+            sampling, salt = ctx.facts["generate_request"]
+            ctx.model, _, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
+            ctx.output_ids = []
+
+    async def _once(self, ctx: RequestContext, scope: StageScope, config: StreamConfig, held: bool) -> None:
         stream = cast(TokenStream, ctx.token_stream)
         _, engine = await engine_for(self.resources, ctx.model)
         detokenizer = IncrementalDetokenizer(engine.tokenizer.decode, ctx.prompt_ids)
         stops = StopStrings([*config.stop, *ctx.stop])
         started = time.perf_counter()
         try:
-            ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope)
+            ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope, held)
         finally:
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)
             self._record_rails(ctx, scope)
-        if "output_constraint" in ctx.facts:
-            self._validate(ctx, scope)
 
-    def _validate(self, ctx: RequestContext, scope: StageScope) -> None:
+    def _validate(self, ctx: RequestContext, scope: StageScope) -> str | None:
         """Check the text against ``generate``'s ``output`` constraint; record the result in trace and audit.
 
         A local model decodes under the constraint, so a failure there is a bug to report (logged as an
@@ -85,6 +104,7 @@ class StreamStage(Stage):
             scope.add_event("inferline.output.invalid", {"error": error})
             # Under a local engine's constrained decoding a complete output that fails is a bug to report.
             logger.warning("output of request %s does not match its constraint: %s", ctx.request_id, error)
+        return error
 
     def _record_rails(self, ctx: RequestContext, scope: StageScope) -> None:
         if ctx.output_filter is None or not ctx.output_filter.decisions:
@@ -126,10 +146,10 @@ def check_output(text: str, constraint: dict[str, Any]) -> str | None:
 class _Out:
     """Text on its way to the client, through the policy's output rails when there are any."""
 
-    __slots__ = ("filter", "parts", "scope")
+    __slots__ = ("filter", "held", "parts", "scope")
 
-    def __init__(self, text_filter: TextFilter | None, scope: StageScope):
-        self.filter, self.scope = text_filter, scope
+    def __init__(self, text_filter: TextFilter | None, scope: StageScope, held: bool = False):
+        self.filter, self.scope, self.held = text_filter, scope, held
         self.parts: list[str] = []
 
     async def send(self, text: str, final: bool = False) -> str | None:
@@ -142,7 +162,8 @@ class _Out:
                 text += tail
         if text:
             self.parts.append(text)
-            await self.scope.emit_text(text)
+            if not self.held:
+                await self.scope.emit_text(text)
         return reason
 
 
@@ -157,9 +178,12 @@ def _text_of(event: TokenEvent, detokenizer: IncrementalDetokenizer, ids: list[i
 
 
 async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops: StopStrings,
-                ctx: RequestContext, scope: StageScope) -> str:
-    """Send text until the engine finishes, a stop string appears or a rail blocks; return the finish reason."""
-    out = _Out(ctx.output_filter, scope)
+                ctx: RequestContext, scope: StageScope, held: bool = False) -> str:
+    """Send text until the engine finishes, a stop string appears or a rail blocks; return the finish reason.
+
+    *held*: collect the text without sending it (the caller sends it once it is checked).
+    """
+    out = _Out(ctx.output_filter, scope, held)
     finish = ""
     try:
         async for event in stream:

@@ -77,3 +77,35 @@ def test_check_output():
     assert check_output("30/11/2026", {"regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}) is not None
     assert check_output("no", {"choice": ["yes", "no"]}) is None
     assert check_output("maybe", {"choice": ["yes", "no"]}) is not None
+
+
+class ChangingEngine(FakeEngine):
+    """Answers with each of *replies* in turn (a backend that does not enforce the constraint)."""
+
+    def __init__(self, *replies: str):
+        super().__init__(replies[0])
+        self.replies = [r.encode() for r in replies]
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        self.reply = self.replies[min(len(self.submitted), len(self.replies) - 1)]
+        return await super().submit(prompt_ids, sampling, cache_salt, hints=hints)
+
+
+@pytest.mark.parametrize(("retries", "replies", "submissions", "valid"), [
+    (2, ["not json", '{"nom": 1}', '{"name": "Ada"}'], 3, True),  # the third try matches
+    (1, ["not json", '{"nom": 1}', '{"name": "Ada"}'], 2, False),  # out of tries: the last answer stands
+    (2, ['{"name": "Ada"}'], 1, True),  # right the first time: no retry
+])
+async def test_retry_invalid_generates_again_and_sends_only_the_checked_text(registry, retries, replies,
+                                                                             submissions, valid):
+    from pipeline.events import TextDelta
+
+    engines = FakeEngines(smol=ChangingEngine(*replies))
+    stream = f"{{id: out, type: stream, with: {{retry_invalid: {retries}}}}}"
+    yaml_text = EXTRACT.replace("{id: out, type: stream}", stream)
+    ctx = RequestContext.from_text("extract", "Ada Lovelace.")
+    events = await run(build(yaml_text, registry, engines), ctx)
+    assert len(engines.engines["smol"].submitted) == submissions
+    sent = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert sent == ctx.output_text == replies[submissions - 1]  # only the answer that stands reaches the client
+    assert ctx.facts["decisions"]["out"]["output_valid"] is valid
