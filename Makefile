@@ -14,7 +14,7 @@ install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[test,convert]'
+	$(PIP) install --quiet -e '.[test,convert,ray]'
 	touch $(STAMP)
 
 # Idempotent: the script returns at once when the model is already in place.

@@ -81,6 +81,47 @@ class SpeculativeSpec(Strict):
         return self
 
 
+class AutoscalingSpec(Strict):
+    """Ray Serve autoscaling of a model's engine replicas (``backend: ray``)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: PositiveInt = 1
+    #: Requests in flight per replica that Ray Serve aims for; more adds replicas, fewer removes them.
+    target_ongoing_requests: PositiveFloat = 2.0
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        return self
+
+
+class RayActorOptionsSpec(Strict):
+    """Resources Ray reserves for each engine replica."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class RaySpec(Strict):
+    """How a ``backend: ray`` model runs on Ray Serve: a fixed replica count or autoscaling, and resources."""
+
+    #: A fixed number of engine replicas (default 1 when ``autoscaling`` is absent).
+    num_replicas: PositiveInt | None = None
+    autoscaling: AutoscalingSpec | None = None
+    #: Requests one replica accepts at once before Ray Serve queues them (the engine batches them).
+    max_ongoing_requests: PositiveInt = 64
+    ray_actor_options: RayActorOptionsSpec = Field(default_factory=RayActorOptionsSpec)
+
+    @model_validator(mode="after")
+    def _one_scaling(self) -> RaySpec:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("set either num_replicas or autoscaling, not both")
+        return self
+
+
 class ModelSpec(Strict):
     """One model the server can run or reach."""
 
@@ -111,6 +152,8 @@ class ModelSpec(Strict):
     #: Local engines: speculative decoding (off when absent).
     speculative: SpeculativeSpec | None = None
     price: PriceSpec = Field(default_factory=PriceSpec)
+    #: backend: ray: replicas, autoscaling and resources of the model's Ray Serve deployment.
+    ray: RaySpec | None = None
 
     @model_validator(mode="after")
     def _backend_needs(self) -> ModelSpec:
@@ -119,6 +162,12 @@ class ModelSpec(Strict):
             raise ValueError("backend: openai needs base_url: http(s)://host:port/v1 (and http(s) base_urls)")
         if self.backend == "local" and not self.source:
             raise ValueError("a local model needs source: (an HF folder or a .gguf file)")
+        if self.backend == "ray" and not self.source:
+            raise ValueError("a ray model needs source: (an HF folder or a .gguf file each replica loads)")
+        if self.ray is not None and self.backend != "ray":
+            raise ValueError(f"ray: applies to backend: ray only (this model has backend: {self.backend})")
+        if self.backend == "ray" and "replicas" in self.model_fields_set:
+            raise ValueError("backend: ray: set ray.num_replicas (or ray.autoscaling) instead of replicas")
         return self
 
 

@@ -1,6 +1,7 @@
 """The ``inferline`` command line.
 
-    inferline serve [--config FILE] [--host H] [--port P]   serve every pipeline over HTTP
+    inferline serve [--config FILE] [--host H] [--port P] [--ray]   serve every pipeline over HTTP
+    inferline deploy [--config FILE] [--output serve.yaml]  write a Ray Serve config for `serve deploy`
     inferline validate PATH...                  check pipeline files (or folders of them)
     inferline run PIPELINE --input TEXT         run one request in-process
     inferline keys create|list|revoke           manage API keys
@@ -66,7 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default: http.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: http.port, 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--ray", action="store_true",
+                       help="run the backend: ray models' engines on Ray Serve (a local Ray unless "
+                            "RAY_ADDRESS names a cluster) and reach them through deployment handles")
     serve.set_defaults(handler=_serve)
+
+    deploy = sub.add_parser("deploy", help="write a Ray Serve config file for `serve deploy`",
+                            description="Write the Ray Serve config of the server: the HTTP ingress and one "
+                                        "deployment per backend: ray model, with its ray: replicas, "
+                                        "autoscaling and resources. Deploy it with `serve deploy FILE`.")
+    _config_option(deploy)
+    deploy.add_argument("--output", "-o", default="serve.yaml", metavar="FILE",
+                        help="where to write it (default: serve.yaml)")
+    deploy.set_defaults(handler=_deploy)
 
     validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
                               description="Validate pipeline YAML files against the server config. "
@@ -104,12 +117,41 @@ def _serve(args: argparse.Namespace) -> int:
     http = workspace.server.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
                                                     if v is not None})
     workspace.server = workspace.server.model_copy(update={"http": http})
+    if args.ray:
+        from serving.ray_backend import run_engines, start_ray
+
+        start_ray()
+        logging.getLogger(__name__).info("Ray Serve engines: %s", ", ".join(run_engines(workspace.server,
+                                                                                         workspace.root)) or "none")
     app = create_app(workspace)
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
     # found at start; a no-op one here makes a drained shutdown exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=int(http.shutdown_grace_s))
+    return EXIT_OK
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    import os
+
+    import yaml
+
+    from serving.ray_deploy import serve_config
+    from serving.wiring import DEFAULT_CONFIG
+
+    path = args.config or os.environ.get("INFERLINE_CONFIG") or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists()
+                                                                  else None)
+    if path is None:
+        print("inferline: deploy needs a server config with backend: ray models (--config FILE; "
+              "no ./inferline.yaml here)", file=sys.stderr)
+        return EXIT_FAILED
+    workspace = open_workspace(path)
+    config = serve_config(workspace.server, Path(path))
+    Path(args.output).write_text(yaml.safe_dump(config, sort_keys=False))
+    engines = len(config["applications"][0]["deployments"]) - 1
+    print(f"wrote {args.output}: application {config['applications'][0]['name']!r}, ingress and "
+          f"{engines} engine deployment(s); deploy with: serve deploy {args.output}")
     return EXIT_OK
 
 

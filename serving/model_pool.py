@@ -215,8 +215,8 @@ class ModelPool:
             raise BackendError(f"no model {name!r} in inferline.yaml (models: {', '.join(self._specs) or 'none'})")
         if spec.backend == "openai":
             return self._open_remote(name, spec)
-        if spec.backend != "local":
-            raise BackendError(f"model {name!r}: backend {spec.backend!r} is not available yet")
+        if spec.backend == "ray":
+            return await self._open_ray(name, spec)
         return await self._start_local(name, spec)
 
     def _open_remote(self, name: str, spec: ModelSpec) -> Any:
@@ -225,6 +225,13 @@ class ModelPool:
         engine = open_remote(name, spec, self._root)
         logger.info("model %s: remote backend %s", name, spec.base_url)
         return engine
+
+    async def _open_ray(self, name: str, spec: ModelSpec) -> Any:
+        try:
+            from serving.ray_backend import open_ray_engine  # Ray: only ray models need it
+        except ImportError as exc:
+            raise BackendError(f"model {name!r}: backend: ray needs Ray Serve (pip install 'inferline[ray]')") from exc
+        return await open_ray_engine(name, spec, self._root)
 
     async def _start_local(self, name: str, spec: ModelSpec) -> LocalEngine:
         draft = spec.speculative.draft_model if spec.speculative else None

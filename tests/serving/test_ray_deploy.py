@@ -1,0 +1,106 @@
+"""``inferline deploy`` and the ``ray:`` section of a model: the Ray Serve config it writes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from pipeline.spec import ModelSpec
+from serving.cli import main
+
+SAMPLE = """\
+models:
+  smol:
+    backend: ray
+    source: models/smollm2-135m-instruct
+    ray:
+      autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8, upscale_delay_s: 5,
+                    downscale_delay_s: 60}
+      ray_actor_options: {num_cpus: 2, num_gpus: 0.5}
+  fixed:
+    backend: ray
+    source: models/smollm2-135m-instruct
+    ray: {num_replicas: 3}
+  here:
+    source: models/smollm2-135m-instruct
+http: {host: 0.0.0.0, port: 9000}
+"""
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERLINE_CONFIG", raising=False)
+    path = tmp_path / "inferline.yaml"
+    path.write_text(SAMPLE)
+    return path
+
+
+def test_deploy_writes_one_deployment_per_ray_model(config_file, tmp_path, capsys):
+    out = tmp_path / "serve.yaml"
+    assert main(["deploy", "--config", str(config_file), "--output", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    config = yaml.safe_load(out.read_text())
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 9000}
+    [app] = config["applications"]
+    assert app["name"] == "inferline"
+    assert app["import_path"] == "serving.ray_backend:build_app"
+    assert app["route_prefix"] == "/"
+    assert app["args"] == {"config": str(config_file.resolve())}
+    deployments = {d["name"]: d for d in app["deployments"]}
+    assert list(deployments) == ["ingress", "engine-smol", "engine-fixed"]
+    smol = deployments["engine-smol"]
+    assert "num_replicas" not in smol
+    assert smol["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
+                                          "upscale_delay_s": 5.0, "downscale_delay_s": 60.0}
+    assert smol["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.5}
+    fixed = deployments["engine-fixed"]
+    assert fixed["num_replicas"] == 3
+    assert "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
+def test_deploy_defaults_to_inferline_yaml_and_serve_yaml(config_file, tmp_path):
+    assert main(["deploy"]) == 0
+    assert (tmp_path / "serve.yaml").exists()
+
+
+def test_deploy_without_ray_models_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERLINE_CONFIG", raising=False)
+    (tmp_path / "inferline.yaml").write_text("models:\n  here: {source: models/x}\n")
+    assert main(["deploy"]) == 1
+    err = capsys.readouterr().err
+    assert "no model has backend: ray" in err
+    assert "models: here" in err
+    assert not (tmp_path / "serve.yaml").exists()
+
+
+def test_deploy_without_a_config_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERLINE_CONFIG", raising=False)
+    assert main(["deploy"]) == 1
+    assert "deploy needs a server config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"backend": "ray"}, "a ray model needs source:"),
+    ({"source": "m", "ray": {"num_replicas": 2}}, "ray: applies to backend: ray only"),
+    ({"backend": "ray", "source": "m", "replicas": 2}, "set ray.num_replicas"),
+    ({"backend": "ray", "source": "m", "ray": {"num_replicas": 2, "autoscaling": {}}}, "not both"),
+    ({"backend": "ray", "source": "m", "ray": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+     "min_replicas (3) must not exceed max_replicas (2)"),
+    ({"backend": "ray", "source": "m", "ray": {"num_replica": 2}}, "Extra inputs are not permitted"),
+])
+def test_ray_section_errors(fields, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec.model_validate(fields)
+
+
+def test_ray_model_defaults_to_one_replica():
+    from serving.ray_deploy import deployment_options
+
+    spec = ModelSpec.model_validate({"backend": "ray", "source": "m"})
+    assert deployment_options(spec) == {"num_replicas": 1, "max_ongoing_requests": 64,
+                                        "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
