@@ -29,6 +29,8 @@ Sections (``--only`` takes a comma-separated list of them):
               8-bit activations against float32 diverges wherever two candidates are near-tied (for the chat
               question "What is the capital of France?" already at the first token: float32 puts "The" 0.08
               ahead of "L", llama.cpp the other way round), so it is a sanity check, not a score.
+              ``ours_int8_decode_tok_s`` / ``vs_llamacpp_decode_int8``: ours with ``dtype: int8`` (4x fewer weight
+              bytes than float32, still 2x llama.cpp's 4-bit) on the same requests.
               ``llamacpp_decode_completion_tok_s``: the same request through llama-cpp-python's high-level
               ``Llama.create_completion`` (its defaults: flash attention off), a check on the low-level driver.
   parallel32  32 requests at once, 128-token prompts, 128 new tokens (64).
@@ -477,6 +479,12 @@ def decode_section(b: Bench) -> dict[str, Any]:
         ours = [ours_run(b.engine, [r]) for r in requests]
         best = max(ours, key=lambda run: run.tok_s)
         f["ours_decode_tok_s"], f["ours_decode_itl_ms"] = best.tok_s, best.itl_ms()
+    with b.part("decode/ours_int8"):
+        int8 = _engine_like_dtype(b, "int8")
+        ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
+        f["ours_int8_decode_tok_s"] = max(ours_run(int8, [r]).tok_s for r in requests)
+        del int8
+        gc.collect()
     if b.llama is not None:
         with b.part("decode/llamacpp"):
             slot_ctx = DECODE_PROMPT_LEN + DECODE_NEW_TOKENS
@@ -496,7 +504,17 @@ def decode_section(b: Bench) -> dict[str, Any]:
             f["llamacpp_decode_completion_tok_s"] = llamacpp_completion_tok_s(b.gguf, requests[0],
                                                                               b.sizes.num_decode_repeats)
     f["vs_llamacpp_decode"] = _ratio(f.get("ours_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
+    f["vs_llamacpp_decode_int8"] = _ratio(f.get("ours_int8_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
     return f
+
+
+def _engine_like_dtype(b: Bench, dtype: str) -> Any:
+    """The shared engine's options with another dtype (weights loaded again: int8 quantizes at load)."""
+    from dataclasses import replace
+
+    from serving.engine.engine import LLMEngine
+
+    return LLMEngine(replace(b.engine.config, dtype=dtype))
 
 
 def parallel32_section(b: Bench) -> dict[str, Any]:
@@ -615,11 +633,9 @@ def int8_section(b: Bench) -> dict[str, Any]:
                 for _ in range(b.sizes.num_decode_repeats)]
     f: dict[str, Any] = {}
     with b.part("int8"):
-        from dataclasses import replace
 
-        from serving.engine.engine import LLMEngine
 
-        int8 = LLMEngine(replace(b.engine.config, dtype="int8"))
+        int8 = _engine_like_dtype(b, "int8")
         ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
         plain, quant = [], []
         for request in requests:  # interleaved, so a noisy neighbour hits both sides alike
@@ -665,7 +681,8 @@ class Section:
 
 SECTIONS: tuple[Section, ...] = (
     Section("decode", decode_section, (
-        "ours_decode_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp_decode", "ours_decode_itl_ms",
+        "ours_decode_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp_decode", "ours_int8_decode_tok_s",
+        "vs_llamacpp_decode_int8", "ours_decode_itl_ms",
         "llamacpp_decode_itl_ms", "decode_agree_tokens", "llamacpp_decode_completion_tok_s")),
     Section("parallel32", parallel32_section, (
         "ours_parallel32_tok_s", "llamacpp_parallel32_tok_s", "vs_llamacpp_parallel32",
