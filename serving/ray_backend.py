@@ -196,6 +196,12 @@ class RayEngine:
         except (Overloaded, InvalidInput, BackendError, DeadlineExceeded):
             self.outstanding -= 1
             raise
+        except asyncio.CancelledError:
+            # A caller that gave up before the first token (a route's first_token_timeout_s): the request
+            # is no longer outstanding here, and Ray Serve should not run it.
+            self.outstanding -= 1
+            response.cancel()
+            raise
         except Exception as exc:
             self.outstanding -= 1
             raise BackendError(f"model {self.name!r}: Ray Serve: {exc}") from exc
