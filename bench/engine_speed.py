@@ -480,7 +480,7 @@ def decode_section(b: Bench) -> dict[str, Any]:
         best = max(ours, key=lambda run: run.tok_s)
         f["ours_decode_tok_s"], f["ours_decode_itl_ms"] = best.tok_s, best.itl_ms()
     with b.part("decode/ours_int8"):
-        int8 = _engine_like_dtype(b, "int8")
+        int8 = _engine_like(b, dtype="int8")
         ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
         f["ours_int8_decode_tok_s"] = max(ours_run(int8, [r]).tok_s for r in requests)
         del int8
@@ -507,14 +507,6 @@ def decode_section(b: Bench) -> dict[str, Any]:
     f["vs_llamacpp_decode_int8"] = _ratio(f.get("ours_int8_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
     return f
 
-
-def _engine_like_dtype(b: Bench, dtype: str) -> Any:
-    """The shared engine's options with another dtype (weights loaded again: int8 quantizes at load)."""
-    from dataclasses import replace
-
-    from serving.engine.engine import LLMEngine
-
-    return LLMEngine(replace(b.engine.config, dtype=dtype))
 
 
 def parallel32_section(b: Bench) -> dict[str, Any]:
@@ -551,15 +543,18 @@ def mixed_section(b: Bench) -> dict[str, Any]:
 
 
 def _engine_like(b: Bench, **options: Any) -> Any:
-    """Another engine on the shared engine's weights (same loaded model), with *options* changed."""
+    """Another engine with *options* changed: on the shared engine's weights, or loaded again for another dtype
+    (int8 quantizes at load)."""
     from dataclasses import replace
 
     from serving.engine.engine import LLMEngine
     from serving.engine.models import LoadedModel
 
     base = b.engine
-    loaded = LoadedModel(base.model, base.hf_config, base.tokenizer)
-    return LLMEngine(replace(base.config, **options), loaded=loaded)
+    config = replace(base.config, **options)
+    if config.dtype != base.config.dtype:
+        return LLMEngine(config)
+    return LLMEngine(config, loaded=LoadedModel(base.model, base.hf_config, base.tokenizer))
 
 
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:
@@ -635,7 +630,7 @@ def int8_section(b: Bench) -> dict[str, Any]:
     with b.part("int8"):
 
 
-        int8 = _engine_like_dtype(b, "int8")
+        int8 = _engine_like(b, dtype="int8")
         ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
         plain, quant = [], []
         for request in requests:  # interleaved, so a noisy neighbour hits both sides alike

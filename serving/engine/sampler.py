@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens.
 
-Per row, in this order (vLLM's and Hugging Face's): repetition penalty (HF-style, over prompt and
+A constrained request (``Sequence.matcher``, constraints.py) first has the tokens its constraint forbids
+set to -inf. Then per row, in this order (vLLM's and Hugging Face's): repetition penalty (HF-style, over prompt and
 output tokens), presence and frequency penalties (OpenAI-style, over output tokens only), then for
 sampled rows temperature, top-k, top-p (on the top-k-renormalized distribution) and min-p (relative
 to the most likely token), then one draw. Greedy rows (temperature 0) take ``torch.argmax`` of the

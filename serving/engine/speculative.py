@@ -114,9 +114,6 @@ class PromptLookup:
     def release(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
 
-    def close(self) -> None:
-        """Nothing to free."""
-
 
 class DraftModel:
     """Guesses with a smaller model of the same vocabulary: k greedy steps over its own paged KV cache.
@@ -175,9 +172,6 @@ class DraftModel:
         if mirror is not None:
             self.blocks.free(mirror)
 
-    def close(self) -> None:
-        for seq_id in list(self._mirrors):
-            self.release(seq_id)
 
 
 def _common_prefix(a: list[int], b: list[int], known: int) -> int:
