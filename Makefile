@@ -9,7 +9,9 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: install run test test-fast bench bench-deps lint clean
 
-install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX)
+KERNELS := $(VENV)/.kernels
+
+install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX) $(KERNELS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +22,12 @@ $(STAMP): pyproject.toml
 # Idempotent: the script returns at once when the model is already in place.
 $(MODEL): $(STAMP) scripts/fetch_model.py
 	$(PY) scripts/fetch_model.py
+
+# The engine's C++ CPU kernels, compiled once for this machine (about 20 s); without a compiler the
+# engine falls back to its torch path and says so.
+$(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp)
+	$(PY) -m serving.engine.kernels
+	touch $(KERNELS)
 
 # The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes.
 $(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)

@@ -14,8 +14,14 @@ num_kv_heads, head_dim]``; slot ``b * block_size + i`` holds token ``i`` of bloc
   its fresh keys directly under a causal mask, a later chunk gathers its
   context from the cache and uses an offset causal mask.
 
-The gather indices and masks are built once per step (``AttentionMetadata``)
-and reused by every layer.
+On the CPU in float32, with our C++ kernel built (``kernels/``), decodes and
+short chunks after some context go to ``paged_attention`` instead, which reads
+K and V in place from the blocks (``KernelGroups``): no gather, no padding. The
+torch path above stays for the GPU, other dtypes, long chunks with context and
+machines without a compiler, and gives the same results.
+
+The gather indices, masks and kernel groups are built once per step
+(``AttentionMetadata``) and reused by every layer.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from serving.engine.kernels import cpu_ops
 
 
 @dataclass(slots=True)
@@ -55,6 +63,23 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class KernelGroups:
+    """Query groups for the C++ kernel (see kernels/paged_attention.cpp), all int64.
+
+    Group ``i`` is ``size[i]`` consecutive tokens from ``token[i]`` of sequence
+    ``seq[i]`` (a row of ``block_tables``); its first token sees ``length[i]``
+    positions and each later one a position more.
+    """
+
+    block_tables: torch.Tensor
+    """``[num_seqs, max_blocks]``, padded with block 0 past each table's end (never read)."""
+    token: torch.Tensor
+    size: torch.Tensor
+    seq: torch.Tensor
+    length: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer needs to attend for one step, built once per step."""
 
@@ -62,6 +87,9 @@ class AttentionMetadata:
     """``[num_tokens]``: the cache slot each new token's key and value go to."""
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    kernel: KernelGroups | None = None
+    """Tokens the C++ kernel attends (then neither in ``decode_groups`` nor in ``prefills``)."""
+    block_size: int = 16
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -81,6 +109,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if meta.kernel is not None:
+        g = meta.kernel
+        cpu_ops().paged_attention(out, q, k_cache, v_cache, g.block_tables, g.token, g.size, g.seq, g.length,
+                                  meta.block_size, head_dim ** -0.5)
     for group in meta.decode_groups:
         _decode(q, k_cache, v_cache, group, out, num_kv_heads)
     for chunk in meta.prefills:

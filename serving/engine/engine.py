@@ -94,7 +94,8 @@ class LLMEngine:
         self.metrics = EngineMetrics(name or _model_name(config.model), metrics_registry)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
-        logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+        logger.info("engine ready: %d KV blocks of %d tokens; attention: %s", num_blocks, config.block_size,
+                    "C++ paged kernel" if self.runner.use_kernel else "torch (gather + SDPA)")
 
     # -- requests -----------------------------------------------------------
 
@@ -272,7 +273,8 @@ class LLMEngine:
         return {
             "model": self.config.model, "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting, "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks, "kv_usage": bm.usage, **self.metrics.snapshot(),
+            "kv_blocks_used": bm.num_used_blocks, "kv_usage": bm.usage,
+            "attention_kernel": "cpp" if self.runner.use_kernel else "torch", **self.metrics.snapshot(),
         }
 
 

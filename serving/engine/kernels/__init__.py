@@ -1,0 +1,84 @@
+"""Our C++ CPU kernels, compiled once on the machine that runs them.
+
+``cpu_ops()`` returns ``torch.ops.inferline`` once the extension is built and
+loaded, or None when it cannot be (no C++ compiler, ``INFERLINE_KERNELS=0``, a
+build error); callers then take the pure-torch path, which gives the same
+results more slowly. The first call compiles (about half a minute) into
+``$INFERLINE_KERNEL_CACHE`` (default ``~/.cache/inferline/kernels``), under a
+name that hashes the source, the torch version and this CPU's instruction set
+flags, so a build is never reused on a machine it was not made for.
+``make install`` builds it ahead of time: ``python -m serving.engine.kernels``.
+
+Kernels: ``paged_attention`` (paged_attention.cpp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cpu_ops():
+    """``torch.ops.inferline`` with the CPU kernels registered, or None (see the module docstring)."""
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load()
+        return _state["ops"]
+
+
+def disabled_reason() -> str | None:
+    """Why ``cpu_ops()`` returned None, once it has been called."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def _load():
+    if os.environ.get("INFERLINE_KERNELS", "1") == "0":
+        _state["reason"] = "INFERLINE_KERNELS=0"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        name = f"inferline_kernels_{_build_key()}"
+        build_dir = Path(os.environ.get("INFERLINE_KERNEL_CACHE", Path.home() / ".cache/inferline/kernels")) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(name, [str(s) for s in SOURCES], build_directory=str(build_dir), is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: fall back, loudly once
+        _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        logger.warning("engine: the C++ CPU kernels are unavailable (%s); using the slower torch path",
+                       _state["reason"])
+        return None
+    return torch.ops.inferline
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(platform.machine().encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+

@@ -1,0 +1,106 @@
+"""Paged attention: the C++ kernel against the torch path on the same ragged batch (no model needed)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serving.engine import model_runner as mr
+from serving.engine.attention import paged_attention, write_kv
+from serving.engine.kernels import cpu_ops, disabled_reason
+from serving.engine.model_runner import ModelRunner
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import ScheduledSeq
+from serving.engine.sequence import Sequence
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_ops()
+    if ops is None:  # the build is part of `make install`: a missing kernel is a broken install, not a skip
+        pytest.fail(f"the C++ kernels did not build: {disabled_reason()}", pytrace=False)
+    return ops
+
+
+def fake_model(num_heads: int, num_kv_heads: int, head_dim: int):
+    shape = SimpleNamespace(num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return SimpleNamespace(shape=shape, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def batch(rng: random.Random, num_blocks: int, work: list[tuple[int, int]]) -> list[ScheduledSeq]:
+    """Sequences with (context, new tokens) each, their blocks scattered over the pool."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    items = []
+    for seq_id, (num_context, num_new) in enumerate(work):
+        total = num_context + num_new
+        seq = Sequence(seq_id, [rng.randrange(1000) for _ in range(total)], total, SamplingParams())
+        seq.block_table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        seq.num_computed_tokens = num_context
+        items.append(ScheduledSeq(seq, num_new))
+    return items
+
+
+def attend(runner: ModelRunner, items: list[ScheduledSeq], q, k, v, use_kernel: bool) -> torch.Tensor:
+    runner.use_kernel = use_kernel
+    ordered = runner.order(items)
+    slots = [s for item in ordered for s in mr._slots(item.seq.block_table, item.seq.num_computed_tokens,
+                                                       item.seq.num_computed_tokens + item.num_new_tokens,
+                                                       BLOCK_SIZE)]
+    meta = runner._metadata(ordered, torch.tensor(slots))
+    write_kv(runner.k_caches[0], runner.v_caches[0], k, v, meta.slot_mapping)
+    if use_kernel:
+        assert meta.kernel is not None and not meta.decode_groups
+    return paged_attention(q, k, v, runner.k_caches[0], runner.v_caches[0], meta)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (4, 1, 64)])
+def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim):
+    rng = random.Random(num_heads)
+    # Decodes of every length class, a 1-token context, speculative-like short chunks, a prefix-cache
+    # tail of 37 tokens after 1,000, a chunk longer than the kernel takes, and a fresh prompt.
+    work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (1000, 37), (300, 80), (0, 29)]
+    runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim), 400, BLOCK_SIZE)
+    for cache in (*runner.k_caches, *runner.v_caches):
+        cache.normal_()
+    items = batch(rng, 400, work)
+    num_tokens = sum(n for _, n in work)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    expected = attend(runner, items, q, k, v, use_kernel=False)
+    got = attend(runner, items, q, k, v, use_kernel=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_agrees_with_sdpa_over_a_gathered_context(ops):
+    """One decode over scattered blocks against SDPA on the same keys laid out contiguously."""
+    torch.manual_seed(0)
+    num_slots, length = 64 * BLOCK_SIZE, 250
+    k_cache, v_cache = torch.randn(num_slots, 2, 64), torch.randn(num_slots, 2, 64)
+    table = torch.randperm(64)[: -(-length // BLOCK_SIZE)]
+    slots = (table[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)[:length]
+    q = torch.randn(1, 6, 64)
+    out = torch.empty(1, 6 * 64)
+    one = torch.tensor([1])
+    ops.paged_attention(out, q, k_cache, v_cache, table[None].contiguous(), torch.tensor([0]), one,
+                        torch.tensor([0]), torch.tensor([length]), BLOCK_SIZE, 64 ** -0.5)
+    keys, values = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+    expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True).reshape(1, -1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_refuses_what_it_cannot_run(ops):
+    out, q = torch.empty(1, 4 * 32), torch.randn(1, 4, 32)
+    cache = torch.zeros(16, 2, 32)
+    index = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        ops.paged_attention(out, q, cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.paged_attention(out, q.double(), cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
