@@ -25,7 +25,7 @@ $(MODEL): $(STAMP) scripts/fetch_model.py
 
 # The engine's C++ CPU kernels, compiled once for this machine (about 20 s); without a compiler the
 # engine falls back to its torch path and says so.
-$(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp)
+$(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp serving/engine/kernels/*.h)
 	$(PY) -m serving.engine.kernels
 	touch $(KERNELS)
 

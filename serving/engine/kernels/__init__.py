@@ -9,7 +9,8 @@ name that hashes the source, the torch version and this CPU's instruction set
 flags, so a build is never reused on a machine it was not made for.
 ``make install`` builds it ahead of time: ``python -m serving.engine.kernels``.
 
-Kernels: ``paged_attention`` (paged_attention.cpp).
+Kernels: ``paged_attention`` (paged_attention.cpp); ``rms_norm``, ``add_rms_norm_``, ``rope_`` and
+``silu_mul`` (layer_ops.cpp), the small steps of a layer fused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp")
+HEADERS = (_HERE / "vec.h",)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -65,7 +68,7 @@ def _load():
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())

@@ -13,6 +13,12 @@ MKL does not pick its fast kernels on AMD processors.
 With ``int8=True`` every linear weight (and a copy of a tied LM head) is
 quantized per output channel (``serving/engine/quant.py``); activations, the
 KV cache and the embedding lookup stay in *dtype* (float32).
+
+With float32 activations on the CPU and our C++ kernels built, the small steps
+between the matmuls run fused (``kernels/layer_ops.cpp``): RMSNorm with the
+residual add before it, rotary embedding in place inside the qkv rows, and
+SiLU-and-multiply. Same arithmetic as the torch ops, a fraction of their
+dispatch cost at decode batch sizes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
+from serving.engine.kernels import cpu_ops
 from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
 
 
@@ -113,6 +120,8 @@ class LlamaModel:
         self.cos, self.sin = _rope_tables(config, shape, dtype, device)
         self._q_size = shape.num_heads * shape.head_dim
         self._kv_size = shape.num_kv_heads * shape.head_dim
+        self.fused = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
+        """``torch.ops.inferline`` when the layer's small steps run fused (see the module docstring)."""
 
     def _pack(self) -> None:
         pack = torch.ops.mkldnn._reorder_linear_weight
@@ -142,6 +151,8 @@ class LlamaModel:
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` for the selected token positions."""
+        if self.fused is not None:
+            return self._forward_fused(input_ids, positions, meta, k_caches, v_caches, logits_indices)
         shape, linear = self.shape, self.linear
         hidden = F.embedding(input_ids, self.embed)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
@@ -161,6 +172,33 @@ class LlamaModel:
             hidden = hidden + linear(F.silu(gate) * up, layer.down, None)
         hidden = _rms_norm(hidden.index_select(0, logits_indices), self.norm, shape.rms_norm_eps)
         return linear(hidden, self.lm_head, None).float()
+
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """``forward`` with the fused CPU kernels: the residual stream ``hidden`` is updated in place, and
+        each RMSNorm takes the residual add before it (the previous matmul's output)."""
+        ops, shape, linear, eps = self.fused, self.shape, self.linear, self.shape.rms_norm_eps
+        q_size, kv_size, head_dim = self._q_size, self._kv_size, shape.head_dim
+        hidden = F.embedding(input_ids, self.embed)
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches, strict=True)):
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            ops.rope_(qkv, positions, self.cos, self.sin, shape.num_heads, shape.num_kv_heads)
+            q = qkv[:, :q_size].view(-1, shape.num_heads, head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, shape.num_kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, shape.num_kv_heads, head_dim)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            x = ops.add_rms_norm_(hidden, linear(attn, layer.o, None), layer.post_norm, eps)
+            down = linear(ops.silu_mul(linear(x, layer.gate_up, None)), layer.down, None)
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm_(hidden, down, self.layers[index + 1].input_norm, eps)
+            else:
+                hidden += down
+        hidden = ops.rms_norm(hidden.index_select(0, logits_indices), self.norm, eps)
+        return linear(hidden, self.lm_head, None)
 
 
 def _layer(state: dict[str, torch.Tensor], index: int, bias: bool) -> LayerWeights:

@@ -1,0 +1,56 @@
+// Portable SIMD for our CPU kernels: GCC vector extensions, 16 floats wide.
+// Built with -march=native on the machine that runs them, they become AVX-512,
+// AVX2 (two halves) or SSE code without intrinsics.
+
+#pragma once
+
+#include <cstring>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int vi __attribute__((vector_size(W * sizeof(int))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline vf splat(float x) { return vf{} + x; }
+
+// A tree of shuffles: a plain loop over the lanes compiles to 15 dependent scalar adds.
+inline float hsum(vf v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// exp(x) to about 1 ulp (Cephes' expf polynomial) over [-87.3, 88]: a scalar libm
+// call per element would cost more than the memory traffic these kernels save.
+inline vf vexp(vf x) {
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  const vf t = x * 1.44269504088896341f;
+  const vi n = __builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), vi);
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vf y = p * r * r + r + 1.f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+}  // namespace
