@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  := models/smollm2-135m-instruct/inferline-model.json
 HANDBOOK_INDEX := indexes/handbook/CURRENT
+CHROMIUM := /usr/bin/chromium
 PIP    := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: install run test test-fast bench bench-deps lint clean
@@ -33,11 +34,22 @@ $(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp serving/engine/kern
 $(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)
 	$(PY) -m serving.cli index build pipelines/data/handbook --name handbook
 
+# The web console's browser tests (tests/serving/console/test_browser.py) drive Debian's chromium with
+# Playwright, never a browser Playwright downloads itself. sudo only when not root. Without apt-get this
+# only warns, and those tests fail, loudly, until Chromium is at $(CHROMIUM). `make run` does not need it.
+$(CHROMIUM):
+	@if command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; \
+	else \
+	  echo "warning: no apt-get here: install Chromium at $(CHROMIUM) for the console's browser tests" >&2; \
+	fi
+
 # Serves every pipeline of inferline.yaml on 127.0.0.1:8000 (auth off, loopback only).
 run: install
 	$(VENV)/bin/inferline serve
 
-test: install
+test: install $(CHROMIUM)
 	$(PY) -m pytest
 
 test-fast: install

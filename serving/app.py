@@ -35,6 +35,7 @@ from serving import api_audit, api_openai, api_ops, api_pipelines
 from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
 from serving.caches import StoreCaches
+from serving.console import ConsolePlugin
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
 from serving.indexes import IndexRegistry
@@ -106,6 +107,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         lifespan=[lifespan],
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},
+        plugins=[ConsolePlugin(state)],  # the web console under /ui (serving/console/)
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
                                      description="Every pipeline an endpoint; an OpenAI-compatible API."),

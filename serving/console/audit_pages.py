@@ -1,0 +1,192 @@
+"""The audit explorer: the audit API's filters, a paged table, a record's detail, chain verification
+and exports, for ``auditor`` and ``admin`` keys (a caller gets a 403 page).
+
+It reads the same store as ``/audit/*`` and, like the API, writes every read to the access log
+(with ``"via": "console"`` in the logged query). Filters come from a plain GET form, so a filtered
+table is a link a reviewer can share; verification is a POST with the form's CSRF token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+
+import sqlalchemy as sa
+from litestar import Request, get, post
+from litestar.params import FromPath
+from litestar.response import Response, Stream
+
+from serving.console.plugin import Console
+from serving.console.render import SECURITY_HEADERS
+from serving.console.session import CSRF_FIELD, Session
+from serving.problems import Problem
+from store.audit import AuditFilters, AuditStore
+from store.audit_models import STATUSES, AuditRecord
+from store.audit_query import MAX_LIMIT, SORT_FIELDS
+
+_ROLES = ("auditor",)
+_WHAT = "read the audit log"
+_TEXT_FILTERS = ("pipeline", "spec_sha256", "key_id", "model", "policy_action", "policy_category", "status",
+                 "finish_reason", "text")
+FILTER_NAMES = ("since", "until", *_TEXT_FILTERS, "min_cost_usd")
+SORTS = tuple(s for name in SORT_FIELDS for s in (f"-{name}", name))
+POLICY_ACTIONS = ("allow", "flag", "redact", "block")
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def parse_time(name: str, value: str | None) -> datetime | None:
+    """An ISO 8601 instant from a form: ``2026-11-01T09:30`` (a datetime-local field, taken as UTC) or
+    with an offset; empty is None; anything else is a 400."""
+    if value is None or not value.strip():
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise Problem(400, "Bad request", f"{name}: {value!r} is not a date and time "
+                                          "(use 2026-11-01T09:30, in UTC)", "invalid_query") from None
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def parse_filters(params: Mapping[str, str]) -> tuple[AuditFilters, dict[str, str]]:
+    """The filters of a query string, and the values to put back in the form (empty fields are unset)."""
+    echo = {name: (params.get(name) or "").strip()[:500] for name in FILTER_NAMES}
+    values: dict[str, Any] = {name: echo[name] or None for name in _TEXT_FILTERS}
+    values["since"], values["until"] = parse_time("since", echo["since"]), parse_time("until", echo["until"])
+    if echo["min_cost_usd"]:
+        try:
+            values["min_cost_usd"] = float(echo["min_cost_usd"])
+        except ValueError:
+            raise Problem(400, "Bad request", f"min_cost_usd: {echo['min_cost_usd']!r} is not a number",
+                          "invalid_query") from None
+    return AuditFilters(**values), echo
+
+
+def parse_limit(value: str | None, default: int = 25) -> int:
+    if value is None or not value.strip():
+        return default
+    if not value.strip().isdigit() or not 1 <= int(value) <= MAX_LIMIT:
+        raise Problem(400, "Bad request", f"limit must be a whole number from 1 to {MAX_LIMIT}", "invalid_query")
+    return int(value)
+
+
+async def reviewer(console: Console, request: Request, action: str, query: Mapping[str, Any],
+                   session: Session | None = None) -> tuple[AuditStore, Session]:
+    """The store, for a reviewer's session, with this read written to the access log (as the API does)."""
+    session = session or await console.session(request, _ROLES, _WHAT)
+    store = console.state.audit
+    if store is None:
+        raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
+    principal = session.principal
+    logged = {k: v for k, v in query.items() if v not in (None, "")} | {"via": "console"}
+    await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
+                            principal.role if principal else None, action, logged)
+    return store, session
+
+
+async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a blocking store call off the loop; its ValueError (a bad sort, cursor, filter) is a 400."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except ValueError as exc:
+        raise Problem(400, "Bad request", str(exc), "invalid_query") from exc
+
+
+@get("/audit", name="console-audit")
+async def audit_page(request: Request) -> Response[str]:
+    """The filtered, sorted, paged table of audit records."""
+    console = Console.of(request)
+    params = request.query_params
+    filters, echo = parse_filters(params)
+    sort = params.get("sort") or "-received_at"
+    if sort not in SORTS:
+        raise Problem(400, "Bad request", f"cannot sort by {sort!r}; choose one of {', '.join(SORTS)}",
+                      "invalid_query")
+    limit, cursor = parse_limit(params.get("limit")), params.get("cursor") or None
+    store, session = await reviewer(console, request, "query", {**echo, "sort": sort, "cursor": cursor,
+                                                                "limit": limit})
+    page = await call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
+    kept = {k: v for k, v in {**echo, "sort": sort, "limit": str(limit)}.items() if v}
+    exports = {fmt: "/ui/audit/export?" + urlencode({**{k: v for k, v in echo.items() if v}, "format": fmt})
+               for fmt in ("jsonl", "csv")}
+    return console.page(request, session, "audit.html", records=page.records, filters=echo, sort=sort,
+                        limit=limit, sorts=SORTS, statuses=STATUSES, policy_actions=POLICY_ACTIONS,
+                        pipelines=sorted(console.state.executor.pipelines), is_first_page=cursor is None,
+                        next_url=("/ui/audit?" + urlencode({**kept, "cursor": page.next_cursor})
+                                  if page.next_cursor else None),
+                        first_url="/ui/audit?" + urlencode(kept), exports=exports)
+
+
+@get("/audit/records/{record_id:str}", name="console-audit-record")
+async def record_page(request: Request, record_id: FromPath[str]) -> Response[str]:
+    """One record: who, what, the content as stored, each stage with its decision, the policy decisions."""
+    console = Console.of(request)
+    store, session = await reviewer(console, request, "show", {"record_id": record_id})
+    record = await call(store.get, record_id)
+    if record is None:
+        raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
+    return console.page(request, session, "record.html", record=record)
+
+
+@post("/audit/verify", name="console-audit-verify", status_code=200)
+async def verify_page(request: Request) -> Response[str]:
+    """Recompute the hash chain (all of it, or records received in [since, until)) and show the result."""
+    console = Console.of(request)
+    session = await console.session(request, _ROLES, _WHAT)
+    form = await request.form()
+    submitted = form.get(CSRF_FIELD)
+    console.sessions.check_csrf(request, session, submitted if isinstance(submitted, str) else None)
+    since_text, until_text = (str(form.get("since") or ""), str(form.get("until") or ""))
+    since, until = parse_time("since", since_text), parse_time("until", until_text)
+    store, _ = await reviewer(console, request, "verify", {"since": since_text, "until": until_text}, session)
+    report = await call(store.verify, since, until)
+    return console.page(request, session, "verify.html", report=report, since=since_text, until=until_text)
+
+
+@get("/audit/export", name="console-audit-export")
+async def export(request: Request) -> Response[Any]:
+    """The filtered records as a JSON Lines or CSV download, streamed."""
+    console = Console.of(request)
+    fmt = request.query_params.get("format") or "jsonl"
+    if fmt not in ("jsonl", "csv"):
+        raise Problem(400, "Bad request", f"format must be jsonl or csv, not {fmt!r}", "invalid_query")
+    filters, echo = parse_filters(request.query_params)
+    store, _ = await reviewer(console, request, "export", {**echo, "format": fmt})
+    lines = await call(store.export, filters, fmt)
+    media = "application/x-ndjson" if fmt == "jsonl" else "text/csv"
+    return Stream(async_lines(lines), media_type=media,
+                  headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="audit.{fmt}"'})
+
+
+async def find_record(console: Console, request: Request, session: Session, ident: str) -> dict[str, Any] | None:
+    """The audit record of a request, by record id, request id or trace id (reviewers only)."""
+    store, _ = await reviewer(console, request, "show", {"trace": ident}, session)
+    found = await call(store.get, ident)
+    if found is None:
+        record_id = await asyncio.to_thread(_record_id_of, store, ident)
+        found = await call(store.get, record_id) if record_id else None
+    return found
+
+
+def _record_id_of(store: AuditStore, ident: str) -> str | None:
+    # The audit API filters neither by request id nor by trace id; request_id is indexed, and trace ids
+    # (32 hex digits) are looked up only when the request id finds nothing.
+    table = AuditRecord.__table__
+    with store.engine.connect() as conn:
+        found = conn.scalar(sa.select(table.c.id).where(table.c.request_id == ident).limit(1))
+        if found is None and _TRACE_ID.fullmatch(ident):
+            found = conn.scalar(sa.select(table.c.id).where(table.c.trace_id == ident).limit(1))
+    return found
+
+
+async def async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
+    """A blocking line generator (the store's export), each line pulled off the event loop."""
+    done = object()
+    while (line := await asyncio.to_thread(next, lines, done)) is not done:
+        yield line.encode() if isinstance(line, str) else line
+
+
+ROUTES = [audit_page, record_page, verify_page, export]

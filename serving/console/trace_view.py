@@ -1,0 +1,180 @@
+"""What the trace view draws: one request's stages as a waterfall, with TTFT marked.
+
+Two sources give the same :class:`TraceView`. A recent request comes from the
+console's ring (serving/console/trace_ring.py), with each stage's measured
+start offset. An older one comes from its audit record, which keeps stage
+durations but not start times: stages run one after another, so each start is
+taken as the sum of the durations before it (the view says so), and the audit
+stage, which writes the record, is not in it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from serving.console.trace_ring import StageTrace, TraceEntry
+
+#: The narrowest bar drawn, in percent of the request: a 0.1 ms stage stays visible.
+_MIN_BAR_PCT = 0.4
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One stage's bar and its key attributes."""
+
+    id: str
+    type: str
+    status: str
+    start_ms: float
+    duration_ms: float
+    cost_usd: float
+    error: str
+    attributes: tuple[tuple[str, str], ...]
+    x_pct: float
+    width_pct: float
+
+
+@dataclass(frozen=True, slots=True)
+class TraceView:
+    """A request's trace, ready to render."""
+
+    source: str  # "live" (the console's ring) or "audit" (the audit record)
+    request_id: str
+    trace_id: str
+    pipeline: str
+    received_at: str
+    status: str
+    duration_ms: float
+    ttft_ms: float | None
+    ttft_pct: float | None
+    cost_usd: float
+    input_tokens: int
+    output_tokens: int
+    model: str
+    finish_reason: str
+    key_id: str | None
+    rows: tuple[Row, ...]
+    policy: tuple[dict[str, Any], ...] = ()
+    retrieval: dict[str, Any] | None = None
+    record_id: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def span_ms(self) -> float:
+        """The time axis: the request's duration, or the last stage's end if that is later."""
+        return _span(self.duration_ms, self.rows)
+
+
+def from_entry(entry: TraceEntry) -> TraceView:
+    """The view of a request the console saw itself."""
+    facts = {**entry.facts, "model": entry.model, "prompt_tokens": entry.prompt_tokens,
+             "input_tokens": entry.input_tokens, "output_tokens": entry.output_tokens,
+             "finish_reason": entry.finish_reason}
+    return _view("live", entry.stages, facts, entry.duration_ms, entry.ttft_ms, request_id=entry.request_id,
+                 trace_id=entry.trace_id, pipeline=entry.pipeline, received_at=_iso(entry.received_at),
+                 status=entry.status, cost_usd=entry.cost_usd, input_tokens=entry.input_tokens,
+                 output_tokens=entry.output_tokens, model=entry.model, finish_reason=entry.finish_reason,
+                 key_id=entry.key_id, policy=tuple(entry.facts.get("policy") or ()),
+                 retrieval=entry.facts.get("retrieval"))
+
+
+def from_record(record: dict[str, Any]) -> TraceView:
+    """The view of a request read back from its audit record (see the module docstring)."""
+    stages, start = [], 0.0
+    for stage in record.get("stages") or ():
+        duration = float(stage.get("duration_ms") or 0.0)
+        stages.append(StageTrace(str(stage.get("stage_id", "")), str(stage.get("type", "")),
+                                 str(stage.get("status", "")), start, duration,
+                                 float(stage.get("cost_usd") or 0.0), "", stage.get("decision")))
+        start += duration
+    facts = {"route": record.get("route"), "retrieval": record.get("retrieval"), "policy": record.get("policy"),
+             "sampling": record.get("params"), "model": record.get("model") or "",
+             "input_tokens": record.get("input_tokens") or 0, "output_tokens": record.get("output_tokens") or 0,
+             "finish_reason": record.get("finish_reason") or ""}
+    notes = ("From the audit record: it keeps each stage's duration, not its start, so starts are the sum "
+             "of the durations before them; the audit stage that wrote the record is not in it.",)
+    return _view("audit", tuple(stages), facts, float(record.get("duration_ms") or 0.0), record.get("ttft_ms"),
+                 request_id=record.get("request_id") or "", trace_id=record.get("trace_id") or "",
+                 pipeline=record.get("pipeline") or "", received_at=str(record.get("received_at") or ""),
+                 status=record.get("status") or "", cost_usd=float(record.get("cost_usd") or 0.0),
+                 input_tokens=int(record.get("input_tokens") or 0),
+                 output_tokens=int(record.get("output_tokens") or 0), model=record.get("model") or "",
+                 finish_reason=record.get("finish_reason") or "", key_id=record.get("key_id"),
+                 policy=tuple(record.get("policy") or ()), retrieval=record.get("retrieval"),
+                 record_id=record.get("id"), notes=notes)
+
+
+def _view(source: str, stages: tuple[StageTrace, ...], facts: dict[str, Any], duration_ms: float,
+          ttft_ms: float | None, **fields: Any) -> TraceView:
+    span = max(_span(duration_ms, stages), 1e-6)
+    rows = tuple(Row(s.id, s.type, s.status, s.start_ms, s.duration_ms, s.cost_usd, s.error,
+                     attributes(s.type, s.decision, facts) if s.status != "skipped" else (),
+                     x_pct=min(100.0, 100.0 * s.start_ms / span),
+                     width_pct=max(_MIN_BAR_PCT, 100.0 * s.duration_ms / span) if s.status != "skipped" else 0.0)
+                 for s in stages)
+    ttft_pct = None if ttft_ms is None else min(100.0, 100.0 * ttft_ms / span)
+    return TraceView(source=source, duration_ms=duration_ms, ttft_ms=ttft_ms, ttft_pct=ttft_pct, rows=rows,
+                     **fields)
+
+
+def _span(duration_ms: float, stages: Any) -> float:
+    return max([duration_ms, *(s.start_ms + s.duration_ms for s in stages)])
+
+
+def attributes(stage_type: str, decision: Any, facts: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The attributes a reader of this stage wants first (model, tokens, documents, decisions), then
+    whatever else the stage decided."""
+    out: dict[str, str] = {}
+    route = facts.get("route") or {}
+    retrieval = facts.get("retrieval") or {}
+    if stage_type == "retrieve" and retrieval:
+        out["index"] = f"{retrieval.get('index', '')} v{retrieval.get('version', '')}".strip()
+        out["documents"] = str(len(retrieval.get("ids") or ()))
+        scores = retrieval.get("scores") or ()
+        if scores:
+            out["top score"] = f"{max(scores):.3f}"
+    elif stage_type == "route" and route:
+        out["model"] = str(route.get("model", ""))
+        out["reason"] = str(route.get("reason", ""))
+    elif stage_type == "tokenize":
+        _put(out, "model", facts.get("model"))
+        _put(out, "prompt tokens", facts.get("prompt_tokens"))
+    elif stage_type == "generate":
+        _put(out, "model", facts.get("model"))
+        _put(out, "input tokens", facts.get("input_tokens"))
+        sampling = facts.get("sampling") or {}
+        for name in ("temperature", "max_tokens", "seed"):
+            _put(out, name, sampling.get(name))
+    elif stage_type == "stream":
+        _put(out, "output tokens", facts.get("output_tokens"))
+        _put(out, "finish reason", facts.get("finish_reason"))
+    elif stage_type == "cache":
+        cache = facts.get("cache") or (decision if isinstance(decision, dict) else {})
+        if cache:
+            out["cache"] = "hit" if cache.get("hit") else "miss"
+    if isinstance(decision, dict):
+        for name, value in decision.items():
+            out.setdefault(name.replace("_", " "), _compact(value))
+    elif decision is not None:
+        out.setdefault("decision", _compact(decision))
+    return tuple((k, v) for k, v in out.items() if v != "")
+
+
+def _put(out: dict[str, str], name: str, value: Any) -> None:
+    if value is not None and value != "":
+        out[name] = _compact(value)
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(", ", ": "), default=str)
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat(timespec="milliseconds")
