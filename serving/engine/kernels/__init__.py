@@ -56,8 +56,11 @@ def _load():
         name = f"inferline_kernels_{_build_key()}"
         build_dir = Path(os.environ.get("INFERLINE_KERNEL_CACHE", Path.home() / ".cache/inferline/kernels")) / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel runs on one thread. The
+        # libgomp.so.1 it needs is the one torch bundles and has already loaded (same soname).
         load(name, [str(s) for s in SOURCES], build_directory=str(build_dir), is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, loudly once
         _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("engine: the C++ CPU kernels are unavailable (%s); using the slower torch path",
@@ -71,6 +74,7 @@ def _build_key() -> str:
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
+    digest.update(b"-fopenmp")
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
