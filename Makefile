@@ -8,7 +8,7 @@ HANDBOOK_INDEX := indexes/handbook/CURRENT
 CHROMIUM := /usr/bin/chromium
 PIP    := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install run test test-fast bench bench-deps lint clean
+.PHONY: install run test test-fast bench bench-deps lint clean reliability
 
 KERNELS := $(VENV)/.kernels
 
@@ -60,6 +60,11 @@ bench: install
 	$(PY) bench/engine.py --quick
 	$(PY) bench/http.py --quick
 	$(PY) bench/audit.py --quick
+
+# The full reliability run (about 25 minutes): 128 streaming clients for 10 minutes, the fault tests with a
+# 30 s database outage, schemathesis and hypothesis at full size; rewrites docs/reliability.md.
+reliability: install
+	$(PY) bench/reliability.py
 
 # Optional: llama-cpp-python for `bench/engine_speed.py --llamacpp`. It compiles llama.cpp from source,
 # about 12 minutes on 2 cores; one build job (CMAKE_BUILD_PARALLEL_LEVEL=1) leaves the other core free.

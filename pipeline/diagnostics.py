@@ -51,7 +51,7 @@ def validation_issues(src: YamlSource, exc: ValidationError, model: type[BaseMod
         loc = _data_loc(data, error["loc"])
         kind = error["type"]
         if kind == "extra_forbidden":
-            names = _field_names(model, loc[:-1])
+            names = _field_names(model, loc[:-1], data)
             message = f"unknown key {loc[-1]!r}{suggest(str(loc[-1]), names)}"
             if names:
                 message += f" (allowed: {', '.join(names)})"
@@ -71,6 +71,9 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "literal_error":
         expected = error.get("ctx", {}).get("expected", "")
         return f"expected one of {expected}, got {_show(value)}"
+    if kind == "union_tag_invalid":  # a discriminated union (a list of typed checks, say)
+        ctx = error.get("ctx", {})
+        return f"unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return (f"{_show(value)} is not a valid name: use lowercase letters, digits, '-' and '_', "
                 f"starting with a letter")
@@ -93,6 +96,8 @@ def _data_loc(data: Any, loc: tuple[Any, ...]) -> tuple[str | int, ...]:
         if _has(current, step):
             current = current[step]
             out.append(step)
+        elif isinstance(current, dict) and current.get("type") == step:
+            continue  # a discriminated union's tag: not a step into the data
         elif isinstance(current, dict) and not isinstance(step, int):
             out.append(step)  # a missing or unknown key: the last real step
             break
@@ -105,17 +110,20 @@ def _has(container: Any, step: Any) -> bool:
     return isinstance(container, list) and isinstance(step, int) and 0 <= step < len(container)
 
 
-def _field_names(model: type[BaseModel], loc: Loc) -> list[str]:
-    target = _model_at(model, loc)
+def _field_names(model: type[BaseModel], loc: Loc, data: Any = None) -> list[str]:
+    target = _model_at(model, loc, data)
     if target is None:
         return []
     return [info.alias or name for name, info in target.model_fields.items()]
 
 
-def _model_at(model: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
+def _model_at(model: type[BaseModel], loc: Loc, data: Any = None) -> type[BaseModel] | None:
     tp: Any = model
+    steps = [data]
     for step in loc:
-        tp = _unwrap(tp)
+        steps.append(steps[-1][step] if _has(steps[-1], step) else None)
+    for step, here in zip(loc, steps, strict=False):
+        tp = _unwrap(tp, here)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             fields = {(info.alias or name): info for name, info in tp.model_fields.items()}
             if step not in fields:
@@ -125,15 +133,20 @@ def _model_at(model: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
             tp = get_args(tp)[-1]
         else:
             return None
-    tp = _unwrap(tp)
+    tp = _unwrap(tp, steps[-1])
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _unwrap(tp: Any) -> Any:
+def _unwrap(tp: Any, data: Any = None) -> Any:
     origin = get_origin(tp)
     if origin is Annotated:
-        return _unwrap(get_args(tp)[0])
+        return _unwrap(get_args(tp)[0], data)
     if origin in (Union, types.UnionType):
+        tag = data.get("type") if isinstance(data, dict) else None
+        for arg in get_args(tp):  # the member a discriminated union's tag picks
+            field = arg.model_fields.get("type") if isinstance(arg, type) and issubclass(arg, BaseModel) else None
+            if tag is not None and field is not None and tag in get_args(field.annotation):
+                return arg
         for arg in get_args(tp):
             inner = _unwrap(arg)
             if (isinstance(inner, type) and issubclass(inner, BaseModel)) or get_origin(inner) in (list, dict):

@@ -53,7 +53,7 @@ class LoadedPipeline:
 def load_server(path: str | Path) -> ServerSpec:
     """Load ``inferline.yaml``; raises :class:`SpecError` with every problem."""
     file = str(path)
-    src = _read(file, Path(path).read_text(encoding="utf-8"))
+    src = _read(file, read_text(path))
     data = {} if src.data is None else src.data
     if not isinstance(data, dict):
         raise SpecError([src.issue((), "expected a mapping of settings (models:, database:, ...)")])
@@ -74,7 +74,19 @@ def catalog_of(server: ServerSpec) -> Catalog:
 
 def load_pipeline(path: str | Path, registry: StageRegistry, catalog: Catalog | None = None) -> LoadedPipeline:
     """Load and validate one pipeline file."""
-    return load_pipeline_text(Path(path).read_text(encoding="utf-8"), str(path), registry, catalog)
+    return load_pipeline_text(read_text(path), str(path), registry, catalog)
+
+
+def read_text(path: str | Path) -> str:
+    """A YAML file's text; a file that is not UTF-8 is a SpecError at its first bad byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecError([SpecIssue(str(path), line, col, "", f"the file is not UTF-8 text ({exc.reason} at "
+                                                              f"byte {exc.start}); save it as UTF-8")]) from None
 
 
 def load_pipeline_text(text: str, file: str, registry: StageRegistry,

@@ -269,6 +269,24 @@ class CacheProvider(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """What a request to another pipeline returned (a judge's grade, say)."""
+
+    #: ok | denied | failed | cancelled
+    status: str
+    output_text: str
+    cost_usd: float
+    request_id: str
+    error: str = ""
+
+
+class PipelineCaller(Protocol):
+    """Runs one request through another served pipeline, in-process (the ``score`` stage's judges)."""
+
+    async def call(self, pipeline: str, input: str, tags: Mapping[str, str]) -> PipelineResult: ...
+
+
 @dataclass(slots=True)
 class Resources:
     """The live objects a pipeline's stages use, wired in by ``serving``."""
@@ -283,3 +301,5 @@ class Resources:
     caches: CacheProvider | None = None
     #: Models taken out of rotation after failing: name -> time.monotonic() until which they rest.
     cooldowns: dict[str, float] = field(default_factory=dict)
+    #: The other pipelines of this process, for judges; None: judge checks fail (and say so).
+    pipelines: PipelineCaller | None = None

@@ -8,13 +8,16 @@ not a silently ignored key). Loading with located errors lives in
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, model_validator
 
 from pipeline.cost import Price
 
 _NAME = r"^[a-z][a-z0-9_-]*$"
+#: Names of pipelines, stages and indexes (an index name is also a folder name: never a path).
+NAME_PATTERN = _NAME
+IndexName = Annotated[str, StringConstraints(pattern=_NAME)]
 
 
 class Strict(BaseModel):
@@ -242,7 +245,7 @@ class ServerSpec(Strict):
     """``inferline.yaml``: resources shared by every pipeline of one server."""
 
     models: dict[str, ModelSpec] = Field(default_factory=dict)
-    indexes: dict[str, IndexSpec] = Field(default_factory=dict)
+    indexes: dict[IndexName, IndexSpec] = Field(default_factory=dict)
     database: str = "sqlite:///inferline.db"
     pipelines: str = "pipelines/"
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
@@ -285,6 +288,29 @@ class AccessSpec(Strict):
     roles: list[str] = Field(default_factory=lambda: ["caller"])
 
 
+class SLOSpec(Strict):
+    """Service-level objectives of a pipeline (serving/slo.py judges each request against them).
+
+    A ``*_p95`` objective holds when 95% of requests are within it; ``max_cost_usd_per_request`` when
+    every request is. Absent objectives are not judged.
+    """
+
+    #: Time to the first text delta.
+    ttft_ms_p95: PositiveFloat | None = None
+    #: A request's inter-token latency: (last token - first token) / (output tokens - 1).
+    itl_ms_p95: PositiveFloat | None = None
+    #: The whole request, arrival to the final event.
+    e2e_ms_p95: PositiveFloat | None = None
+    max_cost_usd_per_request: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> SLOSpec:
+        if not self.model_fields_set:
+            raise ValueError("give at least one objective: ttft_ms_p95, itl_ms_p95, e2e_ms_p95 or "
+                             "max_cost_usd_per_request (or leave slo: out)")
+        return self
+
+
 class PipelineSpec(Strict):
     """One pipeline file: one endpoint."""
 
@@ -292,6 +318,8 @@ class PipelineSpec(Strict):
     description: str = ""
     version: str = "1"
     access: AccessSpec = Field(default_factory=AccessSpec)
+    #: Objectives that serving, ``inferline load`` and ``inferline plan`` measure attainment against.
+    slo: SLOSpec | None = None
     stages: list[StageSpec] = Field(min_length=1)
 
     def to_dict(self) -> dict[str, Any]:

@@ -54,11 +54,20 @@ class YamlSource:
         return ""
 
 
+#: Values an expanded document may hold: aliases of aliases ("billion laughs") stop here.
+MAX_EXPANDED_NODES = 100_000
+
+
 def parse(file: str, text: str) -> tuple[YamlSource | None, list[SpecIssue]]:
     """Parse *text*; on a syntax error return no source and the located issue."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:  # a control character: refused before any parsing
+        return None, [_reader_issue(file, text, exc)]
     try:
         root = loader.get_single_node()
+        if root is not None and (problem := _structure_issue(file, root)) is not None:
+            return None, [problem]
         issues = [] if root is None else _duplicate_keys(file, root)
         data = None if root is None else loader.construct_document(root)
     except yaml.MarkedYAMLError as exc:
@@ -67,16 +76,87 @@ def parse(file: str, text: str) -> tuple[YamlSource | None, list[SpecIssue]]:
         problem = exc.problem or exc.context or "invalid YAML"
         context = f" ({exc.context})" if exc.context and exc.problem else ""
         return None, [SpecIssue(file, line, col, "", f"YAML syntax error: {problem}{context}")]
+    except yaml.reader.ReaderError as exc:
+        return None, [_reader_issue(file, text, exc)]
+    except RecursionError:
+        mark = loader.get_mark()
+        return None, [SpecIssue(file, mark.line + 1, mark.column + 1, "",
+                                "YAML syntax error: the document nests too deeply")]
+    except (ValueError, TypeError, OverflowError) as exc:  # a scalar the constructors refuse: 2001-13-45
+        node = _unconstructible(loader, root)  # type: ignore[arg-type]
+        mark = node.start_mark if node is not None else loader.get_mark()
+        return None, [SpecIssue(file, mark.line + 1, mark.column + 1, "", f"YAML value cannot be read: {exc}")]
     finally:
         loader.dispose()
     return YamlSource(file, text, data, root), issues
+
+
+def _reader_issue(file: str, text: str, exc: yaml.reader.ReaderError) -> SpecIssue:
+    before = text[:exc.position]
+    line, col = before.count("\n") + 1, exc.position - (before.rfind("\n") + 1) + 1
+    return SpecIssue(file, line, col, "", f"YAML syntax error: unacceptable character #x{exc.character:04x} "
+                                          f"(control characters are not allowed; remove it)")
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _structure_issue(file: str, root: yaml.Node) -> SpecIssue | None:
+    """An alias that contains itself, or aliases that expand to more than MAX_EXPANDED_NODES values:
+    what the later steps, which walk the document as a tree, would never finish."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # post-order, without recursion: the depth is the document's
+        node, children_done = stack.pop()
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = min(MAX_EXPANDED_NODES + 1, 1 + sum(sizes[id(c)] for c in _children(node)))
+            if sizes[id(node)] > MAX_EXPANDED_NODES:
+                mark = node.start_mark
+                return SpecIssue(file, mark.line + 1, mark.column + 1, "", "YAML aliases expand to more than "
+                                 f"{MAX_EXPANDED_NODES:,} values; write the values out or use fewer aliases")
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in on_path:
+            mark = node.start_mark
+            return SpecIssue(file, mark.line + 1, mark.column + 1, "", "YAML alias refers to itself (a recursive "
+                             "anchor); a spec is a tree")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack += [(child, False) for child in _children(node) if id(child) not in sizes]
+    return None
+
+
+def _unconstructible(loader: yaml.SafeLoader, root: yaml.Node) -> yaml.Node | None:
+    """The first scalar the safe constructors refuse, to point at it."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.ScalarNode):
+            loader.constructed_objects, loader.recursive_objects = {}, {}  # left half-done by the failure
+            try:
+                loader.construct_object(node)
+            except (ValueError, TypeError, OverflowError, yaml.YAMLError):
+                return node
+        stack += reversed(_children(node))
+    return None
 
 
 def format_loc(loc: Loc) -> str:
     """``('stages', 2, 'with', 'top_k')`` -> ``stages[2].with.top_k``."""
     out = ""
     for step in loc:
-        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else str(step))
+        if isinstance(step, str) and not step.isprintable():  # a key with a line break in it: keep one line
+            out += f"[{step!r}]"
+        else:
+            out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else str(step))
     return out
 
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.api_docs import JsonOrEventStream, openai_errors
 from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
 from serving.execution import chain, prime
 from serving.problems import Problem, from_final
@@ -150,17 +151,20 @@ class CompletionRequest(_Common):
     prompt: str
 
 
-@post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200)
+@post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200,
+      operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
 async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response[Any]:
     return await _complete(request, data, _chat(data.messages), "chat.completion")
 
 
-@post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200)
+@post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200,
+      operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
 async def completions(data: JSONBody[CompletionRequest], request: Request) -> Response[Any]:
     return await _complete(request, data, [ChatMessage("user", data.prompt)], "text_completion")
 
 
-@get("/v1/models", summary="The pipelines, as OpenAI models", tags=["openai"])
+@get("/v1/models", summary="The pipelines, as OpenAI models", tags=["openai"],
+     responses=openai_errors(401, 403, 503))
 async def list_models(request: Request) -> dict[str, Any]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("caller", "auditor"), "list models")

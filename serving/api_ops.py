@@ -8,16 +8,18 @@ from litestar import Request, get
 from litestar.response import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from serving.api_docs import Public, problems
 from serving.problems import Problem
 from serving.state import AppState
 
 
-@get("/healthz", summary="Liveness: the process answers", tags=["operations"])
+@get("/healthz", summary="Liveness: the process answers", tags=["operations"], operation_class=Public)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", summary="Readiness: models loaded, ready for traffic", tags=["operations"])
+@get("/readyz", summary="Readiness: models loaded, ready for traffic", tags=["operations"],
+     responses=problems(503), operation_class=Public)
 async def readyz(request: Request) -> Response[dict[str, Any]]:
     state = AppState.of(request)
     body = {"status": "ready" if state.ready else "starting", "models": _models(state),
@@ -28,7 +30,7 @@ async def readyz(request: Request) -> Response[dict[str, Any]]:
 
 
 @get("/metrics", summary="Prometheus metrics (engine, pipelines, stages)", tags=["operations"],
-     media_type=CONTENT_TYPE_LATEST)
+     media_type=CONTENT_TYPE_LATEST, responses=problems(401, 403, 503))
 async def metrics(request: Request) -> Response[bytes]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("auditor",), "read metrics")

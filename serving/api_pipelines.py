@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline.context import ChatMessage, RequestContext, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
+from serving.api_docs import JsonOrEventStream, problems
 from serving.execution import chain, prime
 from serving.problems import Problem, from_final, limit_headers
 from serving.state import AppState
@@ -51,6 +52,13 @@ class GenerationParams(BaseModel):
 
 class PipelineRequest(GenerationParams):
     """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
+
+    # The document says what _one_input checks: exactly one of them, and messages with a user turn.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"input": {"type": "null"}, "messages": {
+            "type": "array", "contains": {"type": "object", "required": ["role"],
+                                          "properties": {"role": {"const": "user"}}}}}}]})
 
     input: str | None = Field(None, description="A single user message.")
     messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
@@ -103,7 +111,8 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
     return pipeline, ctx
 
 
-@post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200,
+@post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200, operation_class=JsonOrEventStream,
+      responses=problems(400, 401, 403, 404, 413, 422, 429, 503, 504),
       description="JSON answer, or Server-Sent Events with `\"stream\": true` or `Accept: text/event-stream`.")
 async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request) -> Response[Any]:
     state = AppState.of(request)
@@ -159,21 +168,23 @@ def _message(event: Event) -> ServerSentEventMessage:
     return ServerSentEventMessage(json.dumps(payload), event="error")
 
 
-@get("/pipelines", summary="List the served pipelines")
+@get("/pipelines", summary="List the served pipelines", responses=problems(401, 403, 503))
 async def list_pipelines(request: Request) -> dict[str, Any]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("caller", "auditor"), "list pipelines")
-    return {"pipelines": [describe(p) for p in state.executor.pipelines.values()]}
+    metrics = state.executor.metrics
+    return {"pipelines": [describe(p, metrics.slo_report(name)) for name, p in state.executor.pipelines.items()]}
 
 
-@get("/pipelines/{name:str}", summary="Describe one pipeline")
+@get("/pipelines/{name:str}", summary="Describe one pipeline", responses=problems(400, 401, 403, 404, 503))
 async def get_pipeline(name: FromPath[str], request: Request) -> dict[str, Any]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("caller", "auditor"), "describe pipelines")
-    return describe(state.executor.get(name))
+    return describe(state.executor.get(name), state.executor.metrics.slo_report(name))
 
 
-def describe(pipeline: Pipeline) -> dict[str, Any]:
+def describe(pipeline: Pipeline, slo: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline's spec as served; *slo*: its objectives with their attainment (serving/slo.py)."""
     spec = pipeline.spec
     return {
         "name": spec.name, "description": spec.description, "version": spec.version,
@@ -181,6 +192,7 @@ def describe(pipeline: Pipeline) -> dict[str, Any]:
         "stages": [{"id": s.id, "type": s.type, "with": s.with_, "when": s.when, "always": s.always,
                     "on_error": s.on_error, "timeout_s": s.timeout_s} for s in spec.stages],
         "endpoint": f"/pipelines/{spec.name}", "input_schema": PipelineRequest.model_json_schema(),
+        "slo": slo,
     }
 
 

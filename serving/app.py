@@ -31,11 +31,12 @@ from pipeline.protocols import EngineProvider, Resources
 from pipeline.runner import Pipeline, Runner
 from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
-from serving import api_audit, api_openai, api_ops, api_pipelines
+from serving import api_audit, api_docs, api_openai, api_ops, api_pipelines
 from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
 from serving.caches import StoreCaches
 from serving.console import ConsolePlugin
+from serving.evals.calls import LocalPipelines, check_calls
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
 from serving.indexes import IndexRegistry
@@ -55,6 +56,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     server = workspace.server
     check_bind(workspace)
     loaded = workspace.load_all()
+    check_calls(loaded)
     registry = CollectorRegistry()
     pool = ModelPool(server, workspace.root, registry)
     indexes = IndexRegistry(workspace)
@@ -62,7 +64,9 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
     pipelines = {item.spec.name: Pipeline(item, resources) for item in loaded}
     telemetry = server.telemetry
     tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
-    executor = Executor(pipelines, Runner(tracer_provider.get_tracer("inferline")), HttpMetrics(registry))
+    metrics = HttpMetrics(registry, {name: pipeline.spec.slo for name, pipeline in pipelines.items()})
+    executor = Executor(pipelines, Runner(tracer_provider.get_tracer("inferline")), metrics)
+    resources.pipelines = LocalPipelines(pipelines, executor.run)  # the score stages' judges
     state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), pool, registry)
 
     @asynccontextmanager
@@ -101,7 +105,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
             tracer_provider.shutdown()
             db.dispose()
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
                         *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics],
         lifespan=[lifespan],
@@ -110,8 +114,13 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         plugins=[ConsolePlugin(state)],  # the web console under /ui (serving/console/)
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
-                                     description="Every pipeline an endpoint; an OpenAI-compatible API."),
+                                     description="Every pipeline an endpoint; an OpenAI-compatible API.",
+                                     components=api_docs.components(),
+                                     security=api_docs.SECURITY if server.auth.enabled else None),
     )
+    api_docs.use_pydantic_schemas(app, api_pipelines.PipelineRequest, api_openai.ChatCompletionRequest,
+                                  api_openai.CompletionRequest)
+    return app
 
 
 async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisCounters:
@@ -165,6 +174,9 @@ def _problem(exc: Exception) -> Problem:
         return from_error(exc)
     if isinstance(exc, ValidationException):
         return _validation(exc)
+    if isinstance(exc, RecursionError) and "deserializ" in str(exc):
+        # msgspec refuses JSON nested past Python's recursion limit while decoding the body.
+        return Problem(400, "Bad request", "the body is not valid JSON: it is nested too deeply", "malformed_json")
     if isinstance(exc, HTTPException):
         status = exc.status_code
         return Problem(status, title_for(status), str(exc.detail), title_for(status).lower().replace(" ", "_"),

@@ -6,6 +6,10 @@
     inferline run PIPELINE --input TEXT         run one request in-process
     inferline keys create|list|revoke           manage API keys
     inferline audit query|show|summary|verify|export|prune|hold   read and keep the audit log
+    inferline eval PIPELINE --dataset FILE.jsonl [--baseline RUN]   evaluate quality, latency and cost
+    inferline load PIPELINE --rate R --duration D ...  drive a live server with Poisson arrivals
+    inferline profile MODEL                     measure the engine's prefill and decode step costs
+    inferline plan --workload FILE              replicas and cost needed to meet the pipeline's SLOs
     inferline --version
 """
 
@@ -22,12 +26,11 @@ from pipeline import __version__
 from pipeline.context import RequestContext
 from pipeline.errors import InferlineError, SpecError
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
-from pipeline.loader import LoadedPipeline, catalog_of
-from pipeline.protocols import Resources
-from pipeline.refs import find_refs
-from pipeline.runner import Pipeline, Runner
-from pipeline.tracing import make_tracer_provider
+from pipeline.loader import LoadedPipeline
 from serving.audit_cli import add_audit_parser
+from serving.capacity_cli import add_capacity_parsers
+from serving.evals.calls import check_calls
+from serving.evals.cli import add_eval_parser
 from serving.index_cli import add_index_parser
 from serving.keys_cli import add_keys_parser
 from serving.wiring import Workspace, open_workspace
@@ -101,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     add_keys_parser(sub)
     add_audit_parser(sub)
     add_index_parser(sub)
+    add_eval_parser(sub)
+    add_capacity_parsers(sub)
     return parser
 
 
@@ -179,10 +184,32 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
             print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
         else:
+            try:  # a score stage's judges: pipelines served beside it (the pipelines folder, or these files)
+                check_calls([loaded], _names([*files, *_expand([str(workspace.pipelines_dir)])]))
+            except SpecError as exc:
+                failed += 1
+                for issue in exc.issues:
+                    print(issue, file=sys.stderr)
+                continue
             print(f"ok {path} ({loaded.spec.name}, {len(loaded.plans)} stages)")
     if failed:
         print(f"{failed} of {len(files)} file(s) invalid", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _names(files: Sequence[Path]) -> set[str]:
+    """The pipeline names *files* declare (those that read as YAML mappings with a name)."""
+    import yaml
+
+    names = set()
+    for path in files:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("name"), str):
+            names.add(data["name"])
+    return names
 
 
 def _expand(paths: Sequence[str]) -> list[Path]:
@@ -203,32 +230,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
-    from serving.app import open_counters
-    from serving.audit_sink import StoreSink, open_store
-    from serving.caches import StoreCaches
-    from serving.indexes import IndexRegistry
-    from serving.model_pool import ModelPool  # imports torch: only for commands that run models
-    from store.db import create_schema, make_engine
+    from serving.evals.cli import score_judges
+    from serving.evals.runtime import open_runtime
 
-    telemetry = workspace.server.telemetry
-    provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
-    runner = Runner(provider.get_tracer("inferline"))
-    pool = ModelPool(workspace.server, workspace.root)
-    db = make_engine(workspace.database_url)
-    create_schema(db)
-    sink = StoreSink(open_store(workspace, db))
-    counters = await open_counters(workspace.server.limits, db)
-    indexes = IndexRegistry(workspace)
-    used = {name for plan in loaded.plans for _, kind, name in find_refs(plan.config) if kind == "index"}
-    if used:  # only the indexes this pipeline reads: loading the embedding model takes seconds
-        await asyncio.to_thread(indexes.refresh, used)
-    pipeline = Pipeline(loaded, Resources(catalog_of(workspace.server), engines=pool, audit=sink,
-                                          counters=counters, indexes=indexes, caches=StoreCaches()))
-    ctx = RequestContext.from_text(pipeline.name, text)
     streamed = False
     final: Done | Error | None = None
-    try:
-        async for event in runner.stream(pipeline, ctx):
+    async with open_runtime(workspace, [loaded, *score_judges(workspace, loaded)]) as runtime:
+        ctx = RequestContext.from_text(loaded.spec.name, text)
+        async for event in runtime.runner.stream(runtime.pipelines[loaded.spec.name], ctx):
             if isinstance(event, TextDelta):
                 streamed = True
                 sys.stdout.write(event.text)
@@ -237,12 +246,6 @@ async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, sho
                 final = event
             elif isinstance(event, StageFinished) and event.status in ("failed", "timeout"):
                 print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
-    finally:
-        await pool.close()
-        await pipeline.aclose()
-        await counters.close()
-        provider.shutdown()
-        db.dispose()
     if streamed:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -42,6 +42,7 @@ class Executor:
         finally:
             self._leave()
             self.metrics.observe_cache(pipeline.name, ctx.facts.get("cache"))
+            self.metrics.observe_online_eval(pipeline.name, ctx.facts.get("online_eval"))
             if final is not None:
                 self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
             else:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.spec import NAME_PATTERN
 from serving.wiring import Workspace, open_workspace
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ def add_index_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                description="Read Markdown and text files under DOCS, chunk them by tokens "
                                            "with overlap, embed them and write a new version of the index.")
     build.add_argument("docs", metavar="DOCS", type=Path, help="a folder (read recursively) or one file")
-    build.add_argument("--name", required=True, help="the index name pipelines use (indexes.NAME)")
+    build.add_argument("--name", required=True, type=index_name, help="the index name pipelines use (indexes.NAME)")
     build.add_argument("--chunk-tokens", type=int, metavar="N", help="tokens per chunk (default 200)")
     build.add_argument("--overlap", type=int, metavar="M", help="tokens shared by neighbouring chunks (default 40)")
     build.add_argument("--type", choices=("flat", "ivf", "hnsw"), help="index type (default: the config's, flat)")
@@ -50,20 +52,28 @@ def add_index_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              description="Embed only the files under DOCS that are new or whose content "
                                          "changed (by SHA-256); reuse every other chunk.")
     add.add_argument("docs", metavar="DOCS", type=Path)
-    add.add_argument("--name", required=True)
+    add.add_argument("--name", required=True, type=index_name)
     add.set_defaults(handler=_add)
 
     info = actions.add_parser("info", parents=[common], help="show an index's version, size and settings")
-    info.add_argument("name")
+    info.add_argument("name", type=index_name)
     info.set_defaults(handler=_info)
 
     search = actions.add_parser("search", parents=[common], help="query an index from the command line")
-    search.add_argument("name")
+    search.add_argument("name", type=index_name)
     search.add_argument("query")
     search.add_argument("--top-k", type=int, default=4, metavar="K")
     search.add_argument("--json", action="store_true", help="one JSON object per hit")
     search.set_defaults(handler=_search)
     return index
+
+
+def index_name(value: str) -> str:
+    """An index name as inferline.yaml allows it: it names a folder under indexes/, so never a path."""
+    if not re.fullmatch(NAME_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"invalid index name {value!r}: use lowercase letters, digits, '-' and "
+                                         f"'_', starting with a letter")
+    return value
 
 
 def _build(args: argparse.Namespace) -> int:

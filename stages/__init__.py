@@ -10,11 +10,12 @@ from stages.policy import PolicyStage
 from stages.prompt import PromptStage
 from stages.retrieve import RetrieveStage
 from stages.route import RouteStage
+from stages.score import ScoreStage
 from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
-                  StreamStage, AuditStage)
+                  StreamStage, ScoreStage, AuditStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

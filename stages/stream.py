@@ -133,13 +133,22 @@ def check_output(text: str, constraint: dict[str, Any]) -> str | None:
     (kind, value), = constraint.items()
     if kind == "choice":
         return None if text in value else f"not one of the {len(value)} choices"
+    # A constraint the local engine compiles can still fail here: its regexes are Rust's syntax, not
+    # Python's, and a backend that does not enforce constraints never compiled it. That is a finding
+    # about the answer, recorded as such, not a failure of the request.
     if kind == "regex":
-        return None if re.fullmatch(value, text, flags=re.DOTALL) else "does not match the regular expression"
+        try:
+            return None if re.fullmatch(value, text, flags=re.DOTALL) else "does not match the regular expression"
+        except (re.error, TypeError) as exc:
+            return f"the regular expression cannot be checked here: {exc}"
     try:
         document = json.loads(text)
     except ValueError as exc:
         return f"not JSON: {exc}"
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(value).iter_errors(document))
+    try:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(value).iter_errors(document))
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, RecursionError) as exc:
+        return f"the JSON Schema cannot be checked here: {str(exc).splitlines()[0]}"
     return None if error is None else f"schema: {error.message} at {'/'.join(map(str, error.absolute_path)) or '/'}"
 
 

@@ -10,6 +10,9 @@ Each record is hashed into a chain (store/audit_chain.py). Appends lock the
 one-row ``audit_chain_head`` table (``UPDATE ... RETURNING``: a row lock on
 PostgreSQL, the write lock on SQLite), so seq and prev_hash stay consistent
 across processes; a thread lock orders this process's writers before that.
+On PostgreSQL a write is one round trip instead (store/audit_append.py): the
+records are hashed onto the head this store last saw and ``audit_append()``
+takes them only if, under that row lock, the head is still that one.
 When the database is unreachable, records go to a local spool file
 (store/audit_spool.py) and are replayed, exactly once, when it is back.
 """
@@ -26,7 +29,8 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 
-from store.audit_chain import CHECKPOINT_ALGORITHM, json_line, normalize, record_hash, row_to_dict, sign_checkpoint
+from store.audit_append import OneTripAppender
+from store.audit_chain import checkpoint_row, json_line, normalize, record_hash, row_to_dict, sign_checkpoint
 from store.audit_models import HEAD_ID, AuditAccess, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
 from store.audit_prune import PruneReport, prune_in
 from store.audit_query import AuditFilters, Page, export_lines, query_page, stages_of, summarize
@@ -70,6 +74,9 @@ class AuditStore:
         self._checkpoint_key = checkpoint_key
         self._checkpoint_every = checkpoint_every
         self._lock = threading.Lock()
+        # PostgreSQL: one round trip per append (store/audit_append.py); SQLite: the locking append only.
+        self._one_trip = (OneTripAppender(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
+                          if engine.dialect.name == "postgresql" else None)
         self._db_retry_at = 0.0  # time.monotonic() before which the database counts as down
 
     # --- writing -------------------------------------------------------------------
@@ -90,7 +97,7 @@ class AuditStore:
             if time.monotonic() >= self._db_retry_at:
                 try:
                     if not self._spool.is_empty():
-                        self._replay_locked()  # spooled records first: they happened first
+                        self._replay_before_write()
                     self._append(items, skip_existing=False)
                     return ids
                 except sa.exc.IntegrityError:
@@ -126,6 +133,12 @@ class AuditStore:
         """Chain the spooled records, in order, skipping ids already in the log; how many were added."""
         with self._lock:
             return self._replay_locked()
+
+    def close(self) -> None:
+        """Give back the connection that PostgreSQL writes hold between writes (engine.dispose() does too)."""
+        with self._lock:
+            if self._one_trip is not None:
+                self._one_trip.close()
 
     def is_durable(self) -> bool:
         """Whether a write now would be kept: the database is up, or the spool can take it."""
@@ -178,8 +191,12 @@ class AuditStore:
 
     def _append(self, items: list[Item], *, skip_existing: bool, conn: sa.Connection | None = None) -> int:
         if conn is None:
+            if not skip_existing and self._one_trip is not None and self._one_trip.append(self.engine, items):
+                return len(items)
             with self.engine.begin() as own:
                 return self._append(items, skip_existing=skip_existing, conn=own)
+        if self._one_trip is not None:
+            self._one_trip.forget_head()  # this append moves the head past what it remembers
         if skip_existing:
             # Idempotent replay: a crash after the insert but before the spool was truncated.
             ids = [row["id"] for row, _ in items]
@@ -206,8 +223,7 @@ class AuditStore:
 
     def _insert_checkpoint(self, conn: sa.Connection, seq: int, head_hash: str) -> None:
         conn.execute(sa.insert(AuditCheckpoint).values(
-            seq=seq, head_hash=head_hash, algorithm=CHECKPOINT_ALGORITHM, created_at=utcnow(),
-            signature=sign_checkpoint(self._checkpoint_key or b"", seq, head_hash)))
+            checkpoint_row(self._checkpoint_key or b"", seq, head_hash, utcnow())))
 
     # --- checking and reading ---------------------------------------------------------
 

@@ -45,10 +45,10 @@ def parse_time(name: str, value: str | None) -> datetime | None:
         return None
     try:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
+        return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+    except (ValueError, OverflowError):  # OverflowError: no UTC equivalent (0001-01-01T00:00+01:00)
         raise Problem(400, "Bad request", f"{name}: {value!r} is not a date and time "
                                           "(use 2026-11-01T09:30, in UTC)", "invalid_query") from None
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
 def parse_filters(params: Mapping[str, str]) -> tuple[AuditFilters, dict[str, str]]:

@@ -156,6 +156,7 @@ class LLMEngine:
         seq = self.scheduler.abort(seq_id)
         if seq is not None:
             self._release(seq)
+            self._update_gauges()  # no step may follow: the gauges must not keep the aborted request
 
     @property
     def has_unfinished(self) -> bool:
@@ -170,6 +171,8 @@ class LLMEngine:
             self.metrics.add_preemptions(len(plan.preempted))
         ended = [self._ended(seq) for seq in plan.finished]
         if not plan.scheduled:
+            if ended:
+                self._update_gauges()
             return ended
         ordered = self.runner.order(plan.scheduled)
         logits = self.runner.run(ordered)

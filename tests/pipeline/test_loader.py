@@ -90,7 +90,7 @@ BAD = {
         stages: [{id: a, type: record}]
         """,
         "p.yaml:2:1: descripton: unknown key 'descripton'; did you mean 'description'? "
-        "(allowed: name, description, version, access, stages)"),
+        "(allowed: name, description, version, access, slo, stages)"),
     "missing stages": ("name: x\n", "p.yaml:1:1: stages: missing required key 'stages'"),
     "bad name pattern": (
         "name: My Pipeline\nstages: [{id: a, type: record}]\n",

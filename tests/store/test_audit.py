@@ -134,6 +134,19 @@ def test_ints_where_floats_belong_still_verify(audit):
     assert audit.verify().ok
 
 
+def test_awkward_values_come_back_as_hashed(audit):
+    # PostgreSQL gets a record as the JSON its hash covers (store/audit_append.py): each value
+    # must come back from the database exactly as it was hashed, or verify would call it modified.
+    text = "é\n\t\"\\ \u2028 \U0001f600 </script>"
+    params = {"big": 1e300, "tiny": 1.5e-07, "neg_zero": -0.0, "huge_int": 2**70, "text": text, "nested": [[{}], []]}
+    record_id = audit.write(make_record(1, params=params, duration_ms=1e-05, cost_usd=123456789.123456789,
+                                        input_content=text, stages=[{"stage_id": text, "decision": params}]))
+    found = audit.get(record_id)
+    assert found["params"] == params and found["stages"][0]["decision"] == params
+    assert (found["input_content"], found["stages"][0]["stage_id"]) == (text, text)
+    assert audit.verify().ok
+
+
 # --- tampering ----------------------------------------------------------------
 
 

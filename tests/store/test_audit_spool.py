@@ -142,3 +142,21 @@ def test_bad_options_are_refused(engine, tmp_path, mode):
         AuditStore(engine, spool_path=tmp_path / "s", mode=mode)
     with pytest.raises(ValueError):
         AuditStore(engine, spool_path=tmp_path / "s", checkpoint_every=0)
+
+
+def test_an_unreadable_spool_does_not_cost_the_record_in_hand(audit, dead_engine, monkeypatch, caplog):
+    monkeypatch.setattr(store.audit, "RETRY_AFTER_S", 0.0)
+    real = go_down(audit, dead_engine)
+    spooled = audit.write(make_record(1))
+    audit.engine = real
+
+    def unreadable():
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(audit._spool, "claimed", unreadable)
+    written = audit.write(make_record(2))
+    assert audit.get(written) is not None  # written, though the spool could not be replayed first
+    assert "could not be replayed" in caplog.text
+    monkeypatch.undo()
+    assert audit.replay_spool() == 1  # the spooled record is still there for later
+    assert audit.get(spooled) is not None and audit.verify().ok

@@ -10,14 +10,15 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 import store.audit_models
-import store.counters  # noqa: F401  (their tables, for the drift check)
+import store.counters
+import store.eval_runs  # noqa: F401  (their tables, for the drift check)
 from store.db import Base, create_schema, make_engine
 from store.keys import ApiKey, KeyStore
 from store.migrate import current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters"}
-HEAD = "0002"
+HEAD = "0004"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])

@@ -1,0 +1,263 @@
+"""``inferline profile MODEL``: what one engine step costs, measured on this machine.
+
+Three measurements, on the engine exactly as ``inferline serve`` configures it (dtype, threads,
+KV cache, speculative decoding), one step at a time:
+
+* **prefill**: one new prompt of n tokens (n up to the step's token budget), nothing else in the
+  batch: the step's time for each n (and a fit ``base_ms + per_token_ms * n``, for reading);
+* **decode**: b sequences all decoding (b = 1, 2, 4, ...): the median step time and the tokens each
+  sequence gains per step (more than one where speculative decoding's guesses are accepted);
+* **mixed**: 1 and 4 sequences decoding while a new prompt of 32 or 128 tokens is prefilled in the same
+  step: what a prompt chunk costs beside decodes, which is not simply its cost alone.
+
+The profile (JSON) is what ``inferline plan`` builds its step-time model from (:class:`StepModel`):
+a step that decodes b sequences and prefills n prompt tokens takes ``decode_ms(b) + mixed_extra_ms(n)``
+(``prefill_ms(n)`` with no decodes), each interpolated between the measured sizes.
+Prompts are chat requests of synthetic text (:func:`synthetic_prompt_maker`), as ``inferline load`` sends them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+PREFILL_SIZES = (16, 64, 128, 256, 512)
+#: Mixed steps: this many sequences decoding while a new prompt of each of MIXED_SIZES tokens is prefilled.
+MIXED_BATCHES = (1, 4)
+MIXED_SIZES = (32, 128)
+
+
+class SteppingEngine(Protocol):
+    """What the profile needs of an engine: serving.engine.engine.LLMEngine has it."""
+
+    config: Any
+    has_unfinished: bool
+
+    def add_request(self, prompt_ids: Sequence[int], sampling: Any, cache_salt: str = "") -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+
+def profile_engine(engine: SteppingEngine, make_prompt: Callable[[int, int], list[int]],
+                   sampling: Callable[..., Any], *, batch_sizes: Sequence[int] = BATCH_SIZES,
+                   prefill_sizes: Sequence[int] = PREFILL_SIZES, repeats: int = 3, context_tokens: int = 64,
+                   decode_steps: int = 24, passes: int = 2, mixed_batches: Sequence[int] = MIXED_BATCHES,
+                   mixed_sizes: Sequence[int] = MIXED_SIZES,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Measure *engine*; *make_prompt(n, seed)* gives n prompt token ids, *sampling(**kw)* sampling params.
+
+    Every size is measured in each of *passes* sweeps and the samples of all sweeps pooled (median), so
+    that a burst of other work on a shared machine lands on a part of each size's samples, not on all
+    of one size's; step times are then made non-decreasing in the batch size (more work is never
+    faster: a dip is noise).
+    """
+    budget = engine.config.max_num_batched_tokens
+    salt = iter(range(1 << 30))
+    sizes = [n for n in prefill_sizes if n <= budget]
+    batches = [b for b in batch_sizes if b <= min(engine.config.max_num_seqs, budget)]
+    prefill_ms: dict[int, list[float]] = {n: [] for n in sizes}
+    decode_ms: dict[int, list[float]] = {b: [] for b in batches}
+    decode_tokens: dict[int, list[float]] = {b: [] for b in batches}
+    mixed_ms: dict[tuple[int, int], list[float]] = {(b, n): [] for b in mixed_batches for n in mixed_sizes
+                                                    if b <= min(engine.config.max_num_seqs - 1, budget - n)}
+    for sweep in range(passes):
+        for n in sizes:
+            for r in range(repeats + (sweep == 0)):  # the very first run of a size warms it up: not kept
+                engine.add_request(make_prompt(n, 1000 * n + 100 * sweep + r), sampling(max_tokens=1, temperature=0.0),
+                                   cache_salt=f"profile-{next(salt)}")
+                started = clock()
+                while engine.has_unfinished:
+                    engine.step()
+                if sweep or r:
+                    prefill_ms[n].append((clock() - started) * 1e3)
+        for b in batches:
+            times, tokens = _decode(engine, b, make_prompt, sampling, context_tokens, decode_steps, salt, clock,
+                                    seed=7919 * b + 104729 * sweep)
+            decode_ms[b] += times
+            decode_tokens[b] += tokens
+        for b, n in mixed_ms:
+            mixed_ms[b, n] += _mixed(engine, b, n, make_prompt, sampling, context_tokens, repeats, salt, clock,
+                                     seed=15485863 * (sweep + 1) + 31 * b + n)
+    prefill = [[n, round(statistics.median(prefill_ms[n]), 3)] for n in sizes]
+    base_ms, per_token_ms = _fit([p[0] for p in prefill], [p[1] for p in prefill])
+    steps = _non_decreasing([statistics.median(decode_ms[b]) for b in batches])
+    decode = [{"batch": b, "step_ms": round(ms, 3), "tokens_per_step": round(statistics.fmean(decode_tokens[b]), 3)}
+              for b, ms in zip(batches, steps, strict=True)]
+    return {"prefill": {"points": prefill, "base_ms": round(base_ms, 4), "per_token_ms": round(per_token_ms, 5)},
+            "decode": decode,
+            "mixed": [{"batch": b, "prefill_tokens": n, "step_ms": round(statistics.median(times), 3)}
+                      for (b, n), times in mixed_ms.items() if times],
+            "context_tokens": context_tokens, "passes": passes,
+            "measured_at": datetime.now(UTC).isoformat()}
+
+
+def _decode(engine: SteppingEngine, batch: int, make_prompt: Callable[[int, int], list[int]],
+            sampling: Callable[..., Any], context_tokens: int, steps: int, salt: Any,
+            clock: Callable[[], float], seed: int) -> tuple[list[float], list[float]]:
+    """Step times (ms) and tokens per sequence of *steps* steps in which *batch* sequences all decode."""
+    params = sampling(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(make_prompt(context_tokens, seed + i), params, cache_salt=f"profile-{next(salt)}")
+            for i in range(batch)]
+    while any(s.num_output_tokens == 0 for s in seqs):  # every prompt prefilled: from here on, decodes only
+        engine.step()
+    times, tokens = [], []
+    while engine.has_unfinished and len(times) < steps and not any(s.is_finished for s in seqs):
+        started = clock()
+        produced = len(engine.step())
+        times.append((clock() - started) * 1e3)
+        tokens.append(produced / batch)
+    while engine.has_unfinished:
+        engine.step()
+    return times, tokens
+
+
+def _mixed(engine: SteppingEngine, batch: int, prefill: int, make_prompt: Callable[[int, int], list[int]],
+           sampling: Callable[..., Any], context_tokens: int, repeats: int, salt: Any, clock: Callable[[], float],
+           seed: int) -> list[float]:
+    """Times (ms) of steps in which *batch* sequences decode while a new prompt of *prefill* tokens is prefilled."""
+    params = sampling(max_tokens=4 * (repeats + 2), temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(make_prompt(context_tokens, seed + i), params, cache_salt=f"profile-{next(salt)}")
+            for i in range(batch)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    times = []
+    for r in range(repeats):
+        engine.add_request(make_prompt(prefill, seed + 1000 + r), sampling(max_tokens=1, temperature=0.0),
+                           cache_salt=f"profile-{next(salt)}")
+        started = clock()
+        engine.step()  # the running decodes first, then the new prompt in what is left of the budget
+        times.append((clock() - started) * 1e3)
+        engine.step()  # a plain decode step between two mixed ones
+    while engine.has_unfinished:
+        engine.step()
+    return times
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` with a, b >= 0 (a step cannot take negative time; a noisy machine can
+    make an unconstrained fit say so): through the origin when the free intercept comes out negative."""
+    if len(xs) < 2:
+        return (ys[0] if ys else 0.0), 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    if my - slope * mx < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if slope < 0:
+        return my, 0.0
+    return my - slope * mx, slope
+
+
+class StepModel:
+    """Step times from a profile: ``step_ms(prefill_tokens, num_decodes)``, and decode tokens per step.
+
+    A prefill of n tokens alone takes ``prefill_ms(n)``: piecewise linear through the measured points
+    (attention makes long prompts dearer per token than short ones), or ``base_ms + per_token_ms * n``
+    when the profile has no points. Beside decodes, a prefill of n tokens adds ``mixed_extra_ms(n)``:
+    what the profile's mixed steps measured beyond a plain decode step of the same batch (averaged over
+    the batches measured, linear in n through those sizes); without mixed measurements, its time less a
+    step's fixed cost ``base_ms``, which the decodes' step already pays.
+    """
+
+    def __init__(self, profile: dict[str, Any]):
+        prefill, decode = profile["prefill"], sorted(profile["decode"], key=lambda d: d["batch"])
+        if not decode:
+            raise ValueError("the profile has no decode measurements")
+        self.per_token_ms = float(prefill["per_token_ms"])
+        points = sorted((int(n), float(ms)) for n, ms in prefill.get("points") or ())
+        self._prefill_n = [n for n, _ in points]
+        self._prefill_ms = [ms for _, ms in points]
+        if len(points) >= 2:  # the first segment's line at n = 0
+            (n0, t0), (n1, t1) = points[0], points[1]
+            self.base_ms = max(0.0, t0 - (t1 - t0) / (n1 - n0) * n0)
+        else:
+            self.base_ms = float(prefill["base_ms"])
+        self._batches = [int(d["batch"]) for d in decode]
+        self._step_ms = [float(d["step_ms"]) for d in decode]
+        self._tokens = [float(d["tokens_per_step"]) for d in decode]
+        extra: dict[int, list[float]] = {}
+        for m in profile.get("mixed") or ():
+            extra.setdefault(int(m["prefill_tokens"]), []).append(float(m["step_ms"]) - self.decode_ms(int(m["batch"])))
+        self._mixed_n = sorted(extra)
+        self._mixed_ms = [max(0.0, statistics.fmean(extra[n])) for n in self._mixed_n]
+
+    def mixed_extra_ms(self, tokens: int) -> float:
+        """What prefilling *tokens* adds to a step that also decodes."""
+        if len(self._mixed_n) >= 2:
+            return max(0.0, _interpolate(self._mixed_n, self._mixed_ms, tokens))
+        if len(self._mixed_n) == 1:
+            return self._mixed_ms[0] * tokens / self._mixed_n[0]
+        return max(0.0, self.prefill_ms(tokens) - self.base_ms)
+
+    def prefill_ms(self, tokens: int) -> float:
+        if len(self._prefill_n) < 2:
+            return self.base_ms + self.per_token_ms * tokens
+        return max(self.base_ms, _interpolate(self._prefill_n, self._prefill_ms, tokens))
+
+    def decode_ms(self, batch: int) -> float:
+        return _interpolate(self._batches, self._step_ms, batch)
+
+    def tokens_per_step(self, batch: int) -> float:
+        """Tokens one decoding sequence gains per step at this batch size (>= 1)."""
+        return max(1.0, _interpolate(self._batches, self._tokens, batch, extrapolate=False))
+
+    def step_ms(self, prefill_tokens: int, num_decodes: int) -> float:
+        if num_decodes == 0:
+            return self.prefill_ms(prefill_tokens) if prefill_tokens else 0.0
+        return self.decode_ms(num_decodes) + (self.mixed_extra_ms(prefill_tokens) if prefill_tokens else 0.0)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float, *, extrapolate: bool = True) -> float:
+    """Piecewise linear through the points; beyond them the end segment's line (or the end value)."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if extrapolate and x > xs[0] else 1.0)
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    if i == 0 or i == len(xs):
+        if not extrapolate:
+            return ys[0] if i == 0 else ys[-1]
+        i = 1 if i == 0 else len(xs) - 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def synthetic_prompt_maker(tokenizer: Any, vocab_size: int,
+                           system: str = "You are a helpful AI assistant.") -> Callable[[int, int], list[int]]:
+    """*n* token ids of a chat request as ``inferline load`` sends one: synthetic user text (random common
+    words) in the model's chat template after a short system prompt, seeded. The template matters for
+    decode steps: what the model answers to it decides how often speculative decoding's guesses hold."""
+    from serving.load import synthetic_text
+
+    def chat(text: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    overhead = len(chat(""))
+
+    def make(n: int, seed: int) -> list[int]:
+        text = synthetic_text(tokenizer, max(1, n - overhead), random.Random(seed))
+        ids = chat(text)
+        if len(ids) > n:  # a prompt shorter than the template: the plain text, cut to n
+            ids = tokenizer.encode(synthetic_text(tokenizer, n, random.Random(seed)), add_special_tokens=False)
+        return [i % vocab_size for i in ids[:n]]
+
+    return make

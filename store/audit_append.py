@@ -1,0 +1,149 @@
+"""Chaining records on PostgreSQL in one round trip, through ``audit_append()`` (revision 0004).
+
+    appender = OneTripAppender(checkpoint_key=key, checkpoint_every=1000)
+    if not appender.append(engine, items):   # False: nothing written; use the locking append
+        ...
+    appender.close()                         # or engine.dispose()
+
+The locking append (store/audit.py) takes the chain head's row lock, reads the
+head, hashes the records onto it and inserts them: six round trips and a
+commit per request. Here the writer remembers the head it last saw, hashes onto
+that, and sends the records (as the canonical JSON their hashes cover), their
+stages and any checkpoints in one autocommit call. The function advances the
+head only if it is still the remembered one (a compare-and-set under the
+head's row lock), so writers in several processes still form one chain. When
+another writer has moved the head, nothing is written and the call returns
+the head as it is: the records are hashed onto that and sent once more, and a
+second miss hands them back to the locking append, which cannot miss.
+
+The writer keeps one connection of the engine's pool checked out: the store's
+lock serializes writes anyway, and it saves the pool's pre-ping round trip per
+write. A connection that turns out dead is replaced and the call sent again,
+once; that is safe because a call whose commit did happen but whose answer
+was lost misses the compare-and-set, and its records then collide with
+themselves on their ids. The connection is closed by :meth:`close` or when
+the engine is disposed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import sqlalchemy as sa
+
+from store.audit_chain import checkpoint_row, hashed_canonical, utc_text
+from store.audit_models import HEAD_ID
+from store.db import utcnow
+
+#: (row values, stage rows) of one normalized record (store/audit_chain.normalize).
+Item = tuple[dict[str, Any], list[dict[str, Any]]]
+_CALL = ("SELECT appended, head_seq, head_hash FROM audit_append(%(seq)s, %(hash)s, %(new_seq)s, %(new_hash)s, "
+         "CAST(%(records)s AS json), CAST(%(stages)s AS json), CAST(%(checkpoints)s AS json))")
+_READ = ("SELECT h.seq, h.hash, to_regprocedure('audit_append(bigint, text, bigint, text, json, json, json)') "
+         f"IS NOT NULL FROM audit_chain_head AS h WHERE h.id = {HEAD_ID}")
+# Stage rows hold typed values already (normalize): any compact encoding will do.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_CALLS_PER_APPEND = 2
+
+
+class OneTripAppender:
+    """Appends to the chain with one ``audit_append()`` call. Not thread-safe: the store's lock orders callers."""
+
+    def __init__(self, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+        self._checkpoint_key = checkpoint_key
+        self._checkpoint_every = checkpoint_every
+        self._conn: sa.Connection | None = None
+        self._head: tuple[int, str] | None = None  # (seq, hash) as last seen: only ever a guess
+        self._available: bool | None = None  # whether the database has audit_append()
+
+    def forget_head(self) -> None:
+        """The head moved by another path (the locking append): read it again next time."""
+        self._head = None
+
+    def append(self, engine: sa.Engine, items: list[Item]) -> bool:
+        """Chain *items* (at least one) in one transaction; False, having written nothing, when it could not.
+
+        Database errors propagate as they would from the locking append: an
+        IntegrityError for an id already in the log, OperationalError while
+        the database is away.
+        """
+        if self._available is False:
+            return False
+        held = self._conn is not None and self._conn.engine is engine
+        try:
+            appended = self._append(self._connection(engine), items)
+            if self._available is False:
+                self.close()  # a database without revision 0004: the locking append it is, from now on
+            return appended
+        except sa.exc.DBAPIError as exc:
+            if not (held and exc.connection_invalidated):
+                raise
+            self.close()  # it went stale (server restart, idle timeout): once more on a fresh one
+        except BaseException:
+            self.close()  # interrupted mid-call: what the connection holds is unknown
+            raise
+        return self._append(self._connection(engine), items)
+
+    def close(self) -> None:
+        """Give the writer's connection back (closed: it may outlive the pool it came from)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.invalidate()
+            conn.close()
+
+    def _connection(self, engine: sa.Engine) -> sa.Connection:
+        if self._conn is not None and self._conn.engine is not engine:
+            self.close()
+        if self._conn is None:
+            conn = engine.connect()
+            # Autocommit: the call is its own transaction, so BEGIN and COMMIT cost no round trips.
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            if not sa.event.contains(engine, "engine_disposed", self._on_dispose):
+                sa.event.listen(engine, "engine_disposed", self._on_dispose)
+            self._conn = conn
+        return self._conn
+
+    def _on_dispose(self, engine: sa.Engine) -> None:
+        if self._conn is not None and self._conn.engine is engine:
+            self.close()
+
+    def _append(self, conn: sa.Connection, items: list[Item]) -> bool:
+        try:
+            if self._head is None and not self._read_head(conn):
+                return False
+            for _ in range(_CALLS_PER_APPEND):
+                seq, prev_hash = self._head  # type: ignore[misc]
+                appended, head_seq, head_hash = conn.exec_driver_sql(_CALL, self._params(items, seq, prev_hash)).one()
+                self._head = (head_seq, head_hash)
+                if appended:
+                    return True
+            return False
+        except BaseException:
+            self._head = None  # the call may have committed before its answer was lost
+            raise
+
+    def _read_head(self, conn: sa.Connection) -> bool:
+        seq, head_hash, self._available = conn.exec_driver_sql(_READ).one()
+        self._head = (seq, head_hash) if self._available else None
+        return bool(self._available)
+
+    def _params(self, items: list[Item], head_seq: int, head_hash: str) -> dict[str, Any]:
+        """audit_append()'s arguments: records (their canonical JSON plus ``hash``), stages, checkpoints."""
+        records, stage_rows, checkpoints = [], [], []
+        seq, prev_hash = head_seq, head_hash
+        for row, stages in items:
+            seq += 1
+            prev_hash, text = hashed_canonical(prev_hash, {**row, "seq": seq, "prev_hash": prev_hash}, stages)
+            records.append(f'{{"hash":"{prev_hash}",{text[1:]}')  # the canonical object, with its hash added
+            stage_rows += [{**stage, "record_id": row["id"], "position": n} for n, stage in enumerate(stages)]
+            if self._checkpoint_key is not None and seq % self._checkpoint_every == 0:
+                checkpoints.append(_json_checkpoint(checkpoint_row(self._checkpoint_key, seq, prev_hash, utcnow())))
+        return {"seq": head_seq, "hash": head_hash, "new_seq": seq, "new_hash": prev_hash,
+                "records": "[" + ",".join(records) + "]",
+                "stages": _ENCODER.encode(stage_rows) if stage_rows else None,
+                "checkpoints": "[" + ",".join(checkpoints) + "]" if checkpoints else None}
+
+
+def _json_checkpoint(row: dict[str, Any]) -> str:
+    return json.dumps({**row, "created_at": utc_text(row["created_at"])})
