@@ -1,20 +1,35 @@
 """The Ray Serve path against the single-process server's engine, and 2 engine replicas against 1.
 
-    .venv/bin/python bench/ray.py [--quick] [--seed N]
+    .venv/bin/python bench/ray.py [--quick] [--seed N] [--repeat N]
 
 Workload: bench/engine.py's mixed workload (64 requests, 16 with --quick; prompts 64-512 tokens,
 max_tokens 16-256, 16-64 with --quick; greedy, EOS ignored), all submitted at once through the
 pipelines' Engine protocol and streamed to the end, token by token: the way the generate and stream
-stages use an engine. Three runs, one after the other, each warmed up first:
+stages use an engine. Each engine is warmed up first. Runs:
 
-  single   the single-process server's engine (ModelPool, backend: local: our engine in a thread)
-  ray1     backend: ray with 1 replica (a Ray Serve deployment on a local Ray, reached by handle), asking
-           for both CPUs: Ray gives a replica's torch as many threads as its CPUs
-  ray2     backend: ray with 2 replicas (1 CPU each of the 2; expect little gain on 2 cores)
+  single_before_ray  the single-process server's engine (ModelPool, backend: local: our engine in a thread in
+                     this process), once, before Ray starts
+  then --repeat rounds (default 2) of one burst each, in this order, while Ray is up (its processes idle
+  during single); each figure is the median of its rounds (a round disturbed by another job on the machine
+  moves a mean, not the median):
+  single          the same single-process engine again
+  ray1            backend: ray with 1 replica (a Ray Serve deployment on a local Ray, reached by handle), asking
+                  for both CPUs (Ray gives a replica's torch as many threads as its CPUs). The replica streams
+                  its events in lists, each holding every event ready when the previous list was sent
+  ray1_per_token  the same replica streaming one event per item (as before the lists: every token crosses the
+                  process boundary as its own Ray object)
+  ray1_chunk4     the same replica holding events back until 4 are ready (the first and the last go at once):
+                  a quarter of the items, tokens reaching the caller 4 at a time. Not what ships: it measures
+                  what the per-item cost is
+  (the three ray1 variants are separate applications side by side; only the one measured has work)
+  ray2            backend: ray with 2 replicas (1 CPU each of the 2; expect little gain on 2 cores), after
 
-``*_tok_s`` = output tokens / wall seconds. ``ray_vs_single_process`` = ray1 / single (target >= 0.85);
-``two_vs_one_replica`` = ray2 / ray1. The last line is one JSON object. The machine is shared: read
-the ratios, and compare across runs with care.
+``*_tok_s`` = output tokens / wall seconds. ``ray_vs_single_process`` = ray1 / single (target >= 0.85),
+``ray_vs_single_before_ray`` = ray1 / single_before_ray; ``per_token_vs_single_process``,
+``chunk4_vs_single_process`` likewise; ``batched_vs_per_token`` = ray1 / ray1_per_token;
+``two_vs_one_replica`` = ray2 / ray1. ``*_events_per_item`` = token events per streamed item in that variant's
+runs (1.0: nothing to batch). The last line is one JSON object. The machine is shared: read the ratios, and
+compare across runs with care.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ import logging
 import os
 import random
 import socket
+import statistics
 import time
 import warnings
 from typing import Any
@@ -43,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "models/smollm2-135m-instruct"
 MODEL = {"source": SOURCE, "device": "cpu", "dtype": "float32", "kv_cache": {"memory_gb": 0.5},
          "batching": {"max_num_seqs": 64, "max_num_batched_tokens": 512}}
-#: The local Ray's CPUs, shared by the replicas: Ray gives a replica's torch as many threads as its CPUs.
+#: The machine's CPUs, shared by the replicas: Ray gives a replica's torch as many threads as its CPUs.
 NUM_CPUS = 2
 log = logging.getLogger("bench.ray")
 
@@ -95,6 +111,123 @@ async def run_pool(server: Any, requests: list[tuple[list[int], int]]) -> float:
         await pool.close()
 
 
+class ItemCount:
+    """Counts the items RayEngine reads and the events they hold (by wrapping serving.ray_backend._as_list)."""
+
+    def __init__(self) -> None:
+        import serving.ray_backend as backend
+
+        self.items = self.events = 0
+        unwrap = backend._as_list
+
+        def counted(item: Any) -> list[dict[str, Any]]:
+            events = unwrap(item)
+            self.items += 1
+            self.events += len(events)
+            return events
+
+        backend._as_list = counted
+
+    def reset(self) -> None:
+        self.items = self.events = 0
+
+
+def per_token_deployment() -> Any:
+    """EngineDeployment streaming one event per item: the replica before the batching."""
+    from serving.ray_backend import EngineDeployment, serve
+
+    base = EngineDeployment.func_or_class
+
+    class PerTokenEngine(base):
+        async def generate(self, *args: Any, **kwargs: Any):
+            async for events in base.generate(self, *args, **kwargs):
+                for event in events:
+                    yield event
+
+    return serve.deployment(name="engine")(PerTokenEngine)
+
+
+def chunked_deployment(size: int) -> Any:
+    """EngineDeployment holding events back until *size* are ready (the first, and the last, go at once):
+    fewer items, at the price of tokens reaching the caller in bursts of *size*."""
+    from serving.ray_backend import EngineDeployment, serve
+
+    base = EngineDeployment.func_or_class
+
+    class ChunkedEngine(base):
+        async def generate(self, *args: Any, **kwargs: Any):
+            held: list[dict[str, Any]] = []
+            sent_first = False
+            async for events in base.generate(self, *args, **kwargs):
+                held += events
+                if not sent_first or len(held) >= size or held[-1].get("finish_reason") or "error" in held[-1]:
+                    sent_first = True
+                    yield held
+                    held = []
+            if held:
+                yield held
+
+    return serve.deployment(name="engine")(ChunkedEngine)
+
+
+#: The 1-replica variants of the ray1 phase: result name -> (Ray Serve application, deployment class or None
+#: for ours as it ships).
+VARIANTS = {"ray1": ("inferline", None), "ray1_per_token": ("bench-per-token", per_token_deployment),
+            "ray1_chunk4": ("bench-chunk4", lambda: chunked_deployment(4))}
+
+
+def deploy_variants(server: Any) -> None:
+    """Each variant's application, side by side (each replica asks for all the CPUs; one runs at a time)."""
+    import serving.ray_backend as backend
+
+    backend.run_engines(server, ROOT)
+    shipped = backend.EngineDeployment
+    for app, make in VARIANTS.values():
+        if make is None:
+            continue
+        backend.EngineDeployment = make()
+        try:
+            backend.serve.run(backend.EngineSet.bind(**backend.bind_engines(server, ROOT)), name=app,
+                              route_prefix=None)
+        finally:
+            backend.EngineDeployment = shipped
+
+
+async def rounds(local: Any, ray: Any, requests: list[tuple[list[int], int]], repeat: int,
+                 counter: ItemCount) -> dict[str, float]:
+    """*repeat* rounds of single, then each ray1 variant, one burst each: medians, and events per item."""
+    from serving.model_pool import ModelPool
+    from serving.ray_backend import RayEngine, serve
+    from serving.ray_deploy import deployment_name
+
+    local_pool, ray_pool = ModelPool(local, ROOT), ModelPool(ray, ROOT)
+    try:
+        shipped = await ray_pool.get("smol")
+        engines = {"single": await local_pool.get("smol")}
+        for name, (app, _) in VARIANTS.items():
+            engines[name] = shipped if app == "inferline" else RayEngine(
+                "smol", serve.get_deployment_handle(deployment_name("smol"), app_name=app), shipped.tokenizer,
+                shipped.weights_hash)
+        for engine in engines.values():
+            await burst(engine, requests[:2])  # warm-up
+        runs: dict[str, list[float]] = {name: [] for name in engines}
+        counts = {name: [0, 0] for name in VARIANTS}
+        for _ in range(repeat):
+            for name, engine in engines.items():
+                counter.reset()
+                runs[name].append(await burst(engine, requests))
+                if name in counts:
+                    counts[name][0] += counter.items
+                    counts[name][1] += counter.events
+        log.info("runs (tok/s): %s", {name: [round(v, 1) for v in values] for name, values in runs.items()})
+        figures = {f"{name}_tok_s": statistics.median(values) for name, values in runs.items()}
+        figures |= {f"{name}_events_per_item": events / items for name, (items, events) in counts.items()}
+        return figures
+    finally:
+        await local_pool.close()
+        await ray_pool.close()
+
+
 def ray_server(num_replicas: int) -> Any:
     from pipeline.spec import ModelSpec, ServerSpec
 
@@ -114,38 +247,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 requests with short outputs instead of 64")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds of single and the ray1 variants (default 2)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     os.chdir(ROOT)
     from pipeline.spec import ModelSpec, ServerSpec
 
     requests = mixed_requests(args.quick, args.seed)
-    figures: dict[str, Any] = {"num_requests": len(requests), "quick": args.quick}
-    log.info("single process ...")
-    figures["single_tok_s"] = asyncio.run(run_pool(ServerSpec(models={"smol": ModelSpec.model_validate(MODEL)}),
-                                                   requests))
+    local = ServerSpec(models={"smol": ModelSpec.model_validate(MODEL)})
+    figures: dict[str, Any] = {"num_requests": len(requests), "quick": args.quick, "repeat": args.repeat}
+    log.info("single process, before Ray starts ...")
+    figures["single_before_ray_tok_s"] = asyncio.run(run_pool(local, requests))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import ray
 
         from serving.ray_backend import run_engines, serve
-    ray.init(num_cpus=NUM_CPUS, include_dashboard=False, object_store_memory=200 << 20, logging_level=logging.WARNING,
+    counter = ItemCount()
+    # Logical CPUs: the 1-replica variants wait side by side, each asking for all of the machine's.
+    ray.init(num_cpus=len(VARIANTS) * NUM_CPUS, include_dashboard=False, object_store_memory=200 << 20,
+             logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-        for replicas in (1, 2):
-            log.info("ray, %d replica(s) ...", replicas)
-            server = ray_server(replicas)
-            run_engines(server, ROOT)
-            figures[f"ray{replicas}_tok_s"] = asyncio.run(run_pool(server, requests))
-            serve.delete("inferline")
+        log.info("rounds: single process, then ray, 1 replica: %s ...", ", ".join(VARIANTS))
+        deploy_variants(ray_server(1))
+        figures.update(asyncio.run(rounds(local, ray_server(1), requests, args.repeat, counter)))
+        for app, _ in VARIANTS.values():
+            serve.delete(app)
+        log.info("ray, 2 replicas ...")
+        server = ray_server(2)
+        run_engines(server, ROOT)
+        figures["ray2_tok_s"] = asyncio.run(run_pool(server, requests))
+        serve.delete("inferline")
     finally:
         serve.shutdown()
         ray.shutdown()
-    figures["ray_vs_single_process"] = figures["ray1_tok_s"] / figures["single_tok_s"]
+    single = figures["single_tok_s"]
+    figures["ray_vs_single_process"] = figures["ray1_tok_s"] / single
+    figures["ray_vs_single_before_ray"] = figures["ray1_tok_s"] / figures["single_before_ray_tok_s"]
+    figures["per_token_vs_single_process"] = figures["ray1_per_token_tok_s"] / single
+    figures["chunk4_vs_single_process"] = figures["ray1_chunk4_tok_s"] / single
+    figures["batched_vs_per_token"] = figures["ray1_tok_s"] / figures["ray1_per_token_tok_s"]
     figures["two_vs_one_replica"] = figures["ray2_tok_s"] / figures["ray1_tok_s"]
     for key, value in figures.items():
-        print(f"  {key:28} {value:.4g}" if isinstance(value, float) else f"  {key:28} {value}")
+        print(f"  {key:32} {value:.4g}" if isinstance(value, float) else f"  {key:32} {value}")
     return figures
 
 

@@ -93,11 +93,21 @@ class AutoscalingSpec(Strict):
     target_ongoing_requests: PositiveFloat = 2.0
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
+    #: The window Ray Serve averages the requests in flight over before it decides.
+    look_back_period_s: PositiveFloat = 30.0
+    #: How often each handle reports its requests in flight (Ray's default 10 s when absent; Ray marks
+    #: this option deprecated, to be replaced by environment variables).
+    metrics_interval_s: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        interval = 10.0 if self.metrics_interval_s is None else self.metrics_interval_s
+        if self.look_back_period_s <= interval:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed metrics_interval_s "
+                             f"({interval}{'' if self.metrics_interval_s else ', Ray default'}): the window must "
+                             f"hold more than one report")
         return self
 
 
@@ -138,7 +148,8 @@ class ModelSpec(Strict):
     #: Local engines: how many copies of the model to run; requests are placed by ``placement``.
     replicas: PositiveInt = 1
     #: prefix: requests that share a prompt prefix go to the same replica while its load allows;
-    #: round_robin; least_loaded (fewest waiting, then running).
+    #: round_robin; least_loaded (fewest waiting, then running). backend: ray: prefix is our Ray Serve request
+    #: router (serving/ray_router.py), least_loaded Ray Serve's own (power of two choices).
     placement: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     #: prefix placement: how many more requests (waiting + running) the prefix's replica may have than
     #: the least loaded one before the request goes to the least loaded instead.
@@ -171,6 +182,9 @@ class ModelSpec(Strict):
             raise ValueError(f"ray: applies to backend: ray only (this model has backend: {self.backend})")
         if self.backend == "ray" and "replicas" in self.model_fields_set:
             raise ValueError("backend: ray: set ray.num_replicas (or ray.autoscaling) instead of replicas")
+        if self.backend == "ray" and self.placement == "round_robin":
+            raise ValueError("backend: ray: placement is prefix (our router) or least_loaded (Ray Serve's own); "
+                             "round_robin applies to local replicas and base_urls only")
         return self
 
 
@@ -254,6 +268,10 @@ class ServerSpec(Strict):
     http: HttpSpec = Field(default_factory=HttpSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    #: On Ray Serve (``inferline deploy``, ``serving.ray_backend:build_app``): replicas and resources of the
+    #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
+    #: log in PostgreSQL.
+    ray_ingress: RaySpec | None = None
 
     @model_validator(mode="after")
     def _drafts_exist(self) -> ServerSpec:

@@ -122,18 +122,26 @@ def _serve(args: argparse.Namespace) -> int:
     http = workspace.server.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
                                                     if v is not None})
     workspace.server = workspace.server.model_copy(update={"http": http})
+    local_ray = None
     if args.ray:
         from serving.ray_backend import run_engines, start_ray
 
-        start_ray()
-        logging.getLogger(__name__).info("Ray Serve engines: %s", ", ".join(run_engines(workspace.server,
-                                                                                         workspace.root)) or "none")
-    app = create_app(workspace)
-    # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
-    # found at start; a no-op one here makes a drained shutdown exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=int(http.shutdown_grace_s))
+        local_ray = start_ray()
+    try:
+        if args.ray:
+            logging.getLogger(__name__).info("Ray Serve engines: %s",
+                                             ", ".join(run_engines(workspace.server, workspace.root)) or "none")
+        app = create_app(workspace)
+        # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
+        # found at start; a no-op one here makes a drained shutdown exit 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=int(http.shutdown_grace_s))
+    finally:
+        if local_ray is not None:
+            from serving.ray_backend import stop_ray
+
+            stop_ray(local_ray)  # a local Ray goes with this process; a cluster keeps its engines
     return EXIT_OK
 
 

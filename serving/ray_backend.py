@@ -1,10 +1,13 @@
 """Models of ``backend: ray``: each one's engine runs as a Ray Serve deployment, reached by handle.
 
 :class:`EngineDeployment` wraps our :class:`AsyncEngine` in a Ray Serve replica; its ``generate``
-streams token events as plain dicts. :class:`RayEngine` is the pipeline's Engine protocol over the
-deployment's handle (``handle.options(stream=True).generate.remote(...)``): Ray Serve picks the
-replica, the tokenizer runs in the caller's process. The deployment options (replicas, autoscaling,
-resources) come from each model's ``ray:`` section, see :mod:`serving.ray_deploy`.
+streams token events as plain dicts, in lists: each list holds the events that were ready together
+(one engine step's, or more when the caller reads slower than the engine steps), since every streamed
+item costs a Ray object and a round of messages. :class:`RayEngine` is the pipeline's Engine protocol
+over the deployment's handle (``handle.options(stream=True).generate.remote(...)``); the tokenizer runs
+in the caller's process. Ray Serve picks the replica, through :class:`serving.ray_router.PrefixRouter`
+for ``placement: prefix`` models. The deployment options (replicas, autoscaling, resources, router)
+come from each model's ``ray:`` section, see :mod:`serving.ray_deploy`.
 
 Needs the ``ray`` extra (``pip install 'inferline[ray]'``).
 """
@@ -28,7 +31,7 @@ from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOve
 from serving.engine.sampling_params import SamplingParams as EngineSampling
 from serving.model_pool import HFTokenizer, engine_config, weights_sha256
 from serving.placement import ewma
-from serving.ray_deploy import APP_NAME, deployment_name, deployment_options, ray_models
+from serving.ray_deploy import APP_NAME, INGRESS_NAME, deployment_name, deployment_options, ingress_options, ray_models
 
 with warnings.catch_warnings():
     # Ray Serve's own pydantic models use V1-style Field options; not ours to fix, and warnings are errors in tests.
@@ -48,10 +51,15 @@ class EngineDeployment:
         config = engine_config(model, Path(root), ModelSpec.model_validate(draft) if draft else None)
         self._engine = AsyncEngine(config, name=name)
         self._started: asyncio.Task | None = None
+        try:
+            self._replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # built outside a replica (a test calling the class directly)
+            self._replica = ""
 
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any], cache_salt: str = "",
-                       hints: dict[str, Any] | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Token events as dicts; an engine error is one last ``{"error": kind, "message": ...}`` dict."""
+                       hints: dict[str, Any] | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+        """Lists of token events as dicts, the first of the stream tagged with this replica's id
+        (``"replica"``); an engine error is one last ``[{"error": kind, "message": ...}]``."""
         if self._started is None:
             self._started = asyncio.ensure_future(self._engine.start())
         await asyncio.shield(self._started)
@@ -62,18 +70,22 @@ class EngineDeployment:
                 prompt_ids, EngineSampling(**sampling), cache_salt, priority=hints.get("priority", 0),
                 tenant=hints.get("tenant", ""), deadline_s=None if deadline is None else time.perf_counter() + deadline)
         except EngineOverloaded as exc:
-            yield {"error": "overloaded", "message": str(exc), "retry_after_s": exc.retry_after_s}
+            yield [{"error": "overloaded", "message": str(exc), "retry_after_s": exc.retry_after_s}]
             return
         except InvalidRequest as exc:
-            yield {"error": "invalid", "message": str(exc)}
+            yield [{"error": "invalid", "message": str(exc)}]
             return
+        tag: dict[str, Any] | None = {"replica": self._replica}
         try:
-            async for event in stream:
-                yield asdict(event)
+            async for events in ready_batches(stream):
+                items = [asdict(event) for event in events]
+                if tag is not None:
+                    items[0], tag = {**items[0], **tag}, None
+                yield items
         except EngineDeadlineExceeded as exc:
-            yield {"error": "deadline", "message": str(exc)}
+            yield [{"error": "deadline", "message": str(exc)}]
         except EngineError as exc:
-            yield {"error": "backend", "message": str(exc)}
+            yield [{"error": "backend", "message": str(exc)}]
         finally:
             # A caller that went away cancels this generator: abort the request, freeing its KV blocks.
             await stream.aclose()
@@ -81,6 +93,38 @@ class EngineDeployment:
     async def check_health(self) -> None:
         if self._engine.error is not None:
             raise RuntimeError(f"engine failed: {self._engine.error}")
+
+
+async def ready_batches(stream: AsyncIterator[TokenEvent]) -> AsyncIterator[list[TokenEvent]]:
+    """*stream*'s events in lists: each list holds every event that arrived while the previous one was
+    being sent. The stream's error is raised after the events before it; closing this closes *stream*."""
+    queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait(event)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            last = batch[-1]  # the end (None) or an error comes last, and alone after the events
+            events = batch if isinstance(last, TokenEvent) else batch[:-1]
+            if events:
+                yield events
+            if isinstance(last, BaseException):
+                raise last
+            if last is None:
+                return
+    finally:
+        task.cancel()
 
 
 @serve.deployment(name="engines", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -105,16 +149,27 @@ def bind_engines(server: ServerSpec, root: Path) -> dict[str, Any]:
     return bound
 
 
-def start_ray() -> None:
-    """Connect to the Ray cluster of ``RAY_ADDRESS``, or start a local one (no dashboard)."""
+def start_ray() -> bool:
+    """Connect to the Ray cluster of ``RAY_ADDRESS``, or start a local one (no dashboard); True when local."""
     import os
 
     import ray
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
-    else:
-        ray.init(include_dashboard=False)
+        return False
+    ray.init(include_dashboard=False)
+    return True
+
+
+def stop_ray(local: bool) -> None:
+    """Leave Ray: a local Ray (``start_ray`` returned True) is shut down with its Serve applications; on a
+    cluster the engines stay deployed for the other ingresses (``serve delete inferline`` removes them)."""
+    import ray
+
+    if local:
+        serve.shutdown()
+    ray.shutdown()
 
 
 def run_engines(server: ServerSpec, root: Path) -> list[str]:
@@ -126,11 +181,14 @@ def run_engines(server: ServerSpec, root: Path) -> list[str]:
 
 
 class _RayStream:
-    """A deployment's response stream as the pipeline's TokenStream; its first event already read."""
+    """A deployment's response stream as the pipeline's TokenStream; its first item already read."""
 
-    def __init__(self, owner: RayEngine, response: Any, first: TokenEvent, submitted_s: float):
-        self._owner, self._response, self._first = owner, response, first
+    def __init__(self, owner: RayEngine, response: Any, first: TokenEvent, rest: list[dict[str, Any]],
+                 submitted_s: float, replica: str):
+        self._owner, self._response, self._first, self._rest = owner, response, first, rest
         self._submitted_s = submitted_s
+        #: The id of the Ray Serve replica that serves this request ("" when it did not say).
+        self.replica = replica
         self._open = True
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
@@ -142,11 +200,17 @@ class _RayStream:
             yield self._first
             if self._first.finish_reason is not None:
                 return
-            async for item in self._response:
+            for item in self._rest:
                 event = self._owner.event(item)
                 yield event
                 if event.finish_reason is not None:
                     return
+            async for items in self._response:
+                for item in _as_list(items):
+                    event = self._owner.event(item)
+                    yield event
+                    if event.finish_reason is not None:
+                        return
         except (BackendError, DeadlineExceeded):
             raise
         except Exception as exc:  # a replica that died mid-stream arrives as one of Ray's errors
@@ -189,7 +253,11 @@ class RayEngine:
         self.outstanding += 1
         try:
             # Read the first event now, so that overload and invalid input raise here, as a local engine's do.
-            first = self.event(await response.__anext__())
+            items = _as_list(await response.__anext__())
+            if not items:
+                raise StopAsyncIteration
+            replica = str(items[0].pop("replica", ""))
+            first = self.event(items[0])
         except StopAsyncIteration:
             self.outstanding -= 1
             raise BackendError(f"model {self.name!r}: the Ray Serve replica ended the stream without a token") from None
@@ -205,7 +273,7 @@ class RayEngine:
         except Exception as exc:
             self.outstanding -= 1
             raise BackendError(f"model {self.name!r}: Ray Serve: {exc}") from exc
-        return _RayStream(self, response, first, submitted_s)
+        return _RayStream(self, response, first, items[1:], submitted_s, replica)
 
     def event(self, item: dict[str, Any]) -> TokenEvent:
         """A deployment's dict as a token event; its error dicts as the pipeline's errors."""
@@ -230,6 +298,11 @@ class RayEngine:
 
     async def aclose(self) -> None:
         """Nothing to free here: the deployment's replicas belong to Ray Serve."""
+
+
+def _as_list(item: Any) -> list[dict[str, Any]]:
+    # A list of events per item; a replica of an older version streamed one dict per item.
+    return item if isinstance(item, list) else [item]
 
 
 async def open_ray_engine(name: str, spec: ModelSpec, root: Path) -> RayEngine:
@@ -264,12 +337,38 @@ class Ingress:
         from serving.app import create_app
         from serving.wiring import open_workspace
 
-        return create_app(open_workspace(self._config))
+        replica = serve.get_replica_context().replica_id.unique_id
+        return with_replica_header(create_app(open_workspace(self._config)), replica)
+
+
+#: The response header naming the ingress replica that answered (which one, when several share the load).
+REPLICA_HEADER = b"x-inferline-replica"
+
+
+def with_replica_header(app: Any, replica: str) -> Any:
+    """ASGI *app* whose HTTP responses carry ``x-inferline-replica: <replica id>``."""
+    header = (REPLICA_HEADER, replica.encode())
+
+    async def tagged(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_tagged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await app(scope, receive, send_tagged)
+
+    return tagged
 
 
 def build_app(args: dict[str, Any]) -> Any:
-    """The application ``serve deploy`` builds from the file ``inferline deploy`` writes (``args: {config}``)."""
+    """The application ``serve deploy`` builds from the file ``inferline deploy`` writes (``args: {config}``):
+    the ingress with ``ray_ingress:``'s replicas (which the file's own deployment options override)."""
     from serving.wiring import open_workspace
 
     workspace = open_workspace(args["config"])
-    return Ingress.bind(args["config"], **bind_engines(workspace.server, workspace.root))
+    ingress = Ingress.options(name=INGRESS_NAME, **ingress_options(workspace.server))
+    return ingress.bind(args["config"], **bind_engines(workspace.server, workspace.root))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -21,6 +23,7 @@ models:
   fixed:
     backend: ray
     source: models/smollm2-135m-instruct
+    placement: least_loaded
     ray: {num_replicas: 3}
   here:
     source: models/smollm2-135m-instruct
@@ -53,12 +56,37 @@ def test_deploy_writes_one_deployment_per_ray_model(config_file, tmp_path, capsy
     smol = deployments["engine-smol"]
     assert "num_replicas" not in smol
     assert smol["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
-                                          "upscale_delay_s": 5.0, "downscale_delay_s": 60.0}
+                                          "upscale_delay_s": 5.0, "downscale_delay_s": 60.0,
+                                          "look_back_period_s": 30.0}
     assert smol["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.5}
+    # placement: prefix (the default) is our request router, with the model's KV block size.
+    assert smol["request_router_config"] == {
+        "request_router_class": "serving.ray_router.PrefixRouter",
+        "request_router_kwargs": {"block_size": 16, "prefix_blocks": 4, "max_imbalance": 16}}
     fixed = deployments["engine-fixed"]
     assert fixed["num_replicas"] == 3
     assert "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert "request_router_config" not in fixed  # least_loaded: Ray Serve's own router
+    assert deployments["ingress"] == {"name": "ingress", "num_replicas": 1, "max_ongoing_requests": 64,
+                                      "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+
+
+def test_the_written_config_is_one_ray_serve_accepts(config_file, tmp_path):
+    with_ingress = config_file.read_text() + "ray_ingress: {num_replicas: 2, ray_actor_options: {num_cpus: 0.5}}\n"
+    config_file.write_text(with_ingress)
+    out = tmp_path / "serve.yaml"
+    assert main(["deploy", "--config", str(config_file), "--output", str(out)]) == 0
+    with warnings.catch_warnings():  # Ray Serve's own pydantic models use V1-style Field options
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(out.read_text()))
+    deployments = {d.name: d for d in schema.applications[0].deployments}
+    assert deployments["ingress"].num_replicas == 2
+    assert deployments["ingress"].ray_actor_options.num_cpus == 0.5
+    router = deployments["engine-smol"].request_router_config
+    assert router["request_router_class"] == "serving.ray_router.PrefixRouter"
 
 
 def test_deploy_defaults_to_inferline_yaml_and_serve_yaml(config_file, tmp_path):
@@ -92,6 +120,11 @@ def test_deploy_without_a_config_says_so(tmp_path, monkeypatch, capsys):
     ({"backend": "ray", "source": "m", "ray": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
      "min_replicas (3) must not exceed max_replicas (2)"),
     ({"backend": "ray", "source": "m", "ray": {"num_replica": 2}}, "Extra inputs are not permitted"),
+    ({"backend": "ray", "source": "m", "placement": "round_robin"}, "round_robin applies to local replicas"),
+    ({"backend": "ray", "source": "m", "ray": {"autoscaling": {"look_back_period_s": 5}}},
+     "look_back_period_s (5.0) must exceed metrics_interval_s (10.0, Ray default)"),
+    ({"backend": "ray", "source": "m", "ray": {"autoscaling": {"look_back_period_s": 2, "metrics_interval_s": 2}}},
+     "look_back_period_s (2.0) must exceed metrics_interval_s (2.0)"),
 ])
 def test_ray_section_errors(fields, message):
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -101,6 +134,15 @@ def test_ray_section_errors(fields, message):
 def test_ray_model_defaults_to_one_replica():
     from serving.ray_deploy import deployment_options
 
-    spec = ModelSpec.model_validate({"backend": "ray", "source": "m"})
+    spec = ModelSpec.model_validate({"backend": "ray", "source": "m", "placement": "least_loaded"})
     assert deployment_options(spec) == {"num_replicas": 1, "max_ongoing_requests": 64,
                                         "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+
+
+def test_a_short_metrics_interval_is_passed_to_ray():
+    from serving.ray_deploy import deployment_options
+
+    spec = ModelSpec.model_validate({"backend": "ray", "source": "m", "ray": {"autoscaling": {
+        "max_replicas": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5}}})
+    scaling = deployment_options(spec)["autoscaling_config"]
+    assert scaling["metrics_interval_s"] == 0.5 and scaling["look_back_period_s"] == 2.0

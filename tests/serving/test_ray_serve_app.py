@@ -94,11 +94,24 @@ stages:
   - {id: tok, type: tokenize}
   - {id: gen, type: generate, with: {max_tokens: 16, temperature: 0}}
   - {id: out, type: stream}
+  - {id: log, type: audit, always: true}
+"""
+
+#: No fallback: a replica dying mid-stream fails the request (503, retryable), and its record says so.
+LONG = """
+name: long
+stages:
+  - {id: prompt, type: prompt}
+  - {id: pick, type: route, with: {default: smol}}
+  - {id: tok, type: tokenize}
+  - {id: gen, type: generate, with: {max_tokens: 2000, temperature: 0, ignore_eos: true}}
+  - {id: out, type: stream}
+  - {id: log, type: audit, always: true}
 """
 
 
-def _fallback_pipeline(registry, ray_engine):
-    """A pipeline routed to the ray model *ray_engine*, falling back to a fake local one."""
+def _pipeline(registry, text: str, ray_engine, audit):
+    """A pipeline routed to the ray model *ray_engine* (model ``smol``), with a fake local one as ``local``."""
     from pipeline.loader import load_pipeline_text
     from pipeline.protocols import Catalog, ModelInfo, Resources
     from pipeline.runner import Pipeline
@@ -107,28 +120,48 @@ def _fallback_pipeline(registry, ray_engine):
     catalog = Catalog(models={"smol": ModelInfo("smol"), "local": ModelInfo("local")})
     engines = FakeEngines(local=FakeEngine("Local answer."))
     engines.engines["smol"] = ray_engine
-    loaded = load_pipeline_text(textwrap.dedent(FALLBACK), "p.yaml", registry, catalog)
-    return Pipeline(loaded, Resources(catalog, engines=engines))
+    loaded = load_pipeline_text(textwrap.dedent(text), "p.yaml", registry, catalog)
+    return Pipeline(loaded, Resources(catalog, engines=engines, audit=audit))
+
+
+def _audit_query(config: Path, *filters: str) -> list[dict]:
+    """``inferline audit query FILTERS`` (the reviewers' command) as records, oldest first."""
+    import json
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("inferline")
+    out = subprocess.run([exe, "audit", "query", "--config", str(config), "--sort", "seq", *filters],
+                         capture_output=True, text=True, timeout=120, check=True, cwd=config.parent)
+    return [json.loads(line) for line in out.stdout.splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local_ray, monkeypatch, registry):
+async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local_ray, monkeypatch, registry,
+                                                                          tmp_path):
     import asyncio
 
     import ray
 
     from pipeline.context import RequestContext
     from pipeline.errors import BackendError
-    from pipeline.events import Done, TextDelta
+    from pipeline.events import Done, Error, TextDelta
     from pipeline.protocols import SamplingParams
     from pipeline.runner import Runner
     from pipeline.spec import ModelSpec, ServerSpec
+    from serving.audit_sink import StoreSink
     from serving.model_pool import ModelPool
     from serving.ray_backend import RayEngine, run_engines
     from serving.ray_deploy import APP_NAME, deployment_name
+    from store.audit import AuditStore
+    from store.db import create_schema, make_engine
 
     monkeypatch.chdir(ROOT)
+    config = _workspace(tmp_path)  # its database: where this test's audit records go
+    database = make_engine(f"sqlite:///{tmp_path / 'inferline.db'}")
+    create_schema(database)
+    sink = StoreSink(AuditStore(database, spool_path=tmp_path / "spool.jsonl"))
     server = ServerSpec(models={"smol": ModelSpec.model_validate(
         {"source": str(SOURCE), "device": "cpu", "dtype": "float32", "kv_cache": {"memory_gb": 0.25},
          "backend": "ray", "ray": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}})})
@@ -140,6 +173,12 @@ async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Count from one to a thousand."}])
         long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
         stream = await engine.submit(ids, long)
+        # A pipeline request streaming from the same replica, without a fallback.
+        long_ctx = RequestContext.from_text("long", "Count from one to a thousand.")
+        run = Runner().stream(_pipeline(registry, LONG, engine, sink), long_ctx)
+        long_events = [await asyncio.wait_for(anext(run), timeout=60)]
+        while not isinstance(long_events[-1], TextDelta):
+            long_events.append(await asyncio.wait_for(anext(run), timeout=60))
         [before] = _replica_actors(APP_NAME, deployment_name("smol"))
         ray.kill(ray.get_actor(before, namespace="serve"), no_restart=True)
 
@@ -148,16 +187,31 @@ async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local
 
         with pytest.raises(BackendError, match="the Ray Serve replica failed"):
             await asyncio.wait_for(drain(), timeout=30)
+
+        async def rest() -> list:
+            return [event async for event in run]
+
+        long_events += await asyncio.wait_for(rest(), timeout=30)
+        assert isinstance(long_events[-1], Error) and long_events[-1].kind == "backend_error", long_events[-1]
         assert engine.outstanding == 0
 
         # Until Ray Serve has a new replica, a route's fallback answers (the replica is gone or silent).
         ctx = RequestContext.from_text("p", "Hello")
-        events = [event async for event in Runner().stream(_fallback_pipeline(registry, engine), ctx)]
+        events = [event async for event in Runner().stream(_pipeline(registry, FALLBACK, engine, sink), ctx)]
         assert isinstance(events[-1], Done), events[-1]
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Local answer."
         assert ctx.model == "local"
         assert ctx.facts["route"]["fallbacks_tried"][0]["model"] == "smol"
         assert ctx.facts["route"]["fallbacks_tried"][0]["error"] == "backend_error"
+
+        # The audit log says which: read back as a reviewer would.
+        [failed] = _audit_query(config, "--status", "failed")
+        assert (failed["pipeline"], failed["model"], failed["error_type"]) == ("long", "smol", "backend_error")
+        assert failed["http_status"] == 503 and failed["output_tokens"] > 0  # it failed mid-stream: retryable
+        [fell_back] = _audit_query(config, "--pipeline", "p")
+        assert (fell_back["status"], fell_back["model"], fell_back["error_type"]) == ("ok", "local", None)
+        assert fell_back["route"]["fallbacks_tried"] == ctx.facts["route"]["fallbacks_tried"]
+        assert fell_back["route"]["fallbacks_tried"][0]["error"] == "backend_error"
 
         # Ray Serve starts a new replica; the same handle reaches it.
         deadline = time.monotonic() + 60
@@ -176,3 +230,4 @@ async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local
         assert engine.outstanding == 0
     finally:
         await pool.close()
+        database.dispose()
