@@ -32,18 +32,26 @@
 
 namespace {
 
-// Scores in place -> exp(score - max); returns their sum.
-inline float softmax_numerators(float* s, int64_t n, float max) {
-  const vf m = splat(max);
-  vf acc{};
+// Scores in place -> exp(score - max(scores)); returns their sum.
+inline float softmax_numerators(float* s, int64_t n) {
+  vf mv = splat(-INFINITY);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
+    const vf v = load(s + i);
+    mv = v > mv ? v : mv;
+  }
+  float max = -INFINITY;
+  for (int j = 0; j < W; j++) max = mv[j] > max ? mv[j] : max;
+  for (; i < n; i++) max = s[i] > max ? s[i] : max;
+  const vf m = splat(max);
+  vf acc{};
+  for (i = 0; i + W <= n; i += W) {
     const vf e = vexp(load(s + i) - m);
     store(s + i, e);
     acc += e;
   }
   float sum = hsum(acc);
-  if (i < n) {  // the tail, padded with -inf-like values that exp to 0
+  if (i < n) {  // the tail, padded with values that exp to 0
     float tail[W];
     for (int j = 0; j < W; j++) tail[j] = i + j < n ? s[i + j] : max - 100.f;
     const vf e = vexp(load(tail) - m);
@@ -56,7 +64,7 @@ inline float softmax_numerators(float* s, int64_t n, float max) {
 }
 
 struct Scratch {
-  std::vector<float> scores, max, inv;
+  std::vector<float> scores, inv;
   std::vector<vf> qv, acc;
 };
 
@@ -70,7 +78,6 @@ void attend_group(const float* q, int64_t q_stride, const float* k_cache, const 
   constexpr int V = D / W;
   const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
   s.scores.resize(rows * len);
-  s.max.assign(rows, -INFINITY);
   s.inv.resize(rows);
   s.qv.resize(rows * V);
   s.acc.assign(rows * V, vf{});
@@ -78,26 +85,37 @@ void attend_group(const float* q, int64_t q_stride, const float* k_cache, const 
     for (int64_t g = 0; g < groups; g++)
       for (int c = 0; c < V; c++) s.qv[(j * groups + g) * V + c] = load(q + j * q_stride + g * D + c * W) * scale;
 
+  // Scores, W positions at a time: each row's W dot products end in one transposing sum. A query
+  // row may get scores past what it sees (a chunk's earlier tokens); softmax and the value pass
+  // read only the positions it sees.
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t base = table[start / block_size] * block_size;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t i = 0; i < count; i++) {
-      const int64_t p = start + i;
-      const float* k = k_cache + (base + i) * kv_stride;
-      vf kv[V];
-      for (int c = 0; c < V; c++) kv[c] = load(k + c * W);
-      for (int64_t row = std::max<int64_t>(0, p - len0 + 1) * groups; row < rows; row++) {
+    for (int64_t off = 0; off < count; off += W) {
+      const int64_t n = std::min<int64_t>(W, count - off), p0 = start + off;
+      const float* k0 = k_cache + (base + off) * kv_stride;
+      for (int64_t row = std::max<int64_t>(0, p0 - len0 + 1) * groups; row < rows; row++) {
         const vf* qr = &s.qv[row * V];
-        vf acc = kv[0] * qr[0];
-        for (int c = 1; c < V; c++) acc += kv[c] * qr[c];
-        const float score = hsum(acc);
-        s.scores[row * len + p] = score;
-        if (score > s.max[row]) s.max[row] = score;
+        vf dots[W];
+        for (int64_t i = 0; i < n; i++) {
+          const float* k = k0 + i * kv_stride;
+          vf acc = load(k) * qr[0];
+          for (int c = 1; c < V; c++) acc += load(k + c * W) * qr[c];
+          dots[i] = acc;
+        }
+        for (int64_t i = n; i < W; i++) dots[i] = vf{};
+        const vf sums = hsum16(dots);
+        float* out_scores = &s.scores[row * len + p0];
+        if (n == W) {
+          store(out_scores, sums);
+        } else {
+          for (int64_t i = 0; i < n; i++) out_scores[i] = sums[i];
+        }
       }
     }
   }
   for (int64_t row = 0; row < rows; row++)
-    s.inv[row] = 1.f / softmax_numerators(&s.scores[row * len], len0 + row / groups, s.max[row]);
+    s.inv[row] = 1.f / softmax_numerators(&s.scores[row * len], len0 + row / groups);
 
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t base = table[start / block_size] * block_size;
