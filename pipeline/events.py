@@ -8,6 +8,7 @@ the client comes as :class:`TextDelta`. The last event is always exactly one
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
 from pipeline.context import StageRecord, Usage
@@ -69,3 +70,14 @@ class Error:
 
 
 Event = StageStarted | StageFinished | TextDelta | Done | Error
+
+
+async def final_event(events: AsyncIterable[Event]) -> Done | Error:
+    """Consume a run's events and return the last ``Done`` or ``Error`` (a runner always ends with one)."""
+    final: Done | Error | None = None
+    async for event in events:
+        if isinstance(event, (Done, Error)):
+            final = event
+    if final is None:
+        raise RuntimeError("pipeline ended without a final event")
+    return final

@@ -30,7 +30,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from pipeline import tracing as attr
 from pipeline.context import RequestContext, StageRecord
 from pipeline.errors import ExpressionError, InferlineError, PolicyDenied, StageTimeout
-from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
+from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta, final_event
 from pipeline.loader import LoadedPipeline, StagePlan
 from pipeline.protocols import Resources
 from pipeline.spec import StageSpec
@@ -115,13 +115,7 @@ class Runner:
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
         """Run to the end and return the final event."""
-        final: Done | Error | None = None
-        async for event in self.stream(pipeline, ctx):
-            if isinstance(event, (Done, Error)):
-                final = event
-        if final is None:  # the runner always ends with Done or Error
-            raise RuntimeError("pipeline ended without a final event")
-        return final
+        return await final_event(self.stream(pipeline, ctx))
 
     async def stream(self, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
         """Events of one request, as they happen; the last is :class:`Done` or :class:`Error`."""

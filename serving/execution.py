@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pipeline.context import RequestContext
-from pipeline.events import Done, Error, Event, StageFinished, TextDelta
+from pipeline.events import Done, Error, Event, StageFinished, TextDelta, final_event
 from pipeline.runner import Pipeline, Runner
 from serving.http_metrics import HttpMetrics
 from serving.problems import Problem
@@ -49,13 +49,7 @@ class Executor:
                 self.metrics.requests.labels(pipeline.name, "disconnected").inc()
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
-        final: Done | Error | None = None
-        async for event in self.stream(pipeline, ctx):
-            if isinstance(event, (Done, Error)):
-                final = event
-        if final is None:
-            raise RuntimeError("pipeline ended without a final event")
-        return final
+        return await final_event(self.stream(pipeline, ctx))
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no request is in flight (or *timeout_s*); True if drained."""

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from pipeline.context import RequestContext
-from pipeline.events import Done, Error, Event
+from pipeline.events import Done, Error, Event, final_event
 from pipeline.runner import Pipeline, Runner
 
 logger = logging.getLogger(__name__)
@@ -112,13 +112,7 @@ class RecordingRunner:
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
         """Run to the end and return the final event (recorded like a stream)."""
-        final: Done | Error | None = None
-        async for event in self.stream(pipeline, ctx):
-            if isinstance(event, (Done, Error)):
-                final = event
-        if final is None:
-            raise RuntimeError("pipeline ended without a final event")
-        return final
+        return await final_event(self.stream(pipeline, ctx))
 
     async def stream(self, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
         """The runner's events, unchanged; the trace is kept however the stream ends."""
