@@ -87,6 +87,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        # Logits rows: one per running sequence, or 1 + k for each of at most speculative_max_batch.
+        guessing = (1 + config.num_speculative_tokens) * config.speculative_max_batch if config.speculative else 0
+        self.model.prepare(config.max_num_batched_tokens, max(config.max_num_seqs, guessing))
         self.sampler = Sampler()
         self.proposer = _proposer(config, self.model, self.tokenizer, num_blocks, draft)
         self._compiler: ConstraintCompiler | None = None

@@ -96,8 +96,25 @@ def use_onednn(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def bucket_rows(rows: int) -> int:
+    """*rows* rounded up to one of a few sizes: exact to 16, then 8 sizes per doubling (at most 12.5%
+    more rows). oneDNN (and torch's ideep over it) builds and caches a kernel, with its scratch memory,
+    for every row count it sees; a step's token count takes any value up to the batch budget, so
+    without buckets the caches grow by about 2 MB per new count until they reach their capacity
+    (measured: server memory +6-7% over a 3-10 minute load, flat with the caches capped)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.shape[0]
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    x = F.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
 
 
 class LlamaModel:
@@ -137,6 +154,22 @@ class LlamaModel:
                 setattr(layer, name, quantize_weight(getattr(layer, name), self.device))
         self.lm_head = quantize_weight(self.lm_head, self.device)  # its own copy: the embedding stays dense
         self.linear = int8_linear
+
+    def prepare(self, max_rows: int, max_logits_rows: int) -> None:
+        """Run each distinct linear shape once at every row bucket a step can reach (up to *max_rows*
+        tokens, *max_logits_rows* rows of logits), so that oneDNN builds its kernels now: memory stays
+        flat while serving and no request waits for a kernel to be generated. No-op off oneDNN."""
+        if self.linear is not _onednn_linear:
+            return
+        layer = self.layers[0]
+        weights = [(layer.qkv, layer.qkv_bias, max_rows), (layer.o, None, max_rows),
+                   (layer.gate_up, None, max_rows), (layer.down, None, max_rows),
+                   (self.lm_head, None, max_logits_rows)]
+        with torch.inference_mode():
+            for weight, bias, limit in weights:
+                x = torch.zeros(bucket_rows(limit), weight.shape[1], dtype=self.dtype)
+                for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
+                    _onednn_linear(x[:rows], weight, bias)
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights the forward reads, as stored: packed copies and int8 matrices
