@@ -32,6 +32,27 @@ class Message(BaseModel):
     content: str
 
 
+class ChatInput(BaseModel):
+    """``input`` or ``messages``: what a pipeline request and an evaluation case both send."""
+
+    model_config = ConfigDict(extra="forbid")
+    input: str | None = Field(None, description="A single user message.")
+    messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> ChatInput:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'input' or 'messages'")
+        if self.messages is not None and not any(m.role == "user" for m in self.messages):
+            raise ValueError("'messages' needs at least one user message")
+        return self
+
+    def chat(self) -> list[ChatMessage]:
+        if self.messages is None:
+            return [ChatMessage("user", self.input or "")]
+        return [ChatMessage(m.role, m.content) for m in self.messages]
+
+
 class GenerationParams(BaseModel):
     """Sampling overrides a caller may send; each pipeline decides which it accepts."""
 
@@ -50,7 +71,7 @@ class GenerationParams(BaseModel):
         return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))
 
 
-class PipelineRequest(GenerationParams):
+class PipelineRequest(ChatInput, GenerationParams):
     """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
 
     # The document says what _one_input checks: exactly one of them, and messages with a user turn.
@@ -60,23 +81,8 @@ class PipelineRequest(GenerationParams):
             "type": "array", "contains": {"type": "object", "required": ["role"],
                                           "properties": {"role": {"const": "user"}}}}}}]})
 
-    input: str | None = Field(None, description="A single user message.")
-    messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
     stream: bool = False
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
-
-    @model_validator(mode="after")
-    def _one_input(self) -> PipelineRequest:
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'input' or 'messages'")
-        if self.messages is not None and not any(m.role == "user" for m in self.messages):
-            raise ValueError("'messages' needs at least one user message")
-        return self
-
-    def chat(self) -> list[ChatMessage]:
-        if self.messages is None:
-            return [ChatMessage("user", self.input or "")]
-        return [ChatMessage(m.role, m.content) for m in self.messages]
 
 
 def stage_json(stage: StageRecord) -> dict[str, Any]:

@@ -16,50 +16,27 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
-from pipeline.context import ChatMessage
 from pipeline.diagnostics import suggest
 from pipeline.errors import SpecError, SpecIssue
+from serving.api_pipelines import ChatInput
 from stages.checks import Check
 
 _CHECK_TYPES = frozenset({"exact", "normalized", "contains", "regex", "json_schema", "similarity", "citation",
                           "judge"})
 
 
-class CaseMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class EvalCase(BaseModel):
+class EvalCase(ChatInput):
     """One line of a dataset."""
 
-    model_config = ConfigDict(extra="forbid")
-
     id: str | None = Field(None, min_length=1, max_length=200)
-    input: str | None = None
-    messages: list[CaseMessage] | None = None
     tags: dict[str, str] = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
     reference: str | None = None
     checks: list[Check] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _one_input(self) -> EvalCase:
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'input' or 'messages'")
-        if self.messages is not None and not any(m.role == "user" for m in self.messages):
-            raise ValueError("'messages' needs at least one user message")
-        return self
-
-    def chat(self) -> list[ChatMessage]:
-        if self.messages is None:
-            return [ChatMessage("user", self.input or "")]
-        return [ChatMessage(m.role, m.content) for m in self.messages]
 
     @property
     def question(self) -> str:
