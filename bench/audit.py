@@ -6,8 +6,9 @@ Records go through the real path, as the serving app writes them: the
 ``audit`` stage (stages/audit.py) builds each record from a request context
 shaped like a RAG request (seven stages, two policy decisions, redacted
 200-character contents) and awaits the server's sink
-(serving/audit_sink.StoreSink: off the event loop, group commit) until the
-record is durable, on a store configured as the server's defaults with a
+(serving/audit_sink.StoreSink: group commit; store/audit.AuditStore.awrite_batch:
+PostgreSQL's call on the loop's async connection, a SQLite file's write on the
+loop unless its lock is held elsewhere) until the record is durable, on a store configured as the server's defaults with a
 checkpoint key. What is timed is the stage's ``run``, from building the record
 to its commit. First one request at a time, N of them (the added latency's
 p50/p95; target p50 ≤ 1 ms), then N more from 16 concurrent requests (p50/p95
@@ -117,14 +118,14 @@ async def stage_latencies(store: AuditStore, num_requests: int,
     """The audit stage's run, in ms: one request at a time, then CONCURRENCY at a time."""
     sink = StoreSink(store)
     commits = 0
-    write_batch = store.write_batch
+    write_batch = store.awrite_batch
 
-    def counted(records: list[dict[str, Any]]) -> list[str]:
+    async def counted(records: list[dict[str, Any]]) -> list[str]:
         nonlocal commits
         commits += 1
-        return write_batch(records)
+        return await write_batch(records)
 
-    store.write_batch = counted  # type: ignore[method-assign]  # the real method, counted
+    store.awrite_batch = counted  # type: ignore[method-assign]  # the real method, counted
     stage = AuditStage("log", AuditConfig(content="redacted"), Resources(audit=sink))
     for i in range(WARMUP):
         await stage.run(request_context(i), None)  # type: ignore[arg-type]

@@ -98,6 +98,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
             await pool.close()
             for pipeline in pipelines.values():
                 await pipeline.aclose()
+            if isinstance(resources.audit, StoreSink):
+                await resources.audit.aclose()
             if watcher is not None:
                 watcher.cancel()
             if counters is not None:

@@ -18,7 +18,7 @@ STATUS_DISCONNECTED = 499
 
 
 class StoreSink:
-    """Writes audit records durably, off the event loop, with group commit.
+    """Writes audit records durably, without blocking the event loop, with group commit.
 
     Each ``write`` returns once its record is durable. Records that arrive
     while a batch is being committed wait and go together in the next
@@ -42,12 +42,16 @@ class StoreSink:
         except AuditUnavailable as exc:
             raise BackendError(f"the audit record could not be made durable: {exc}") from exc
 
+    async def aclose(self) -> None:
+        """Close the store's connections (the server's shutdown, after the last request)."""
+        await self.store.aclose()
+
     async def _flush(self) -> None:
         try:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
-                    await asyncio.to_thread(self.store.write_batch, [record for record, _ in batch])
+                    await self.store.awrite_batch([record for record, _ in batch])
                 except Exception as exc:  # every waiter learns of it; the next batch tries again
                     for _, done in batch:
                         if not done.done():

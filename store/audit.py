@@ -19,6 +19,7 @@ When the database is unreachable, records go to a local spool file
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,9 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
+import psycopg
 import sqlalchemy as sa
 
-from store.audit_append import OneTripAppender
+from store.audit_append import AsyncOneTripAppender, OneTripAppender, SqliteLoopWriter
 from store.audit_chain import checkpoint_row, json_line, normalize, record_hash, row_to_dict, sign_checkpoint
 from store.audit_models import HEAD_ID, AuditAccess, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
 from store.audit_prune import PruneReport, prune_in
@@ -52,6 +54,12 @@ _records = AuditRecord.__table__
 _stages = AuditStage.__table__
 _head = AuditChainHead.__table__
 Item = tuple[dict[str, Any], list[dict[str, Any]]]
+# Built once: constructing a statement costs more than SQLite takes to run it.
+_LOCK_HEAD = (_head.update().where(_head.c.id == HEAD_ID).values(seq=_head.c.seq + sa.bindparam("count"))
+              .returning(_head.c.seq, _head.c.hash))
+_SET_HEAD_HASH = _head.update().where(_head.c.id == HEAD_ID).values(hash=sa.bindparam("head_hash"))
+_INSERT_RECORDS = _records.insert()
+_INSERT_STAGES = _stages.insert()
 
 
 class AuditUnavailable(RuntimeError):
@@ -75,8 +83,13 @@ class AuditStore:
         self._checkpoint_every = checkpoint_every
         self._lock = threading.Lock()
         # PostgreSQL: one round trip per append (store/audit_append.py); SQLite: the locking append only.
-        self._one_trip = (OneTripAppender(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
-                          if engine.dialect.name == "postgresql" else None)
+        self._one_trip: OneTripAppender | None = None
+        self._async_trip: AsyncOneTripAppender | None = None
+        self._loop_writer = SqliteLoopWriter.for_engine(engine)
+        if engine.dialect.name == "postgresql":
+            self._one_trip = OneTripAppender(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
+            self._async_trip = AsyncOneTripAppender(engine, checkpoint_key=checkpoint_key,
+                                                    checkpoint_every=checkpoint_every)
         self._db_retry_at = 0.0  # time.monotonic() before which the database counts as down
 
     # --- writing -------------------------------------------------------------------
@@ -92,27 +105,68 @@ class AuditStore:
     def write_batch(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
         """:meth:`write` for several records in one transaction (the server's group commit)."""
         items = [normalize(record, utcnow()) for record in records]
-        ids = [row["id"] for row, _ in items]
+        self._write_items(items)
+        return [row["id"] for row, _ in items]
+
+    async def awrite_batch(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """:meth:`write_batch` for the event loop.
+
+        The common case (database up, spool empty) skips the thread hop, which
+        costs as much as the write itself: on PostgreSQL it is one
+        ``audit_append()`` call on the loop's own async connection; on a SQLite
+        file, a write that can take the database's lock at once, on the loop
+        (:class:`SqliteLoopWriter`). Anything else (an outage, a spool to
+        replay first, a lock held elsewhere, an error, a head that moved twice)
+        goes to :meth:`write_batch`'s blocking path in a thread, which sorts it out.
+        """
+        items = [normalize(record, utcnow()) for record in records]
+        if time.monotonic() >= self._db_retry_at and self._spool.is_empty():
+            if self._async_trip is not None:
+                try:
+                    if await self._async_trip.append(items):
+                        return [row["id"] for row, _ in items]
+                except (psycopg.Error, OSError) as exc:
+                    # Retried below; if the call did commit, its records now collide with themselves by id.
+                    logger.debug("audit: async append failed (%s); taking the blocking path", type(exc).__name__)
+            elif self._loop_writer is not None and self._lock.acquire(blocking=False):
+                try:
+                    written = self._loop_writer.write(lambda conn: self._append(items, skip_existing=False,
+                                                                                conn=conn))
+                finally:
+                    self._lock.release()
+                if written:
+                    return [row["id"] for row, _ in items]
+        await asyncio.to_thread(self._write_items, items)
+        return [row["id"] for row, _ in items]
+
+    async def aclose(self) -> None:
+        """:meth:`close`, and the event loop's connections too."""
+        if self._async_trip is not None:
+            await self._async_trip.aclose()
+        await asyncio.to_thread(self.close)
+
+    def _write_items(self, items: list[Item]) -> None:
         with self._lock:
             if time.monotonic() >= self._db_retry_at:
                 try:
                     if not self._spool.is_empty():
                         self._replay_before_write()
                     self._append(items, skip_existing=False)
-                    return ids
+                    return
                 except sa.exc.IntegrityError:
                     if len(items) > 1:  # find the duplicate one by one
-                        return [self._write_one_locked(item) for item in items]
-                    if self.get(ids[0]) is None:
+                        for item in items:
+                            self._write_one_locked(item)
+                        return
+                    if self.get(items[0][0]["id"]) is None:
                         raise
-                    return ids  # the same record written twice: once is enough
+                    return  # the same record written twice: once is enough
                 except TRANSIENT_ERRORS as exc:
                     self._db_retry_at = time.monotonic() + RETRY_AFTER_S
                     logger.warning("audit database unavailable, spooling to %s: %s", self._spool.path,
                                    type(exc).__name__)
             for item in items:
                 self._spool_item(item)
-        return ids
 
     def _write_one_locked(self, item: Item) -> str:
         try:
@@ -139,6 +193,8 @@ class AuditStore:
         with self._lock:
             if self._one_trip is not None:
                 self._one_trip.close()
+            if self._loop_writer is not None:
+                self._loop_writer.close()
 
     def is_durable(self) -> bool:
         """Whether a write now would be kept: the database is up, or the spool can take it."""
@@ -211,10 +267,10 @@ class AuditStore:
             row["hash"] = prev_hash = record_hash(prev_hash, row, stages)
             rows.append(row)
             stage_rows += [{**stage, "record_id": row["id"], "position": i} for i, stage in enumerate(stages)]
-        conn.execute(_records.insert(), rows)
+        conn.execute(_INSERT_RECORDS, rows)
         if stage_rows:
-            conn.execute(_stages.insert(), stage_rows)
-        conn.execute(_head.update().where(_head.c.id == HEAD_ID).values(hash=prev_hash))
+            conn.execute(_INSERT_STAGES, stage_rows)
+        conn.execute(_SET_HEAD_HASH, {"head_hash": prev_hash})
         if self._checkpoint_key is not None:
             for row in rows:
                 if row["seq"] % self._checkpoint_every == 0:
@@ -314,7 +370,5 @@ class AuditStore:
 
 def _lock_head(conn: sa.Connection, count: int) -> tuple[int, str]:
     """Lock the chain head and advance it by *count*: (the new last seq, the hash before this append)."""
-    statement = (_head.update().where(_head.c.id == HEAD_ID).values(seq=_head.c.seq + count)
-                 .returning(_head.c.seq, _head.c.hash))
-    return tuple(conn.execute(statement).one())  # type: ignore[return-value]
+    return tuple(conn.execute(_LOCK_HEAD, {"count": count}).one())  # type: ignore[return-value]
 

@@ -27,9 +27,14 @@ the engine is disposed.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 
 from store.audit_chain import checkpoint_row, hashed_canonical, utc_text
@@ -45,6 +50,9 @@ _READ = ("SELECT h.seq, h.hash, to_regprocedure('audit_append(bigint, text, bigi
 # Stage rows hold typed values already (normalize): any compact encoding will do.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 _CALLS_PER_APPEND = 2
+logger = logging.getLogger(__name__)
+#: The async appender's connect: past this, the write takes the blocking path (and its spool).
+CONNECT_TIMEOUT_S = 2
 
 
 class OneTripAppender:
@@ -114,7 +122,8 @@ class OneTripAppender:
                 return False
             for _ in range(_CALLS_PER_APPEND):
                 seq, prev_hash = self._head  # type: ignore[misc]
-                appended, head_seq, head_hash = conn.exec_driver_sql(_CALL, self._params(items, seq, prev_hash)).one()
+                params = call_params(items, seq, prev_hash, self._checkpoint_key, self._checkpoint_every)
+                appended, head_seq, head_hash = conn.exec_driver_sql(_CALL, params).one()
                 self._head = (head_seq, head_hash)
                 if appended:
                     return True
@@ -128,21 +137,152 @@ class OneTripAppender:
         self._head = (seq, head_hash) if self._available else None
         return bool(self._available)
 
-    def _params(self, items: list[Item], head_seq: int, head_hash: str) -> dict[str, Any]:
-        """audit_append()'s arguments: records (their canonical JSON plus ``hash``), stages, checkpoints."""
-        records, stage_rows, checkpoints = [], [], []
-        seq, prev_hash = head_seq, head_hash
-        for row, stages in items:
-            seq += 1
-            prev_hash, text = hashed_canonical(prev_hash, {**row, "seq": seq, "prev_hash": prev_hash}, stages)
-            records.append(f'{{"hash":"{prev_hash}",{text[1:]}')  # the canonical object, with its hash added
-            stage_rows += [{**stage, "record_id": row["id"], "position": n} for n, stage in enumerate(stages)]
-            if self._checkpoint_key is not None and seq % self._checkpoint_every == 0:
-                checkpoints.append(_json_checkpoint(checkpoint_row(self._checkpoint_key, seq, prev_hash, utcnow())))
-        return {"seq": head_seq, "hash": head_hash, "new_seq": seq, "new_hash": prev_hash,
-                "records": "[" + ",".join(records) + "]",
-                "stages": _ENCODER.encode(stage_rows) if stage_rows else None,
-                "checkpoints": "[" + ",".join(checkpoints) + "]" if checkpoints else None}
+def call_params(items: list[Item], head_seq: int, head_hash: str, checkpoint_key: bytes | None,
+                checkpoint_every: int) -> dict[str, Any]:
+    """audit_append()'s arguments: records (their canonical JSON plus ``hash``), stages, checkpoints."""
+    records, stage_rows, checkpoints = [], [], []
+    seq, prev_hash = head_seq, head_hash
+    for row, stages in items:
+        seq += 1
+        prev_hash, text = hashed_canonical(prev_hash, {**row, "seq": seq, "prev_hash": prev_hash}, stages)
+        records.append(f'{{"hash":"{prev_hash}",{text[1:]}')  # the canonical object, with its hash added
+        stage_rows += [{**stage, "record_id": row["id"], "position": n} for n, stage in enumerate(stages)]
+        if checkpoint_key is not None and seq % checkpoint_every == 0:
+            checkpoints.append(_json_checkpoint(checkpoint_row(checkpoint_key, seq, prev_hash, utcnow())))
+    return {"seq": head_seq, "hash": head_hash, "new_seq": seq, "new_hash": prev_hash,
+            "records": "[" + ",".join(records) + "]",
+            "stages": _ENCODER.encode(stage_rows) if stage_rows else None,
+            "checkpoints": "[" + ",".join(checkpoints) + "]" if checkpoints else None}
+
+
+class AsyncOneTripAppender:
+    """:class:`OneTripAppender` on the event loop: psycopg's async connection, no thread hop.
+
+    What the server's audit sink uses on PostgreSQL, where the thread hop of a
+    blocking write costs as much as the database's own work. It keeps its own
+    guess of the head (the compare-and-set keeps that safe next to the
+    blocking writers of this and other processes) and its own autocommit
+    connection, opened from the engine's URL on first use, on the loop that
+    uses it. Callers must not overlap calls (the sink writes one batch at a time).
+    """
+
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._checkpoint_key = checkpoint_key
+        self._checkpoint_every = checkpoint_every
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._head: tuple[int, str] | None = None
+        self._available: bool | None = None
+
+    async def append(self, items: list[Item]) -> bool:
+        """Chain *items* in one call; False, having written nothing, when the head moved twice or the
+        database has no audit_append(). Errors propagate (the connection is dropped first): the caller
+        falls back to the blocking path, which sorts out an outage or a record that did get in."""
+        if self._available is False:
+            return False
+        try:
+            conn = await self._connection()
+            if self._head is None:
+                seq, head_hash, self._available = await (await conn.execute(_READ)).fetchone()  # type: ignore[misc]
+                if not self._available:
+                    await self.aclose()
+                    return False
+                self._head = (seq, head_hash)
+            for _ in range(_CALLS_PER_APPEND):
+                seq, prev_hash = self._head
+                params = call_params(items, seq, prev_hash, self._checkpoint_key, self._checkpoint_every)
+                appended, head_seq, head_hash = await (await conn.execute(_CALL, params)).fetchone()  # type: ignore[misc]
+                self._head = (head_seq, head_hash)
+                if appended:
+                    return True
+            return False
+        except BaseException:
+            await self.aclose()  # what the connection holds, and whether the call committed, is unknown
+            raise
+
+    async def aclose(self) -> None:
+        conn, self._conn, self._head = self._conn, None, None
+        if conn is not None and not conn.closed:
+            if self._loop is asyncio.get_running_loop():
+                await conn.close()
+            else:  # opened on a loop that is gone: only its socket is left to close
+                conn.pgconn.finish()
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        loop = asyncio.get_running_loop()
+        if self._conn is not None and (self._loop is not loop or self._conn.closed):
+            await self.aclose()
+        if self._conn is None:
+            self._conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True,
+                                                               connect_timeout=CONNECT_TIMEOUT_S)
+            self._loop = loop
+        return self._conn
+
+
+class SqliteLoopWriter:
+    """SQLite writes on the event loop, only when they cannot wait.
+
+    A write to a SQLite file in WAL mode with ``synchronous=NORMAL`` is a few
+    hundred microseconds of CPU, most of it holding the GIL either way, so a
+    thread hop only adds its own cost. What could stall the loop is waiting:
+    for another writer's lock or for a WAL checkpoint. This writer's own
+    connection has ``busy_timeout=0`` (a held lock fails the write at once,
+    and the caller takes the blocking path) and ``wal_autocheckpoint=0``; it
+    leaves the checkpoint to a thread every ``CHECKPOINT_EVERY`` writes.
+    Not for in-memory databases (their one connection is shared). Not
+    thread-safe: the store's lock orders callers.
+    """
+
+    CHECKPOINT_EVERY = 500
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+        self._writes = 0
+
+    @classmethod
+    def for_engine(cls, engine: sa.Engine) -> SqliteLoopWriter | None:
+        if engine.dialect.name != "sqlite" or isinstance(engine.pool, sa.pool.StaticPool):
+            return None
+        return cls(engine)
+
+    def write(self, append: Callable[[sa.Connection], object]) -> bool:
+        """Run *append* in one transaction on this writer's connection; False, with nothing written,
+        when the database is locked or anything fails (the blocking path then tries, and explains)."""
+        try:
+            conn = self._connection()
+            with conn.begin():
+                append(conn)
+        except sa.exc.DBAPIError:
+            self.close()  # a busy database, or worse: the next write starts on a fresh connection
+            return False
+        self._writes += 1
+        if self._writes % self.CHECKPOINT_EVERY == 0:
+            threading.Thread(target=self._checkpoint, name="audit-wal-checkpoint", daemon=True).start()
+        return True
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.invalidate()  # never back to the pool: its pragmas are this writer's alone
+            conn.close()
+
+    def _connection(self) -> sa.Connection:
+        if self._conn is None:
+            conn = self._engine.connect()
+            conn.exec_driver_sql("PRAGMA busy_timeout=0")
+            conn.exec_driver_sql("PRAGMA wal_autocheckpoint=0")
+            conn.commit()
+            self._conn = conn
+        return self._conn
+
+    def _checkpoint(self) -> None:
+        try:
+            with self._engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+        except sa.exc.DBAPIError as exc:  # the next one tries again; other connections checkpoint too
+            logger.warning("audit: WAL checkpoint failed: %s", exc)
 
 
 def _json_checkpoint(row: dict[str, Any]) -> str:

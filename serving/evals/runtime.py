@@ -52,6 +52,7 @@ async def open_runtime(workspace: Workspace, loaded: Sequence[LoadedPipeline], *
     db = make_engine(workspace.database_url)
     pipelines: dict[str, Pipeline] = {}
     counters = None
+    sink = None
     try:
         create_schema(db)
         sink = StoreSink(open_store(workspace, db))
@@ -70,6 +71,8 @@ async def open_runtime(workspace: Workspace, loaded: Sequence[LoadedPipeline], *
         await pool.close()
         for pipeline in pipelines.values():
             await pipeline.aclose()
+        if sink is not None:
+            await sink.aclose()
         if counters is not None:
             await counters.close()
         provider.shutdown()

@@ -51,3 +51,29 @@ def engine(request) -> Iterator[sa.Engine]:
     create_schema(engine)
     yield engine
     engine.dispose()
+
+
+# PostgreSQL engines for the audit append tests: one store's, and another process's.
+
+
+@pytest.fixture
+def pg_url(postgresql_url) -> str:
+    # An application name of its own, so that a test can find (and kill) the store's connections.
+    return make_url(postgresql_url).update_query_dict({"application_name": f"audit-{uuid.uuid4().hex[:8]}"}) \
+        .render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def pg(pg_url) -> Iterator[sa.Engine]:
+    engine = make_engine(pg_url)
+    create_schema(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def other(pg_url) -> Iterator[sa.Engine]:
+    """A second engine on the same schema: another process, as far as the first store can tell."""
+    engine = make_engine(pg_url)
+    yield engine
+    engine.dispose()

@@ -9,42 +9,17 @@ rows look like next to the locking append's.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from store.audit import AuditStore, VerifyReport
 from store.audit_chain import json_line, normalize
-from store.db import create_schema, make_engine, utcnow
+from store.db import make_engine, utcnow
 from store.migrate import current_revision, downgrade, upgrade
 from tests.store.test_audit import make_record
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def pg_url(postgresql_url) -> str:
-    # An application name of its own, so that a test can find (and kill) the store's connections.
-    return make_url(postgresql_url).update_query_dict({"application_name": f"audit-{uuid.uuid4().hex[:8]}"}) \
-        .render_as_string(hide_password=False)
-
-
-@pytest.fixture
-def pg(pg_url) -> Iterator[sa.Engine]:
-    engine = make_engine(pg_url)
-    create_schema(engine)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
-def other(pg_url) -> Iterator[sa.Engine]:
-    """A second engine on the same schema: another process, as far as the first store can tell."""
-    engine = make_engine(pg_url)
-    yield engine
-    engine.dispose()
 
 
 def calls_to_audit_append(engine: sa.Engine) -> list[str]:
