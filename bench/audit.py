@@ -2,19 +2,20 @@
 
     .venv/bin/python bench/audit.py [--quick] [--postgres-url URL] [--only sqlite|postgres|verify]
 
-Records go through the real path, as the serving app writes them: the
-``audit`` stage (stages/audit.py) builds each record from a request context
-shaped like a RAG request (seven stages, two policy decisions, redacted
-200-character contents) and awaits the server's sink
-(serving/audit_sink.StoreSink: group commit; store/audit.AuditStore.awrite_batch:
-PostgreSQL's call on the loop's async connection, a SQLite file's write on the
-loop unless its lock is held elsewhere) until the record is durable, on a store configured as the server's defaults with a
-checkpoint key. What is timed is the stage's ``run``, from building the record
-to its commit. First one request at a time, N of them (the added latency's
-p50/p95; target p50 ≤ 1 ms), then N more from 16 concurrent requests (p50/p95
-per request, and records per commit: what group commit does). On PostgreSQL,
-N/2 more from two stores taking turns, as two server processes would at worst:
-each finds the chain head moved by the other (store/audit_append.py).
+Records go through the real path, as the serving app writes them: the ``audit``
+stage (stages/audit.py) builds each record from a request context shaped like a
+RAG request (seven stages, two policy decisions, redacted 200-character
+contents) and awaits the server's sink (serving/audit_sink.StoreSink: group
+commit; store/audit.AuditStore.awrite_batch: PostgreSQL's call on the loop's
+async connection, a SQLite file's write on the loop unless its lock is held
+elsewhere) until the record is durable, on a store configured as the server's
+defaults with a checkpoint key. What is timed is the stage's ``run``, from
+building the record to its commit. First one request at a time, N of them (the
+added latency's p50/p95; target p50 ≤ 1 ms), then N more from 16 concurrent
+requests (p50/p95 per request, and records per commit: what group commit does).
+On PostgreSQL, N/2 more from two stores taking turns, as two server processes
+would at worst: each finds the chain head moved by the other
+(store/audit_append.py).
 
 Baseline on PostgreSQL, in the same run and interleaved with the sequential
 writes: the commit floor, a one-row INSERT committed by one round trip on its

@@ -22,6 +22,18 @@ from tests.store.test_audit import make_record
 pytestmark = pytest.mark.integration
 
 
+def kill_connections(pg_url: str) -> int:
+    """Terminate every other connection with *pg_url*'s application name (the store's); how many."""
+    admin = make_engine(pg_url)
+    try:
+        with admin.connect() as conn:
+            return conn.scalar(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid()"))
+    finally:
+        admin.dispose()
+
+
 def calls_to_audit_append(engine: sa.Engine) -> list[str]:
     """Statements sent on *engine* that call audit_append(), collected as they go."""
     sent: list[str] = []
@@ -102,15 +114,7 @@ def test_a_head_that_keeps_moving_falls_back_to_the_locking_append(pg, other, tm
 def test_a_connection_killed_between_writes_is_replaced(pg, pg_url, tmp_path):
     audit = AuditStore(pg, spool_path=tmp_path / "s")
     audit.write(make_record(0))
-    admin = make_engine(pg_url)
-    try:
-        with admin.connect() as conn:
-            killed = conn.scalar(sa.text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid()"))
-    finally:
-        admin.dispose()
-    assert killed >= 1
+    assert kill_connections(pg_url) >= 1
     record_id = audit.write(make_record(1))
     assert audit._spool.is_empty()  # written to the database, on a fresh connection
     assert audit.get(record_id)["seq"] == 2

@@ -23,7 +23,7 @@ from store.audit import AuditStore, VerifyReport
 from store.audit_append import SqliteLoopWriter
 from store.db import create_schema, make_engine
 from tests.store.test_audit import make_record
-from tests.store.test_audit_append import calls_to_audit_append, seqs
+from tests.store.test_audit_append import calls_to_audit_append, kill_connections, seqs
 
 
 @pytest.fixture
@@ -77,15 +77,7 @@ async def test_postgres_async_and_blocking_writers_still_form_one_chain(pg, othe
 async def test_postgres_a_killed_async_connection_costs_no_record(pg, pg_url, tmp_path):
     audit = AuditStore(pg, spool_path=tmp_path / "s")
     await audit.awrite_batch([make_record(0)])
-    admin = make_engine(pg_url)
-    try:
-        with admin.connect() as conn:
-            killed = conn.scalar(sa.text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid()"))
-    finally:
-        admin.dispose()
-    assert killed >= 1
+    assert kill_connections(pg_url) >= 1
     first = (await audit.awrite_batch([make_record(1)]))[0]  # fails on the loop, goes the blocking way
     second = (await audit.awrite_batch([make_record(2)]))[0]  # and back on a fresh async connection
     assert audit._spool.is_empty()
