@@ -13,6 +13,8 @@ across processes; a thread lock orders this process's writers before that.
 On PostgreSQL a write is one round trip instead (store/audit_append.py): the
 records are hashed onto the head this store last saw and ``audit_append()``
 takes them only if, under that row lock, the head is still that one.
+The server writes through :meth:`AuditStore.awrite_batch`, which does the
+common case on the event loop without a thread hop (store/audit_append.py).
 When the database is unreachable, records go to a local spool file
 (store/audit_spool.py) and are replayed, exactly once, when it is back.
 """
@@ -168,12 +170,11 @@ class AuditStore:
             for item in items:
                 self._spool_item(item)
 
-    def _write_one_locked(self, item: Item) -> str:
+    def _write_one_locked(self, item: Item) -> None:
         try:
             self._append([item], skip_existing=True)
         except TRANSIENT_ERRORS:
             self._spool_item(item)
-        return item[0]["id"]
 
     def write_many(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
         """Chain *records* in order, 2,000 per transaction (bulk loads); no spool: errors propagate."""

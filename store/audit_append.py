@@ -23,6 +23,11 @@ once; that is safe because a call whose commit did happen but whose answer
 was lost misses the compare-and-set, and its records then collide with
 themselves on their ids. The connection is closed by :meth:`close` or when
 the engine is disposed.
+
+The server's writes come from the event loop (AuditStore.awrite_batch), where
+a thread hop costs as much as the write: :class:`AsyncOneTripAppender` sends
+the same call on an async psycopg connection, and :class:`SqliteLoopWriter`
+runs a SQLite file's locking append on the loop when it needs no waiting.
 """
 
 from __future__ import annotations
@@ -55,19 +60,56 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2
 
 
-class OneTripAppender:
-    """Appends to the chain with one ``audit_append()`` call. Not thread-safe: the store's lock orders callers."""
+class _HeadGuess:
+    """What both appenders keep: the chain head as last seen (only ever a guess; the compare-and-set
+    keeps a wrong one safe), whether the database has audit_append(), and the call's arguments."""
 
     def __init__(self, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
         self._checkpoint_key = checkpoint_key
         self._checkpoint_every = checkpoint_every
-        self._conn: sa.Connection | None = None
-        self._head: tuple[int, str] | None = None  # (seq, hash) as last seen: only ever a guess
-        self._available: bool | None = None  # whether the database has audit_append()
+        self._head: tuple[int, str] | None = None  # (seq, hash)
+        self._available: bool | None = None
 
     def forget_head(self) -> None:
         """The head moved by another path (the locking append): read it again next time."""
         self._head = None
+
+    def _saw_head(self, row: Any) -> bool:
+        """Take ``_READ``'s answer; whether audit_append() can be called."""
+        seq, head_hash, self._available = row
+        self._head = (seq, head_hash) if self._available else None
+        return bool(self._available)
+
+    def _took(self, row: Any) -> bool:
+        """Take ``_CALL``'s answer: whether the records went in (if not, the head moved and is now known)."""
+        appended, head_seq, head_hash = row
+        self._head = (head_seq, head_hash)
+        return bool(appended)
+
+    def _params(self, items: list[Item]) -> dict[str, Any]:
+        """audit_append()'s arguments: records (their canonical JSON plus ``hash``), stages, checkpoints."""
+        head_seq, head_hash = self._head  # type: ignore[misc]
+        records, stage_rows, checkpoints = [], [], []
+        seq, prev_hash = head_seq, head_hash
+        for row, stages in items:
+            seq += 1
+            prev_hash, text = hashed_canonical(prev_hash, {**row, "seq": seq, "prev_hash": prev_hash}, stages)
+            records.append(f'{{"hash":"{prev_hash}",{text[1:]}')  # the canonical object, with its hash added
+            stage_rows += [{**stage, "record_id": row["id"], "position": n} for n, stage in enumerate(stages)]
+            if self._checkpoint_key is not None and seq % self._checkpoint_every == 0:
+                checkpoints.append(_json_checkpoint(checkpoint_row(self._checkpoint_key, seq, prev_hash, utcnow())))
+        return {"seq": head_seq, "hash": head_hash, "new_seq": seq, "new_hash": prev_hash,
+                "records": "[" + ",".join(records) + "]",
+                "stages": _ENCODER.encode(stage_rows) if stage_rows else None,
+                "checkpoints": "[" + ",".join(checkpoints) + "]" if checkpoints else None}
+
+
+class OneTripAppender(_HeadGuess):
+    """Appends to the chain with one ``audit_append()`` call. Not thread-safe: the store's lock orders callers."""
+
+    def __init__(self, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+        super().__init__(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
+        self._conn: sa.Connection | None = None
 
     def append(self, engine: sa.Engine, items: list[Item]) -> bool:
         """Chain *items* (at least one) in one transaction; False, having written nothing, when it could not.
@@ -118,44 +160,18 @@ class OneTripAppender:
 
     def _append(self, conn: sa.Connection, items: list[Item]) -> bool:
         try:
-            if self._head is None and not self._read_head(conn):
+            if self._head is None and not self._saw_head(conn.exec_driver_sql(_READ).one()):
                 return False
             for _ in range(_CALLS_PER_APPEND):
-                seq, prev_hash = self._head  # type: ignore[misc]
-                params = call_params(items, seq, prev_hash, self._checkpoint_key, self._checkpoint_every)
-                appended, head_seq, head_hash = conn.exec_driver_sql(_CALL, params).one()
-                self._head = (head_seq, head_hash)
-                if appended:
+                if self._took(conn.exec_driver_sql(_CALL, self._params(items)).one()):
                     return True
             return False
         except BaseException:
             self._head = None  # the call may have committed before its answer was lost
             raise
 
-    def _read_head(self, conn: sa.Connection) -> bool:
-        seq, head_hash, self._available = conn.exec_driver_sql(_READ).one()
-        self._head = (seq, head_hash) if self._available else None
-        return bool(self._available)
 
-def call_params(items: list[Item], head_seq: int, head_hash: str, checkpoint_key: bytes | None,
-                checkpoint_every: int) -> dict[str, Any]:
-    """audit_append()'s arguments: records (their canonical JSON plus ``hash``), stages, checkpoints."""
-    records, stage_rows, checkpoints = [], [], []
-    seq, prev_hash = head_seq, head_hash
-    for row, stages in items:
-        seq += 1
-        prev_hash, text = hashed_canonical(prev_hash, {**row, "seq": seq, "prev_hash": prev_hash}, stages)
-        records.append(f'{{"hash":"{prev_hash}",{text[1:]}')  # the canonical object, with its hash added
-        stage_rows += [{**stage, "record_id": row["id"], "position": n} for n, stage in enumerate(stages)]
-        if checkpoint_key is not None and seq % checkpoint_every == 0:
-            checkpoints.append(_json_checkpoint(checkpoint_row(checkpoint_key, seq, prev_hash, utcnow())))
-    return {"seq": head_seq, "hash": head_hash, "new_seq": seq, "new_hash": prev_hash,
-            "records": "[" + ",".join(records) + "]",
-            "stages": _ENCODER.encode(stage_rows) if stage_rows else None,
-            "checkpoints": "[" + ",".join(checkpoints) + "]" if checkpoints else None}
-
-
-class AsyncOneTripAppender:
+class AsyncOneTripAppender(_HeadGuess):
     """:class:`OneTripAppender` on the event loop: psycopg's async connection, no thread hop.
 
     What the server's audit sink uses on PostgreSQL, where the thread hop of a
@@ -167,13 +183,10 @@ class AsyncOneTripAppender:
     """
 
     def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+        super().__init__(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
         self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._checkpoint_key = checkpoint_key
-        self._checkpoint_every = checkpoint_every
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._head: tuple[int, str] | None = None
-        self._available: bool | None = None
 
     async def append(self, items: list[Item]) -> bool:
         """Chain *items* in one call; False, having written nothing, when the head moved twice or the
@@ -183,18 +196,11 @@ class AsyncOneTripAppender:
             return False
         try:
             conn = await self._connection()
-            if self._head is None:
-                seq, head_hash, self._available = await (await conn.execute(_READ)).fetchone()  # type: ignore[misc]
-                if not self._available:
-                    await self.aclose()
-                    return False
-                self._head = (seq, head_hash)
+            if self._head is None and not self._saw_head(await (await conn.execute(_READ)).fetchone()):
+                await self.aclose()
+                return False
             for _ in range(_CALLS_PER_APPEND):
-                seq, prev_hash = self._head
-                params = call_params(items, seq, prev_hash, self._checkpoint_key, self._checkpoint_every)
-                appended, head_seq, head_hash = await (await conn.execute(_CALL, params)).fetchone()  # type: ignore[misc]
-                self._head = (head_seq, head_hash)
-                if appended:
+                if self._took(await (await conn.execute(_CALL, self._params(items))).fetchone()):
                     return True
             return False
         except BaseException:
@@ -240,6 +246,7 @@ class SqliteLoopWriter:
         self._engine = engine
         self._conn: sa.Connection | None = None
         self._writes = 0
+        self._checkpointing: threading.Thread | None = None
 
     @classmethod
     def for_engine(cls, engine: sa.Engine) -> SqliteLoopWriter | None:
@@ -258,8 +265,9 @@ class SqliteLoopWriter:
             self.close()  # a busy database, or worse: the next write starts on a fresh connection
             return False
         self._writes += 1
-        if self._writes % self.CHECKPOINT_EVERY == 0:
-            threading.Thread(target=self._checkpoint, name="audit-wal-checkpoint", daemon=True).start()
+        if self._writes % self.CHECKPOINT_EVERY == 0 and not (self._checkpointing and self._checkpointing.is_alive()):
+            self._checkpointing = threading.Thread(target=self._checkpoint, name="audit-wal-checkpoint", daemon=True)
+            self._checkpointing.start()
         return True
 
     def close(self) -> None:
