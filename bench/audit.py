@@ -21,10 +21,13 @@ Baseline on PostgreSQL, in the same run and interleaved with the sequential
 writes: the commit floor, a one-row INSERT committed by one round trip on its
 own connection (the WAL flush of a commit plus a round trip; nothing can
 write durably for less). Then 100,000 chained records go to SQLite through the
-bulk path (``write_many``) and ``verify`` is timed over them. The last line is
-one JSON object: ``audit_added_ms_p50_sqlite``, ``audit_added_ms_p50_postgres``,
-their p95s and concurrent p50s, ``audit_added_ms_p50_postgres_two_writers``,
-``postgres_commit_floor_ms_p50`` and ``verify_s_100k`` (target: under 10 s),
+bulk path (``write_many``) and ``verify`` is timed over them twice: as it runs
+by default (worker processes hashing seq ranges in parallel, one per CPU) and,
+the baseline, in one process (``workers=1``). The last line is one JSON object:
+``audit_added_ms_p50_sqlite``, ``audit_added_ms_p50_postgres``, their p95s and
+concurrent p50s, ``audit_added_ms_p50_postgres_two_writers``,
+``postgres_commit_floor_ms_p50``, ``verify_s_100k`` (target: under 10 s),
+``verify_s_100k_one_process`` and ``verify_parallel_speedup`` (their ratio),
 with the machine's CPU pressure before and after (``/proc/pressure/cpu``, the
 share of time something waited for a CPU): on a shared machine, other load
 moves every figure here, the commit floor included.
@@ -199,19 +202,22 @@ def commit_floor(url: str) -> tuple[Callable[[], None], Callable[[], None]]:
     return insert, conn.close
 
 
-def verify_seconds(num_records: int, folder: Path) -> float:
+def verify_seconds(num_records: int, folder: Path) -> tuple[float, float]:
+    """Seconds to verify *num_records*: as by default (parallel), and in one process."""
     engine = make_engine(f"sqlite:///{folder / 'verify.db'}")
     create_schema(engine)
     audit = AuditStore(engine, spool_path=folder / "verify.spool")
     for start in range(0, num_records, 5000):
         audit.write_many([request_record(i) for i in range(start, min(start + 5000, num_records))])
-    began = time.perf_counter()
-    report = audit.verify()
-    elapsed = time.perf_counter() - began
+    elapsed = []
+    for workers in (None, 1):
+        began = time.perf_counter()
+        report = audit.verify(workers=workers)
+        elapsed.append(time.perf_counter() - began)
+        if not report.ok or report.checked != num_records:
+            raise SystemExit(f"verify (workers={workers}) failed: {report.findings[:3]}")
     engine.dispose()
-    if not report.ok or report.checked != num_records:
-        raise SystemExit(f"verify failed: {report.findings[:3]}")
-    return elapsed
+    return elapsed[0], elapsed[1]
 
 
 def summarize(name: str, results: dict[str, Any], latency: dict[str, Any]) -> None:
@@ -282,9 +288,11 @@ def main() -> None:
         if args.only in (None, "postgres"):
             run_postgres(results, num_writes, folder, args.postgres_url)
         if args.only in (None, "verify"):
-            seconds = verify_seconds(num_verify, folder)
-            print(f"verify of {num_verify} records: {seconds:.2f} s", flush=True)
+            seconds, one_process = verify_seconds(num_verify, folder)
+            print(f"verify of {num_verify} records: {seconds:.2f} s ({one_process:.2f} s in one process)", flush=True)
             results["verify_s_100k"] = round(seconds * 100_000 / num_verify, 3)
+            results["verify_s_100k_one_process"] = round(one_process * 100_000 / num_verify, 3)
+            results["verify_parallel_speedup"] = round(one_process / seconds, 3)
             results["verify_records"] = num_verify
     results["cpu_pressure_avg60_after"] = cpu_pressure()
     print(json.dumps(results))

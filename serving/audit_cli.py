@@ -3,7 +3,7 @@
     inferline audit query [--pipeline P] [--since T] [--status S] ... [--limit N]
     inferline audit show RECORD_ID
     inferline audit summary [--group-by pipeline|model|key_id|day]
-    inferline audit verify [--since T] [--until T]          exit 1 on any finding
+    inferline audit verify [--since T] [--until T] [--workers N]   exit 1 on any finding
     inferline audit export [--format jsonl|csv] [...]        to stdout
     inferline audit prune                                    past each pipeline's retention, not on hold
     inferline audit hold (--pipeline P | --record ID...) [--release]
@@ -50,6 +50,9 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     verify = actions.add_parser("verify", parents=[common], help="recompute the hash chain; exit 1 on any finding")
     _time_options(verify)
+    verify.add_argument("--workers", type=_positive, metavar="N",
+                        help="processes that recompute hashes in parallel (default: one per CPU, for "
+                             "spans of 40,000+ records; 1: this process only)")
     verify.set_defaults(handler=_verify)
 
     export = actions.add_parser("export", parents=[common], help="export records to stdout")
@@ -68,6 +71,16 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     hold.add_argument("--release", action="store_true", help="take them off hold instead")
     hold.set_defaults(handler=_hold)
     return parser
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return number
 
 
 def _time_options(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +142,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = _store(args).verify(args.since, args.until)
+    report = _store(args).verify(args.since, args.until, workers=args.workers)
     for finding in report.findings:
         print(f"{finding.kind}: seq {finding.seq} record {finding.record_id}: {finding.detail}")
     verdict = "ok" if report.ok else f"FAILED ({len(report.findings)} finding(s))"

@@ -285,12 +285,13 @@ class AuditStore:
     # --- checking and reading ---------------------------------------------------------
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
-               checkpoint_key: bytes | None = None) -> VerifyReport:
+               checkpoint_key: bytes | None = None, workers: int | None = None) -> VerifyReport:
         """Check the chain (records received in [since, until), or all); checkpoints too with a key.
 
         Without *checkpoint_key*, the store's own key (if configured) checks the checkpoints.
+        *workers*: processes hashing in parallel (None: one per CPU for long spans; 1: none).
         """
-        return verify_chain(self.engine, since, until, checkpoint_key or self._checkpoint_key)
+        return verify_chain(self.engine, since, until, checkpoint_key or self._checkpoint_key, workers)
 
     def query(self, filters: AuditFilters, *, sort: str = "-received_at", cursor: str | None = None,
               limit: int = 50) -> Page:

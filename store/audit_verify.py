@@ -6,6 +6,14 @@ row leaves a gap). Gaps that a prune marker accounts for pass: the marker,
 itself a chained record, lists each pruned seq range with the prev_hash that
 led into it and the hash that left it, so the walk can link over the range.
 Rows are read in keyset batches, never all at once.
+
+Recomputing the hashes is most of the work, and each row's hash depends only
+on the row itself (its prev_hash is one of its columns), so a long span is
+split into seq ranges that worker processes read and hash in parallel; each
+hands back, per row, only what the walk needs (seq, id, prev_hash, hash and
+whether the hash matched; the whole row where it did not), and the walk, which
+is sequential but cheap, runs here in seq order over their answers. A worker
+that fails has its range checked in this process instead.
 """
 
 from __future__ import annotations
@@ -14,9 +22,17 @@ import bisect
 import contextlib
 import gc
 import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,6 +42,14 @@ from store.audit_models import GENESIS_HASH, AuditChainHead, AuditCheckpoint, Au
 
 BATCH_SIZE = 2000
 MAX_FINDINGS = 1000
+#: A worker process takes about 0.3 s to start: spans with fewer records than this per worker stay here.
+MIN_ROWS_PER_WORKER = 20_000
+#: Seq range one worker process checks: bounds what its answer holds in memory.
+MAX_ROWS_PER_RANGE = 250_000
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger(__name__)
+#: (row, its stages, whether its hash matched): a row that matched may hold only seq, id, prev_hash, hash.
+Checked = tuple[Mapping[str, Any], list[dict[str, Any]], bool]
 _records = AuditRecord.__table__
 _stages = AuditStage.__table__
 
@@ -79,8 +103,9 @@ class _Walk:
             self.findings.append(Finding(kind, row["seq"] if row is not None else seq,
                                          row["id"] if row is not None else None, detail))
 
-    def feed(self, row: Mapping[str, Any], stages: list[dict[str, Any]], nxt: tuple | None) -> bool:
-        """Check *row*; True when it also consumed *nxt* (a reordered pair)."""
+    def feed(self, row: Mapping[str, Any], stages: list[dict[str, Any]], hash_ok: bool, nxt: Checked | None) -> bool:
+        """Check *row* (*hash_ok*: its stored hash matched its contents); True when it also consumed
+        *nxt* (a reordered pair)."""
         self.checked += 1
         if row["seq"] in self.watched:
             self.hashes[row["seq"]] = row["hash"]
@@ -90,7 +115,7 @@ class _Walk:
             self.report("inserted", row, "a row inside a range that a prune marker says was deleted")
             return False
         self._check_seq(row)
-        if record_hash(row["prev_hash"], row, stages) == row["hash"]:
+        if hash_ok:
             self._check_link(row, nxt)
             return False
         if nxt is not None and self._is_swap(row, stages, *nxt):
@@ -116,7 +141,7 @@ class _Walk:
             seq, link = pruned.last + 1, pruned.last_hash
         self.link = link
 
-    def _check_link(self, row: Mapping[str, Any], nxt: tuple | None) -> None:
+    def _check_link(self, row: Mapping[str, Any], nxt: Checked | None) -> None:
         if self.link is not None and row["prev_hash"] != self.link:
             if nxt is not None and nxt[0]["prev_hash"] == self.link:
                 # The next row links straight past this one: this one was slipped in.
@@ -129,8 +154,10 @@ class _Walk:
                 self.report("gap", row, f"prev_hash does not match the hash of the record before seq {row['seq']}")
         self.link, self.expected, self.previous = row["hash"], row["seq"] + 1, row
 
-    def _is_swap(self, row: Mapping[str, Any], stages: list, other: Mapping[str, Any], other_stages: list) -> bool:
-        if other["seq"] != row["seq"] + 1 or row["prev_hash"] != other["hash"]:
+    def _is_swap(self, row: Mapping[str, Any], stages: list, other: Mapping[str, Any], other_stages: list,
+                 other_ok: bool) -> bool:
+        # Both rows of a swapped pair fail their own hash (each was chained at the other's seq).
+        if other_ok or other["seq"] != row["seq"] + 1 or row["prev_hash"] != other["hash"]:
             return False
         if self.link is not None and other["prev_hash"] != self.link:
             return False
@@ -152,8 +179,12 @@ def _why_modified(row: Mapping[str, Any], stages: list[dict[str, Any]]) -> str:
 
 
 def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | None,
-                 checkpoint_key: bytes | None) -> VerifyReport:
-    """Walk the chain (or the seq span of records received in [since, until)) and report findings."""
+                 checkpoint_key: bytes | None, workers: int | None = None) -> VerifyReport:
+    """Walk the chain (or the seq span of records received in [since, until)) and report findings.
+
+    *workers*: processes that recompute hashes in parallel; None picks one per CPU for a long span,
+    1 does everything in this process.
+    """
     with engine.connect() as conn:
         head_seq, head_hash = conn.execute(sa.select(AuditChainHead.seq, AuditChainHead.hash)).one()
         lo, hi = _seq_span(conn, since, until)
@@ -162,7 +193,7 @@ def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | No
             walk.watched = set(conn.scalars(sa.select(AuditCheckpoint.seq)))
         if lo is not None:
             with _cyclic_gc_paused():
-                _walk_rows(walk, _rows(conn, lo, hi))
+                _walk_rows(walk, _checked_rows(engine, conn, lo, hi, workers))
         if until is None:
             _check_tail(walk, head_seq, head_hash)
         if checkpoint_key is not None:
@@ -170,7 +201,7 @@ def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | No
     return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings)
 
 
-def _walk_rows(walk: _Walk, rows: Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
+def _walk_rows(walk: _Walk, rows: Iterator[Checked]) -> None:
     current = next(rows, None)
     while current is not None:
         following = next(rows, None)
@@ -192,6 +223,110 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _checked_rows(engine: sa.Engine, conn: sa.Connection, lo: int, hi: int,
+                  workers: int | None) -> Iterator[Checked]:
+    """Every row of seqs lo..hi in order with its hash checked: here, or by worker processes."""
+    count = _worker_count(engine, hi - lo + 1, workers)
+    if count <= 1:
+        yield from _hash_checked(_rows(conn, lo, hi))
+        return
+    url = engine.url.render_as_string(hide_password=False)
+    ranges = _ranges(lo, hi, count)
+    pending: deque[tuple[tuple[int, int], Future[bytes | None]]] = deque()
+    with ThreadPoolExecutor(count, thread_name_prefix="audit-verify") as pool:
+        # At most one range waiting beyond those running: answers are consumed in order.
+        queued = iter(ranges)
+        for span in queued:
+            pending.append((span, pool.submit(_run_worker, url, *span)))
+            if len(pending) > count:
+                break
+        while pending:
+            span, answer = pending.popleft()
+            following = next(queued, None)
+            if following is not None:
+                pending.append((following, pool.submit(_run_worker, url, *following)))
+            result = answer.result()
+            if result is None:
+                yield from _hash_checked(_rows(conn, *span))
+            else:
+                yield from _unpack(pickle.loads(result))
+
+
+def _worker_count(engine: sa.Engine, num_rows: int, workers: int | None) -> int:
+    url = engine.url
+    if url.get_backend_name() == "sqlite" and (url.database in (None, "", ":memory:")
+                                               or url.query.get("mode") == "memory"):
+        return 1  # another process cannot see this database
+    if workers is not None:
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
+        return workers
+    if not sys.executable:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, num_rows // MIN_ROWS_PER_WORKER))
+
+
+def _ranges(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    num_rows = hi - lo + 1
+    parts = max(count, -(-num_rows // MAX_ROWS_PER_RANGE))
+    width = -(-num_rows // parts)
+    return [(start, min(start + width - 1, hi)) for start in range(lo, hi + 1, width)]
+
+
+def _hash_checked(rows: Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]) -> Iterator[Checked]:
+    for row, stages in rows:
+        yield row, stages, record_hash(row["prev_hash"], row, stages) == row["hash"]
+
+
+# A worker's answer: (seq, id, prev_hash, hash) for each row whose hash matched, (row, stages) for one that
+# did not; a tenth of the bytes of whole rows, and the walk needs no more of a matching row.
+def _pack(rows: Iterator[Checked]) -> list[tuple[Any, ...]]:
+    return [(row["seq"], row["id"], row["prev_hash"], row["hash"]) if ok else (row, stages)
+            for row, stages, ok in rows]
+
+
+def _unpack(items: list[tuple[Any, ...]]) -> Iterator[Checked]:
+    for item in items:
+        if len(item) == 4:
+            seq, record_id, prev_hash, stored = item
+            yield {"seq": seq, "id": record_id, "prev_hash": prev_hash, "hash": stored}, [], True
+        else:
+            yield item[0], item[1], False
+
+
+def _run_worker(url: str, lo: int, hi: int) -> bytes | None:
+    """Check seqs lo..hi in a fresh interpreter (the URL goes on its stdin, never its command line);
+    None when it failed, so the caller checks the range itself."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_PROJECT_ROOT),
+                                                                      os.environ.get("PYTHONPATH"))))}
+    try:
+        done = subprocess.run([sys.executable, "-c", "from store.audit_verify import worker_main; worker_main()"],
+                              input=pickle.dumps((url, lo, hi)), capture_output=True, env=env, check=False)
+    except OSError as exc:
+        logger.warning("audit verify: could not start a worker (%s); checking seq %d..%d here", exc, lo, hi)
+        return None
+    if done.returncode != 0:
+        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        logger.warning("audit verify: a worker failed (%s); checking seq %d..%d here", last[0][:200], lo, hi)
+        return None
+    return done.stdout
+
+
+def worker_main() -> None:
+    """A verify worker: reads (url, lo, hi) pickled from stdin, writes its packed answer to stdout."""
+    from store.db import make_engine
+
+    url, lo, hi = pickle.loads(sys.stdin.buffer.read())
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn, _cyclic_gc_paused():
+            answer = pickle.dumps(_pack(_hash_checked(_rows(conn, lo, hi))), protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        engine.dispose()
+    sys.stdout.buffer.write(answer)
 
 
 def _seq_span(conn: sa.Connection, since: datetime | None, until: datetime | None) -> tuple[int | None, int]:

@@ -53,6 +53,15 @@ def test_verify_exit_codes(config, capsys):
     engine.dispose()
     assert main(["audit", "verify", "--config", config]) == 1
     assert "modified: seq 3" in capsys.readouterr().out
+    assert main(["audit", "verify", "--config", config, "--workers", "2"]) == 1  # seqs 1-2 and 3-4 in two processes
+    assert "modified: seq 3" in capsys.readouterr().out
+
+
+def test_verify_refuses_workers_below_one(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["audit", "verify", "--config", config, "--workers", "0"])
+    assert exit_info.value.code == 2
+    assert "at least 1, got '0'" in capsys.readouterr().err
 
 
 def test_hold_then_prune_keeps_the_chain_valid(config, capsys):

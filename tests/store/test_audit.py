@@ -7,6 +7,7 @@ Tampering is done with raw SQL, as someone with database access would.
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -18,7 +19,7 @@ import sqlalchemy as sa
 from store.audit import AuditFilters, AuditStore, VerifyReport
 from store.audit_chain import record_hash, uuid7
 from store.audit_models import GENESIS_HASH
-from store.db import make_engine
+from store.db import create_schema, make_engine
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -150,10 +151,13 @@ def test_awkward_values_come_back_as_hashed(audit):
 # --- tampering ----------------------------------------------------------------
 
 
-@pytest.fixture
-def chain(audit) -> AuditStore:
+@pytest.fixture(params=[1, 3], ids=["one-process", "3-workers"])
+def chain(audit, request, monkeypatch) -> AuditStore:
+    """Ten records; verify runs in this process, or split over 3 worker processes (seqs 1-4, 5-8, 9-10:
+    a reordered pair 4/5 sits across a range boundary)."""
     for i in range(10):
         audit.write(make_record(i))
+    monkeypatch.setattr(audit, "verify", functools.partial(audit.verify, workers=request.param))
     return audit
 
 
@@ -182,12 +186,13 @@ def test_a_deleted_tail_is_deleted(chain):
     assert [(f.kind, f.seq) for f in chain.verify().findings] == [("deleted", 10)]
 
 
-def test_a_reordered_pair_is_reordered(chain):
-    execute(chain.engine, "UPDATE audit_records SET seq = -1 WHERE seq = 3")
-    execute(chain.engine, "UPDATE audit_records SET seq = 3 WHERE seq = 4")
-    execute(chain.engine, "UPDATE audit_records SET seq = 4 WHERE seq = -1")
+@pytest.mark.parametrize("first", [3, 4])  # with 3 workers, 4 and 5 are checked by different processes
+def test_a_reordered_pair_is_reordered(chain, first):
+    execute(chain.engine, "UPDATE audit_records SET seq = -1 WHERE seq = :s", s=first)
+    execute(chain.engine, "UPDATE audit_records SET seq = :s WHERE seq = :n", s=first, n=first + 1)
+    execute(chain.engine, "UPDATE audit_records SET seq = :n WHERE seq = -1", n=first + 1)
     report = chain.verify()
-    assert [(f.kind, f.seq) for f in report.findings] == [("reordered", 3)]
+    assert [(f.kind, f.seq) for f in report.findings] == [("reordered", first)]
     assert report.checked == 10
 
 
@@ -331,3 +336,64 @@ def test_verify_a_time_window(chain):
     execute(chain.engine, "UPDATE audit_records SET cost_usd = 99 WHERE seq = 9")  # outside the window
     assert chain.verify(since=T0 + timedelta(minutes=3), until=T0 + timedelta(minutes=7)).ok
     assert [(f.kind, f.seq) for f in chain.verify(since=T0 + timedelta(minutes=7)).findings] == [("modified", 9)]
+
+
+# --- verify in parallel ---------------------------------------------------------
+
+
+@pytest.fixture
+def worker_answers(monkeypatch) -> list[bytes | None]:
+    """Each worker process's answer (None: it failed), in the order they were asked."""
+    import store.audit_verify as verify
+
+    answers: list[bytes | None] = []
+    real = verify._run_worker
+
+    def spy(*args: Any) -> bytes | None:
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(verify, "_run_worker", spy)
+    return answers
+
+
+def test_long_spans_are_hashed_by_worker_processes(engine, tmp_path, monkeypatch, worker_answers):
+    import store.audit_verify as verify
+
+    store = AuditStore(engine, spool_path=tmp_path / "audit.spool")
+    store.write_many([make_record(i) for i in range(60)])
+    monkeypatch.setattr(verify, "MIN_ROWS_PER_WORKER", 10)
+    monkeypatch.setattr(verify, "MAX_ROWS_PER_RANGE", 25)  # 60 records: 3 ranges of 20
+    assert store.verify() == VerifyReport(True, 60, 60, [])
+    assert len(worker_answers) == 3 and None not in worker_answers
+    execute(engine, "UPDATE audit_records SET cost_usd = 99 WHERE seq = 41")  # the last range's first row
+    assert [(f.kind, f.seq) for f in store.verify().findings] == [("modified", 41)]
+
+
+@pytest.mark.parametrize("executable", ["/nonexistent/python", "/bin/false"])
+def test_a_worker_that_fails_leaves_its_range_to_this_process(engine, tmp_path, monkeypatch, caplog,
+                                                             worker_answers, executable):
+    import store.audit_verify as verify
+
+    store = AuditStore(engine, spool_path=tmp_path / "audit.spool")
+    store.write_many([make_record(i) for i in range(30)])
+    execute(engine, "UPDATE audit_records SET cost_usd = 99 WHERE seq = 20")
+    monkeypatch.setattr(verify.sys, "executable", executable)
+    report = store.verify(workers=2)
+    assert [(f.kind, f.seq) for f in report.findings] == [("modified", 20)] and report.checked == 30
+    assert worker_answers == [None, None]
+    assert "checking seq 1..15 here" in caplog.text and "checking seq 16..30 here" in caplog.text
+
+
+def test_an_in_memory_database_is_verified_in_this_process(tmp_path, worker_answers):
+    engine = make_engine("sqlite://")
+    create_schema(engine)
+    store = AuditStore(engine, spool_path=tmp_path / "audit.spool")
+    store.write_many([make_record(i) for i in range(5)])
+    assert store.verify(workers=4) == VerifyReport(True, 5, 5, [])
+    assert worker_answers == []  # another process could not see this database
+
+
+def test_workers_below_one_are_refused(chain):
+    with pytest.raises(ValueError, match="at least 1"):
+        AuditStore.verify(chain, workers=0)
