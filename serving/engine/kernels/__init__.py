@@ -10,7 +10,8 @@ flags, so a build is never reused on a machine it was not made for.
 ``make install`` builds it ahead of time: ``python -m serving.engine.kernels``.
 
 Kernels: ``paged_attention`` (paged_attention.cpp); ``rms_norm``, ``add_rms_norm_``, ``rope_`` and
-``silu_mul`` (layer_ops.cpp), the small steps of a layer fused.
+``silu_mul`` (layer_ops.cpp), the small steps of a layer fused; ``small_linear`` (small_linear.cpp), the
+linear layers of decode-sized batches on a thread pool of our own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp")
+SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp", _HERE / "small_linear.cpp")
 HEADERS = (_HERE / "vec.h",)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
