@@ -28,8 +28,9 @@ PROMPT = "Zanzibar-prompt-4471: what is the capital of France?"
 
 
 def key_secrets(keys: dict[str, str]) -> list[str]:
-    """What must never be written anywhere: each whole key, and its secret part alone."""
-    return [*keys.values(), *(key.rsplit("_", 1)[1] for key in keys.values())]
+    """What must never be written anywhere: each whole key, and its secret part alone
+    (``il_<id>_<secret>``; the secret itself may hold underscores)."""
+    return [*keys.values(), *(key.split("_", 2)[2] for key in keys.values())]
 
 
 def test_keys_and_prompts_stay_out_of_logs_traces_audit_and_error_bodies(tmp_path, monkeypatch, caplog):
