@@ -302,15 +302,19 @@ def _run_worker(url: str, lo: int, hi: int) -> bytes | None:
     None when it failed, so the caller checks the range itself."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_PROJECT_ROOT),
                                                                       os.environ.get("PYTHONPATH"))))}
+    # -P: the working directory stays off sys.path, so a folder there named "store" cannot shadow ours.
+    command = [sys.executable, "-P", "-c", "from store.audit_verify import worker_main; worker_main()"]
     try:
-        done = subprocess.run([sys.executable, "-c", "from store.audit_verify import worker_main; worker_main()"],
-                              input=pickle.dumps((url, lo, hi)), capture_output=True, env=env, check=False)
+        done = subprocess.run(command, input=pickle.dumps((url, lo, hi)), capture_output=True, env=env, check=False)
     except OSError as exc:
         logger.warning("audit verify: could not start a worker (%s); checking seq %d..%d here", exc, lo, hi)
         return None
     if done.returncode != 0:
-        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        logger.warning("audit verify: a worker failed (%s); checking seq %d..%d here", last[0][:200], lo, hi)
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1][:200]
+        password = sa.make_url(url).password
+        if password:  # an error may quote the URL it was given
+            last = last.replace(str(password), "***")
+        logger.warning("audit verify: a worker failed (%s); checking seq %d..%d here", last, lo, hi)
         return None
     return done.stdout
 

@@ -397,3 +397,15 @@ def test_an_in_memory_database_is_verified_in_this_process(tmp_path, worker_answ
 def test_workers_below_one_are_refused(chain):
     with pytest.raises(ValueError, match="at least 1"):
         AuditStore.verify(chain, workers=0)
+
+
+def test_a_failed_workers_error_is_logged_without_the_database_password(tmp_path, monkeypatch, caplog):
+    import store.audit_verify as verify
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\ncat >&2\nexit 3\n")  # fails, quoting its stdin (which holds the URL)
+    fake.chmod(0o755)
+    monkeypatch.setattr(verify.sys, "executable", str(fake))
+    assert verify._run_worker("postgresql+psycopg://auditor:s3cret-pw@127.0.0.1/audit", 1, 2) is None
+    assert "a worker failed" in caplog.text and "checking seq 1..2 here" in caplog.text
+    assert "s3cret-pw" not in caplog.text and "***" in caplog.text
