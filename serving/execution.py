@@ -31,22 +31,28 @@ class Executor:
         return pipeline
 
     async def stream(self, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
-        """The runner's events; metrics are recorded however the stream ends."""
+        """The runner's events; metrics are recorded however the stream ends, and before the final
+        event goes out: a client that reads /metrics once it has its answer finds the answer counted."""
         self._enter()
-        final: Done | Error | None = None
+        observed = False
         try:
             async for event in self.runner.stream(pipeline, ctx):
-                if isinstance(event, (Done, Error)):
-                    final = event
+                if isinstance(event, (Done, Error)) and not observed:
+                    observed = True
+                    self._observe(pipeline, ctx, event)
                 yield event
         finally:
             self._leave()
-            self.metrics.observe_cache(pipeline.name, ctx.facts.get("cache"))
-            self.metrics.observe_online_eval(pipeline.name, ctx.facts.get("online_eval"))
-            if final is not None:
-                self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
-            else:
-                self.metrics.requests.labels(pipeline.name, "disconnected").inc()
+            if not observed:
+                self._observe(pipeline, ctx, None)
+
+    def _observe(self, pipeline: Pipeline, ctx: RequestContext, final: Done | Error | None) -> None:
+        self.metrics.observe_cache(pipeline.name, ctx.facts.get("cache"))
+        self.metrics.observe_online_eval(pipeline.name, ctx.facts.get("online_eval"))
+        if final is not None:
+            self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
+        else:
+            self.metrics.requests.labels(pipeline.name, "disconnected").inc()
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
         return await final_event(self.stream(pipeline, ctx))
