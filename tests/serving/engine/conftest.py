@@ -44,3 +44,14 @@ def chat_prompts(loaded_model) -> list[list[int]]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return prompts
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """``torch.ops.inferline``, the C++ CPU kernels."""
+    from serving.engine.kernels import cpu_ops, disabled_reason
+
+    ops = cpu_ops()
+    if ops is None:  # the build is part of `make install`: a missing kernel is a broken install, not a skip
+        pytest.fail(f"the C++ kernels did not build: {disabled_reason()}", pytrace=False)
+    return ops

@@ -11,21 +11,12 @@ import torch.nn.functional as F
 
 from serving.engine import model_runner as mr
 from serving.engine.attention import paged_attention, write_kv
-from serving.engine.kernels import cpu_ops, disabled_reason
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu_ops()
-    if ops is None:  # the build is part of `make install`: a missing kernel is a broken install, not a skip
-        pytest.fail(f"the C++ kernels did not build: {disabled_reason()}", pytrace=False)
-    return ops
 
 
 def fake_model(num_heads: int, num_kv_heads: int, head_dim: int):
