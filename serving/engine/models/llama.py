@@ -205,9 +205,11 @@ class LlamaModel:
                    (self.lm_head, None, max_logits_rows)]
         with torch.inference_mode():
             for weight, bias, limit in weights:
-                packed = weight.packed if isinstance(weight, CpuWeight) else weight
+                packed, first = weight, 1
+                if isinstance(weight, CpuWeight):  # rows the small-batch kernel takes never reach oneDNN
+                    packed, first = weight.packed, 1 if weight.dense is None else SMALL_ROWS + 1
                 x = torch.zeros(bucket_rows(limit), weight.shape[1], dtype=self.dtype)
-                for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
+                for rows in sorted({bucket_rows(n) for n in range(first, limit + 1)}):
                     _onednn_linear(x[:rows], packed, bias)
 
     def weight_bytes(self) -> int:

@@ -100,3 +100,15 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
         x = torch.randn(1, model.shape.hidden_size)
         weight = model.layers[0].o
         assert model.linear(x, weight, None).shape == (1, model.shape.hidden_size)
+
+
+def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loaded_model, monkeypatch):
+    model = loaded_model.model
+    if model.linear is not llama._cpu_linear or model.layers[0].qkv.dense is None:
+        pytest.skip("the model keeps no plain copies here")
+    seen: list[int] = []
+    real = llama._onednn_linear
+    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    model.prepare(40, 8)
+    assert min(seen) == llama.SMALL_ROWS + 1
+    assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(llama.SMALL_ROWS + 1, 41)})
