@@ -77,11 +77,11 @@ def _build_key() -> str:
     digest.update(torch.__version__.encode())
     digest.update(b"-fopenmp")
     digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

@@ -9,7 +9,7 @@ On CPU, float32 linear layers run through oneDNN with weights packed once at
 load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
 EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
 MKL does not pick its fast kernels on AMD processors. Batches of up to
-``SMALL_ROWS`` rows (decoding one to three sequences) instead go to our own
+``SMALL_ROWS`` rows (decoding a few sequences: 3 with AVX-512, 8 without) instead go to our own
 kernel (``kernels/small_linear.cpp``) over a plain copy of each weight: there
 each matmul is a memory-bound pass over the weights, and oneDNN's per-call
 OpenMP wake-up is a quarter of the step (the 121 matmuls of a SmolLM2-135M
@@ -111,10 +111,24 @@ Linear = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 #: The batch size oneDNN packs weights for; measured best across batch 1 to 512.
 _PACK_FOR_BATCH = 64
-#: Rows up to this go to the small-batch kernel. The 121 matmuls of a SmolLM2-135M decode step, ours
-#: against oneDNN (2 threads, PASSIVE OpenMP): 1 row 12.5 vs 18.3 ms, 2 rows 13.9 vs 19.0, 3 rows 14.9
-#: vs 20.3, 4 rows 17.0 vs 18.0: at 4 the difference is noise.
-SMALL_ROWS = 3
+
+
+def _small_rows() -> int:
+    """Rows up to this go to the small-batch kernel.
+
+    With AVX-512, the 121 matmuls of a SmolLM2-135M decode step, ours against oneDNN (2 threads,
+    PASSIVE OpenMP): 1 row 12.5 vs 18.3 ms, 2 rows 13.9 vs 19.0, 3 rows 14.9 vs 20.3, 4 rows 17.0 vs
+    18.0: at 4 the difference is noise. With AVX2 only (a Zen 3 without AVX-512), oneDNN's small-batch
+    kernels are slower and ours stays ahead to 8 rows (1536x576, 2 threads: 1 row 63 vs 127 us,
+    4 rows 83 vs 167, 8 rows 181 vs 214, 12 rows 258 vs 276); it covers a speculative decode's
+    verify step (a sequence and its 4 guesses) there.
+    """
+    from serving.engine.kernels import cpu_flags
+
+    return 3 if "avx512f" in cpu_flags().split() else 8
+
+
+SMALL_ROWS = _small_rows()
 #: The plain copies for the small-batch kernel are kept while all linear weights together stay under
 #: this (models up to about 500M parameters in float32); larger models run every batch through oneDNN.
 DENSE_COPY_MAX_BYTES = 2 << 30

@@ -112,3 +112,13 @@ def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loade
     model.prepare(40, 8)
     assert min(seen) == llama.SMALL_ROWS + 1
     assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(llama.SMALL_ROWS + 1, 41)})
+
+
+@pytest.mark.parametrize(("flags", "rows"), [("flags\t: fpu sse avx2 fma avx512f avx512bw", 3),
+                                             ("flags\t: fpu sse avx2 fma", 8)])
+def test_the_small_batch_limit_follows_the_vector_unit(monkeypatch, flags, rows):
+    # oneDNN's AVX-512 kernels win from 4 rows on; without AVX-512 ours stays ahead to 8 (llama._small_rows).
+    from serving.engine import kernels
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    assert llama._small_rows() == rows
