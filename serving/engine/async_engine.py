@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
@@ -35,6 +36,13 @@ from serving.engine.sampling_params import SamplingParams
 from serving.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+#: The interpreter's GIL switch interval while an engine runs (the default is 5 ms). A step is a few
+#: hundred torch calls, each of which gives the GIL up and takes it back; when it is back the event
+#: loop may hold it, streaming tokens, and the engine thread then waits for the loop to give it up,
+#: or for up to a whole switch interval. Measured on 2 cores, one torch thread, 0.33 req/s of chat:
+#: mean inter-token latency 86 ms at 5 ms, 71 ms at 0.5 ms (the bare engine steps in 60 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self._engine is None:
             self._engine = await asyncio.to_thread(partial(LLMEngine, self._config, **self._engine_options))
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)
         self._thread.start()
 

@@ -136,5 +136,21 @@ async def test_async_streams_and_cancellation_frees_blocks(loaded_model, chat_pr
         await engine.shutdown()
 
 
+async def test_a_running_engine_shortens_the_gil_switch_interval(loaded_model, monkeypatch):
+    # The step's torch calls each retake the GIL; with the default 5 ms interval the event loop can keep
+    # the engine thread waiting that long for every one (async_engine.GIL_SWITCH_INTERVAL_S).
+    import sys
+
+    from serving.engine import async_engine
+
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    chosen: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", chosen.append)
+    engine = AsyncEngine(engine=make_engine(loaded_model))
+    await engine.start()
+    await engine.shutdown()
+    assert chosen == [async_engine.GIL_SWITCH_INTERVAL_S] and chosen[0] < 0.005
+
+
 async def _tokens(stream) -> list[int]:
     return [event.token_id async for event in stream]
