@@ -1,8 +1,19 @@
 """``inferline plan`` against ``inferline load`` on this machine: predicted and measured SLO attainment.
 
-    .venv/bin/python bench/plan_vs_load.py [--quick] [--rates 0.4,1.2] [--duration 90] [--profile FILE]
+    .venv/bin/python bench/plan_vs_load.py [--quick] [--rates auto|0.4,1.2] [--duration 90] [--profile FILE]
                                            [--prompt-tokens uniform:32,96] [--output-tokens fixed:24]
-                                           [--ttft-ms 1000] [--itl-ms 250] [--e2e-ms 3000] [--threads 1]
+                                           [--slo auto|TTFT,ITL,E2E] [--threads 1]
+
+0. Unless --rates and --slo are both given, the engine is profiled first (the server not yet started) and
+   the check is scaled to this machine, whose speed differs from one machine to the next by several times:
+   * the SLO (``--slo auto``): ``--slo-headroom`` (default 2) times what a lone request of the largest prompt
+     and the output length would see (its TTFT, its inter-token latency, its end-to-end time), so that an idle
+     server meets every objective and a loaded one misses some;
+   * the rates (``--rates auto``): ``--rate-fractions`` (default 0.35,0.75) of the rate at which the planned
+     replica is busy stepping 90% of the time: one light load and one near capacity.
+   Fixed rates and targets on a machine of another speed put every request on the same side of a target
+   (attainment 0% or 100% both predicted and measured: a check that cannot fail), or a target at the median
+   of the light load's latencies, where a few percent of step time move the attainment by tens of points.
 
 1. ``inferline serve`` as a subprocess with one pipeline, ``loadtest``: the chat pipeline whose ``generate``
    ignores EOS (every answer is exactly ``max_tokens`` long, so the workload is the one planned) and whose
@@ -10,7 +21,10 @@
 2. An untimed warm-up load (--warmup seconds at the highest rate): a fresh engine's first batches of each
    shape are slower than later ones. Then for each rate, one after the other: ``inferline profile smol``
    (unless --profile names one), the engine's step times measured then, while the server idles; then
-   ``inferline load`` at that rate (Poisson arrivals, the same seed for every rate). A profile per rate,
+   ``inferline load`` at that rate (Poisson arrivals, a seed of its own for each rate: with one seed for all,
+   a later rate would send the very prompts of an earlier one, and find them in the server's prefix cache,
+   which the plan rightly does not assume; measured: TTFT p95 655 ms at 0.71 req/s after 840 at 0.33).
+   A profile per rate,
    because what else runs on a shared machine changes from minute to minute, and a profile is only true of
    the minutes it was measured in.
    With --calibrate-rate, before the checked rates, a calibration rate (held out: it is not one of the rates
@@ -20,7 +34,8 @@
 3. ``inferline plan`` for each rate's workload (same seed and duration: the same requests) on 1 replica,
    with that rate's profile (and the calibrated ``step_scale``, else 1).
 
-Figures (the last line of stdout is one JSON object): per rate, the attainment of each objective and of all
+Figures (the last line of stdout is one JSON object): ``auto`` (how the SLO and the rates were derived, when
+they were), per rate, the attainment of each objective and of all
 of them, predicted and measured (the client's measurement), and the difference in percentage points;
 ``max_diff_pp`` the largest difference over rates for ``all``, and ``within_10pp`` whether every rate's
 ``all`` is within 10 points. The machine's load average before and after is included: other work on the
@@ -70,10 +85,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(folder: Path, args: argparse.Namespace) -> Path:
-    (folder / "pipelines").mkdir()
-    (folder / "pipelines" / "loadtest.yaml").write_text(textwrap.dedent(PIPELINE.format(
-        ttft=args.ttft_ms, itl=args.itl_ms, e2e=args.e2e_ms)))
+def write_config(folder: Path, slo: dict[str, float]) -> Path:
+    (folder / "pipelines").mkdir(exist_ok=True)
+    write_pipeline(folder, slo)
     config = folder / "inferline.yaml"
     text = (ROOT / "inferline.yaml").read_text()
     text = (text.replace("source: models/", f"source: {ROOT}/models/")
@@ -81,6 +95,70 @@ def write_config(folder: Path, args: argparse.Namespace) -> Path:
             .replace("database: sqlite:///inferline.db", f"database: sqlite:///{folder}/bench.db"))
     config.write_text(text)
     return config
+
+
+def write_pipeline(folder: Path, slo: dict[str, float]) -> None:
+    (folder / "pipelines" / "loadtest.yaml").write_text(textwrap.dedent(PIPELINE.format(
+        ttft=slo["ttft_ms_p95"], itl=slo["itl_ms_p95"], e2e=slo["e2e_ms_p95"])))
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    ttft, itl, e2e = (float(x) for x in text.split(","))
+    return {"ttft_ms_p95": ttft, "itl_ms_p95": itl, "e2e_ms_p95": e2e}
+
+
+def workload_at(rate: float, args: argparse.Namespace) -> Any:
+    from serving.workload import WorkloadSpec
+
+    return WorkloadSpec(pipeline="loadtest", rate=rate, prompt_tokens=args.prompt_tokens,
+                        output_tokens=args.output_tokens, duration_s=args.duration, seed=seed_for(rate, args))
+
+
+def seed_for(rate: float, args: argparse.Namespace) -> int:
+    """The seed of one rate's requests, for both load and plan: other rates send other prompts."""
+    return args.seed + round(rate * 1000)
+
+
+def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The SLO and the rates scaled to this machine, from a profile (module docstring, step 0)."""
+    import random
+
+    from serving.capacity_cli import pipeline_model, plan_command, prompt_overhead
+    from serving.profile import StepModel
+    from serving.wiring import open_workspace
+    from serving.workload import Distribution
+
+    workspace = open_workspace(str(config))
+    loaded = workspace.load(workspace.resolve("loadtest"))
+    profile = json.loads(profile_path.read_text())
+    model = StepModel(profile)
+    overhead, shared = prompt_overhead(workspace, loaded, pipeline_model(workspace, loaded))
+    block = profile["engine"]["block_size"]
+    rng = random.Random(args.seed)
+    prompt = max(Distribution.parse(args.prompt_tokens).sample(rng) for _ in range(2000))
+    output = max(Distribution.parse(args.output_tokens).sample(rng) for _ in range(2000))
+    ttft = model.prefill_ms(prompt + overhead - shared // block * block)
+    itl = model.decode_ms(1) / model.tokens_per_step(1)
+    lone = {"prompt_tokens": prompt, "output_tokens": output, "ttft_ms": round(ttft, 1), "itl_ms": round(itl, 1),
+            "e2e_ms": round(ttft + (output - 1) * itl, 1)}
+    slo = {f"{name}_ms_p95": round(args.slo_headroom * lone[f"{name}_ms"]) for name in ("ttft", "itl", "e2e")}
+
+    def busy(rate: float) -> float:
+        plan = plan_command(workspace, loaded, workload_at(rate, args), profile_path=str(profile_path), replicas=1,
+                            overhead_ms=0.0, step_scale=1.0)
+        return plan["rates"][0]["tried"][-1]["busy"]
+
+    low, high = 0.0, 0.25
+    while busy(high) < 0.9 and high < 1000:
+        low, high = high, high * 2
+    for _ in range(10):  # to about 0.1% of the rate
+        middle = (low + high) / 2
+        low, high = (middle, high) if busy(middle) < 0.9 else (low, middle)
+    saturation = round(high, 4)
+    fractions = [float(f) for f in args.rate_fractions.split(",")]
+    return {"lone_request": lone, "slo_headroom": args.slo_headroom, "slo": slo,
+            "rate_at_90pct_busy": saturation, "rate_fractions": fractions,
+            "rates": [round(f * saturation, 3) for f in fractions]}
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
@@ -157,7 +235,7 @@ async def drive(url: str, args: argparse.Namespace, rates: list[float]) -> list[
     if args.warmup:  # untimed: the engine's first batches of each shape are slower (kernels, allocator)
         print(f"warm-up: {max(rates):g} req/s for {args.warmup:g} s (not measured) ...", file=sys.stderr, flush=True)
         await load_command(url, "loadtest", max(rates), args.warmup, Distribution.parse(args.prompt_tokens),
-                           Distribution.parse(args.output_tokens), seed=args.seed + 1000, tokenizer=tokenizer,
+                           Distribution.parse(args.output_tokens), seed=args.seed - 1, tokenizer=tokenizer,
                            drain_s=300)
     loads = []
     for index, rate in enumerate(rates):
@@ -168,7 +246,7 @@ async def drive(url: str, args: argparse.Namespace, rates: list[float]) -> list[
         before = os.getloadavg()[0]
         loads.append(await load_command(url, "loadtest", rate, args.duration,
                                         Distribution.parse(args.prompt_tokens), Distribution.parse(args.output_tokens),
-                                        seed=args.seed, tokenizer=tokenizer, drain_s=300))
+                                        seed=seed_for(rate, args), tokenizer=tokenizer, drain_s=300))
         loads[-1]["loadavg_1m"] = [round(before, 2), round(os.getloadavg()[0], 2)]
         await asyncio.sleep(2)  # let the engine go idle between rates
     return loads
@@ -192,15 +270,12 @@ def plan_for(config: Path, profiles: list[Path], rates: list[float], args: argpa
     """One plan per rate, each with the profile measured just before that rate's load."""
     from serving.capacity_cli import plan_command
     from serving.wiring import open_workspace
-    from serving.workload import WorkloadSpec
 
     workspace = open_workspace(str(config))
     loaded = workspace.load(workspace.resolve("loadtest"))
     plans = []
     for rate, profile in zip(rates, profiles, strict=True):
-        workload = WorkloadSpec(pipeline="loadtest", rate=rate, prompt_tokens=args.prompt_tokens,
-                                output_tokens=args.output_tokens, duration_s=args.duration, seed=args.seed)
-        plans.append(plan_command(workspace, loaded, workload, profile_path=str(profile), replicas=1,
+        plans.append(plan_command(workspace, loaded, workload_at(rate, args), profile_path=str(profile), replicas=1,
                                   overhead_ms=args.overhead_ms, step_scale=step_scale))
     return {**plans[0], "rates": [plan["rates"][0] for plan in plans]}
 
@@ -208,16 +283,20 @@ def plan_for(config: Path, profiles: list[Path], rates: list[float], args: argpa
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="30 s per rate (a smoke run)")
-    p.add_argument("--rates", default="0.4,1.2", help="requests per second, comma-separated (default 0.4,1.2)")
+    p.add_argument("--rates", default="auto",
+                   help="requests per second, comma-separated, or auto: --rate-fractions of the rate at which the "
+                        "first profile's planned replica is 90%% busy (default auto)")
+    p.add_argument("--rate-fractions", default="0.35,0.75", help="with --rates auto (default 0.35,0.75)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per rate (default 90; --quick 30)")
     p.add_argument("--prompt-tokens", default="uniform:32,96")
     p.add_argument("--output-tokens", default="fixed:24")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--warmup", type=float, default=30.0,
                    help="seconds of untimed load at the highest rate before the first measurement (default 30)")
-    p.add_argument("--ttft-ms", type=float, default=1000.0)
-    p.add_argument("--itl-ms", type=float, default=250.0)
-    p.add_argument("--e2e-ms", type=float, default=3000.0)
+    p.add_argument("--slo", default="auto",
+                   help="the pipeline's ttft, itl and e2e p95 targets in ms (e.g. 1000,250,3000), or auto: "
+                        "--slo-headroom times a lone request's figures in the first profile (default auto)")
+    p.add_argument("--slo-headroom", type=float, default=2.0, help="with --slo auto (default 2)")
     p.add_argument("--overhead-ms", type=float, help="the plan's time outside the engine (default: the profile's)")
     p.add_argument("--profile", help="a profile to use instead of measuring one now")
     p.add_argument("--calibrate-rate", type=float, default=0.0,
@@ -236,28 +315,49 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = parser().parse_args()
+    p = parser()
+    args = p.parse_args()
     args.duration = args.duration or (30.0 if args.quick else 90.0)
-    rates = [float(r) for r in args.rates.split(",")]
-    calibrate = args.step_scale is None and args.calibrate_rate > 0
-    measured_rates = ([args.calibrate_rate] if calibrate else []) + rates
+    if args.replan and (not args.loads or args.profile):
+        p.error("--replan plans with the profiles saved in --loads FILE (and takes no --profile)")
+    saved = json.loads(Path(args.loads).read_text()) if args.replan else None
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="inferline-plan-vs-load-") as tmp:
         folder = Path(tmp)
-        args.config_path = config = write_config(folder, args)
         args.folder = folder
+        if saved:  # the SLO and the rates that run used
+            slo, rates, auto = saved["slo"], saved["rates"], saved.get("auto")
+        else:
+            slo = None if args.slo == "auto" else parse_slo(args.slo)
+            rates = None if args.rates == "auto" else [float(r) for r in args.rates.split(",")]
+            auto = None
+        args.config_path = config = write_config(folder, slo or parse_slo("1000,250,3000"))
+        if slo is None or rates is None:
+            first = Path(args.profile) if args.profile else folder / "profile-scale.json"
+            if not args.profile:
+                print("profile: measuring smol to scale the SLO and the rates to this machine ...", file=sys.stderr,
+                      flush=True)
+                run_profile(config, first, args)
+            auto = machine_relative(config, first, args)
+            slo, rates = slo or auto["slo"], rates or auto["rates"]
+            write_pipeline(folder, slo)
+            print(f"scaled to this machine: slo {slo}, rates {rates} req/s "
+                  f"({auto['rate_fractions']} of {auto['rate_at_90pct_busy']:g}, where the plan is 90% busy)",
+                  file=sys.stderr, flush=True)
+        calibrate = args.step_scale is None and args.calibrate_rate > 0
+        measured_rates = ([args.calibrate_rate] if calibrate else []) + rates
         profiles = ([Path(args.profile)] * len(measured_rates) if args.profile else
                     [folder / f"profile-{i}.json" for i in range(len(measured_rates))])
-        if args.replan:  # the loads and profiles of an earlier run
-            saved = json.loads(Path(args.loads).read_text())
+        if saved:  # the loads and profiles of an earlier run
             loads = saved["loads"]
             for path, profile in zip(profiles, saved["profiles"], strict=True):
                 path.write_text(json.dumps(profile))
         else:
             loads = measure(config, args, measured_rates)
             if args.loads:
-                Path(args.loads).write_text(json.dumps({"loads": loads, "profiles": [
-                    json.loads(path.read_text()) for path in profiles]}))
+                Path(args.loads).write_text(json.dumps({"loads": loads, "slo": slo, "rates": rates, "auto": auto,
+                                                        "profiles": [json.loads(path.read_text())
+                                                                     for path in profiles]}))
         step_scale, calibration = args.step_scale or 1.0, None
         if calibrate:  # the first rate is held out: it only measures how much slower the server steps
             base = plan_for(config, profiles[:1], measured_rates[:1], args)["rates"][0]["tried"][0]
@@ -269,7 +369,7 @@ def main() -> int:
         measured = [json.loads(p.read_text()) for p in profiles]
     rows = compare(rates, loads, plan)
     diffs = [abs(row["diff_pp"]["all"]) for row in rows if row["diff_pp"].get("all") is not None]
-    result = {"rates": rows, "max_diff_pp": max(diffs) if len(diffs) == len(rows) else None,
+    result = {"auto": auto, "rates": rows, "max_diff_pp": max(diffs) if len(diffs) == len(rows) else None,
               "within_10pp": len(diffs) == len(rows) and all(d <= 10 for d in diffs),
               "step_scale": step_scale, "calibration": calibration,
               "slo": plan["slo"], "workload": plan["workload"], "overhead_ms": plan["overhead_ms"],

@@ -42,7 +42,10 @@ def add_capacity_parsers(sub: Any) -> None:
     load.add_argument("--prompt-tokens", required=True, metavar="DIST", help="user-message length, in tokens")
     load.add_argument("--output-tokens", required=True, metavar="DIST", help="max_tokens of each request")
     load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
-    load.add_argument("--seed", type=int, default=0, help="arrivals and sizes (default 0; plan's seed: to compare)")
+    load.add_argument("--seed", type=int, default=0,
+                      help="arrivals, sizes and prompt texts (default 0; plan's seed: to compare). A second run "
+                           "with the same seed against the same server sends the same prompts, which its prefix "
+                           "cache then holds: change the seed between runs")
     load.add_argument("--api-key", default=os.environ.get("INFERLINE_API_KEY"),
                       help="bearer key for the pipeline (default $INFERLINE_API_KEY)")
     load.add_argument("--metrics-key", default=os.environ.get("INFERLINE_METRICS_KEY"),
