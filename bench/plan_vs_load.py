@@ -17,7 +17,7 @@
 
 1. ``inferline serve`` as a subprocess with one pipeline, ``loadtest``: the chat pipeline whose ``generate``
    ignores EOS (every answer is exactly ``max_tokens`` long, so the workload is the one planned) and whose
-   ``slo:`` is given by --ttft-ms, --itl-ms and --e2e-ms.
+   ``slo:`` is --slo's (or step 0's).
 2. An untimed warm-up load (--warmup seconds at the highest rate): a fresh engine's first batches of each
    shape are slower than later ones. Then for each rate, one after the other: ``inferline profile smol``
    (unless --profile names one), the engine's step times measured then, while the server idles; then
@@ -123,7 +123,7 @@ def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace)
     """The SLO and the rates scaled to this machine, from a profile (module docstring, step 0)."""
     import random
 
-    from serving.capacity_cli import pipeline_model, plan_command, prompt_overhead
+    from serving.capacity_cli import cached_prefix, pipeline_model, plan_command, prompt_overhead
     from serving.profile import StepModel
     from serving.wiring import open_workspace
     from serving.workload import Distribution
@@ -132,12 +132,13 @@ def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace)
     loaded = workspace.load(workspace.resolve("loadtest"))
     profile = json.loads(profile_path.read_text())
     model = StepModel(profile)
-    overhead, shared = prompt_overhead(workspace, loaded, pipeline_model(workspace, loaded))
-    block = profile["engine"]["block_size"]
+    name = pipeline_model(workspace, loaded)
+    overhead, shared = prompt_overhead(workspace, loaded, name)
     rng = random.Random(args.seed)
     prompt = max(Distribution.parse(args.prompt_tokens).sample(rng) for _ in range(2000))
     output = max(Distribution.parse(args.output_tokens).sample(rng) for _ in range(2000))
-    ttft = model.prefill_ms(prompt + overhead - shared // block * block)
+    cached = cached_prefix(profile, shared, workspace.server.models[name].kv_cache.block_size)
+    ttft = model.prefill_ms(prompt + overhead - cached)
     itl = model.decode_ms(1) / model.tokens_per_step(1)
     lone = {"prompt_tokens": prompt, "output_tokens": output, "ttft_ms": round(ttft, 1), "itl_ms": round(itl, 1),
             "e2e_ms": round(ttft + (output - 1) * itl, 1)}

@@ -265,8 +265,7 @@ def plan_command(workspace: Workspace, loaded: LoadedPipeline, workload: Any, *,
                                    f"one with `inferline profile {model_name} --output {path}`")])
     profile = json.loads(path.read_text())
     overhead_tokens, shared = prompt_overhead(workspace, loaded, model_name)
-    block = profile.get("engine", {}).get("block_size", spec.kv_cache.block_size)
-    cached = shared // block * block if profile.get("engine", {}).get("prefix_cache", True) else 0
+    cached = cached_prefix(profile, shared, spec.kv_cache.block_size)
     engine = profile.get("engine", {})
     shape = EngineShape(engine.get("max_num_batched_tokens", spec.batching.max_num_batched_tokens),
                         engine.get("max_num_seqs", spec.batching.max_num_seqs),
@@ -315,6 +314,14 @@ def pipeline_model(workspace: Workspace, loaded: LoadedPipeline) -> str:
     if not local:
         raise SpecError([SpecIssue(loaded.file, 1, 1, "", "no local model in the config to plan for")])
     return local[0]
+
+
+def cached_prefix(profile: dict[str, Any], shared: int, block_size: int) -> int:
+    """Of the *shared* leading tokens of every prompt, those the prefix cache serves: whole blocks, when the
+    profiled engine caches prefixes."""
+    engine = profile.get("engine", {})
+    block = engine.get("block_size", block_size)
+    return shared // block * block if engine.get("prefix_cache", True) else 0
 
 
 def prompt_overhead(workspace: Workspace, loaded: LoadedPipeline, model: str) -> tuple[int, int]:
