@@ -90,12 +90,20 @@ class ModelledEngine:
         return _Stream(self, seq, queue)
 
     async def _loop(self) -> None:
+        # Steps keep to their own timeline, as the real engine's thread does: a step that follows another
+        # began when that one ended, however late the event loop (busy with HTTP work) woke after it. A
+        # plain sleep per step would add the loop's lateness to every step, more at higher rates, and the
+        # engine would run slower than its formula says.
+        loop = asyncio.get_running_loop()
+        end: float | None = None
         while True:
             if not self.scheduler.has_unfinished:
                 self._wake.clear()  # type: ignore[union-attr]
                 await self._wake.wait()  # type: ignore[union-attr]
+                end = None
             plan, cost_ms = self._plan()
-            await asyncio.sleep(cost_ms / 1e3)
+            end = (loop.time() if end is None else end) + cost_ms / 1e3
+            await asyncio.sleep(max(0.0, end - loop.time()))
             for seq, reason in self._apply(plan):
                 queue = self._queues.get(seq.seq_id)
                 if queue is not None:
