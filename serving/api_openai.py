@@ -24,14 +24,14 @@ from typing import Annotated, Any, Literal
 
 from litestar import Request, get, post
 from litestar.params import JSONBody
-from litestar.response import Response, Stream
+from litestar.response import Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.api_docs import JsonOrEventStream, openai_errors
 from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
-from serving.execution import chain, prime
+from serving.execution import chain, event_stream, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
 from stages import tools
@@ -273,8 +273,7 @@ async def _complete(request: Request, data: _Common, messages: list[ChatMessage]
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
         chunks = _chunks(chain(head, events), ctx, data.model, kind, include_usage)
-        return Stream(chunks, media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", **response_headers(ctx)})
+        return event_stream(chunks, response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)

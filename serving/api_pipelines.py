@@ -14,14 +14,14 @@ from typing import Any, Literal
 
 from litestar import Request, get, post
 from litestar.params import FromPath, JSONBody
-from litestar.response import Response, ServerSentEvent, ServerSentEventMessage
+from litestar.response import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.context import ChatMessage, RequestContext, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
 from serving.api_docs import JsonOrEventStream, problems
-from serving.execution import chain, prime
+from serving.execution import chain, event_stream, prime, sse_event
 from serving.problems import Problem, from_final, limit_headers
 from serving.state import AppState
 
@@ -128,7 +128,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
         head = await prime(events)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
-        return ServerSentEvent(_sse(chain(head, events)), headers=response_headers(ctx))
+        return event_stream(_sse(chain(head, events)), response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
@@ -148,7 +148,7 @@ def failure(final: Error, ctx: RequestContext) -> Problem:
     return problem
 
 
-async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEventMessage]:
+async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     # A client disconnect stops this generator; closing ``events`` cancels the request.
     try:
         async for event in events:
@@ -157,21 +157,21 @@ async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEventMes
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _message(event: Event) -> ServerSentEventMessage:
+def _message(event: Event) -> bytes:
     if isinstance(event, TextDelta):
-        return ServerSentEventMessage(json.dumps({"text": event.text}), event="delta")
+        return sse_event("delta", json.dumps({"text": event.text}))
     if isinstance(event, StageStarted):
         payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
-        return ServerSentEventMessage(json.dumps(payload), event="stage")
+        return sse_event("stage", json.dumps(payload))
     if isinstance(event, StageFinished):
         payload = {"id": event.stage_id, "type": event.type, "status": event.status,
                    "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd}
-        return ServerSentEventMessage(json.dumps(payload), event="stage")
+        return sse_event("stage", json.dumps(payload))
     if isinstance(event, Done):
-        return ServerSentEventMessage(json.dumps(summary_json(event.summary)), event="done")
+        return sse_event("done", json.dumps(summary_json(event.summary)))
     problem = from_final(event.kind, event.message, None)
     payload = {**problem.body(), "request_id": event.summary.request_id, "trace_id": event.summary.trace_id}
-    return ServerSentEventMessage(json.dumps(payload), event="error")
+    return sse_event("error", json.dumps(payload))
 
 
 @get("/pipelines", summary="List the served pipelines", responses=problems(401, 403, 503))

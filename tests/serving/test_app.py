@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -46,6 +47,27 @@ def test_sse_answer(client):
     assert events[-1][1]["usage"]["output_tokens"] > 0
     statuses = [(d["id"], d["status"]) for k, d in events if k == "stage"]
     assert statuses[:2] == [("prompt", "started"), ("prompt", "ok")]
+
+
+def test_streamed_answers_take_no_worker_thread(client, monkeypatch):
+    """A stream goes out from the event loop alone (Litestar's ServerSentEvent started each response
+    with a step in a worker thread), with the same headers on both APIs."""
+    handed = []
+    real = asyncio.BaseEventLoop.run_in_executor
+
+    def recording(loop, executor, func, *args):
+        handed.append(getattr(func, "func", func))
+        return real(loop, executor, func, *args)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", recording)
+    response = client.post("/pipelines/chat", json={"input": "hi", "stream": True})
+    assert sse_events(response.text)[-1][0] == "done"
+    chunks = client.post("/v1/chat/completions", json={"model": "chat", "stream": True,
+                                                       "messages": [{"role": "user", "content": "x"}]})
+    assert chunks.text.rstrip().endswith("data: [DONE]")
+    assert handed == []
+    assert response.headers["cache-control"] == chunks.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == chunks.headers["x-accel-buffering"] == "no"
 
 
 def test_accept_header_selects_sse(client):
