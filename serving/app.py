@@ -113,6 +113,10 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         lifespan=[lifespan],
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},
+        # Logging is the process's: `inferline serve --log-level` configures it. Litestar's default
+        # config would reset the root logger to INFO through a queue thread of its own, one more per
+        # app, never stopped; _handle logs the unhandled errors.
+        logging_config=None,
         plugins=[ConsolePlugin(state)],  # the web console under /ui (serving/console/)
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.errors import Overloaded
 from serving.app import create_app
 from serving.wiring import open_workspace
+from tests.serving.conftest import write_workspace
 
 
 def sse_events(text: str) -> list[tuple[str, dict]]:
@@ -201,3 +204,17 @@ def test_invalid_pipeline_refuses_to_start(tmp_path, monkeypatch):
     text = str(info.value)
     assert "broken.yaml:2:24: stages[0].type: unknown stage type 'nope'" in text
     assert "pipeline name 'chat' is also used by" in text
+
+
+def test_the_app_leaves_logging_to_the_process(tmp_path, monkeypatch, fake_engines):
+    """`inferline serve --log-level warning` configures the root logger; building the app keeps it so
+    (Litestar's default config reset it to INFO and started a queue thread per app)."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    before = (list(root.handlers), threading.active_count())
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    create_app(open_workspace(str(write_workspace(tmp_path, auth=False))), engines=fake_engines)
+    assert root.level == logging.WARNING
+    assert (list(root.handlers), threading.active_count()) == before
