@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.errors import Overloaded
 from serving.app import create_app
 from serving.wiring import open_workspace
-from tests.serving.conftest import write_workspace
+from tests.serving.conftest import _client, write_workspace
 
 
 def sse_events(text: str) -> list[tuple[str, dict]]:
@@ -59,7 +59,7 @@ def test_streamed_answers_take_no_worker_thread(client, monkeypatch):
     real = asyncio.BaseEventLoop.run_in_executor
 
     def recording(loop, executor, func, *args):
-        handed.append(getattr(func, "func", func))
+        handed.append(func)
         return real(loop, executor, func, *args)
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "run_in_executor", recording)
@@ -184,7 +184,6 @@ def test_auth_matrix(auth_client, keys):
 
 def test_auth_off_refuses_a_public_address(tmp_path, monkeypatch):
     from pipeline.errors import SpecError
-    from tests.serving.conftest import write_workspace
 
     monkeypatch.setenv("INFERLINE_HOST", "0.0.0.0")
     workspace = open_workspace(str(write_workspace(tmp_path, auth=False)))
@@ -194,7 +193,6 @@ def test_auth_off_refuses_a_public_address(tmp_path, monkeypatch):
 
 def test_invalid_pipeline_refuses_to_start(tmp_path, monkeypatch):
     from pipeline.errors import SpecError
-    from tests.serving.conftest import write_workspace
 
     config = write_workspace(tmp_path, auth=False)
     (tmp_path / "pipelines" / "broken.yaml").write_text("name: broken\nstages: [{id: a, type: nope}]\n")
@@ -212,9 +210,7 @@ def test_the_app_leaves_logging_to_the_process(tmp_path, monkeypatch, fake_engin
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", logging.WARNING)
     monkeypatch.setattr(root, "handlers", list(root.handlers))
-    before = (list(root.handlers), threading.active_count())
-    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
-        monkeypatch.delenv(name, raising=False)
-    create_app(open_workspace(str(write_workspace(tmp_path, auth=False))), engines=fake_engines)
-    assert root.level == logging.WARNING
-    assert (list(root.handlers), threading.active_count()) == before
+    handlers, threads = list(root.handlers), set(threading.enumerate())
+    _client(tmp_path, monkeypatch, fake_engines, auth=False)  # builds the app, starts nothing
+    assert root.level == logging.WARNING and root.handlers == handlers
+    assert not set(threading.enumerate()) - threads
