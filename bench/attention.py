@@ -11,8 +11,9 @@ once (as the model runner does, outside the timing) and times ``paged_attention`
   decode_1           one decode at 160 tokens (batch-1 decode)
   tail37_after1024   a 37-token prompt tail after a 1,024-token prefix-cache hit (prefix reuse TTFT)
   spec5_x4           4 sequences verifying 4 guesses each (5 tokens) after 300 tokens
-  chunk64/128/256_after512  one chunk of N tokens after 512 of context: where the kernel stops paying, which
-                     sets model_runner.KERNEL_MAX_CHUNK (chunks above it keep gather + SDPA in the engine).
+  chunk64/128/256_after512  one chunk of N tokens after 512 of context (a long prompt's later chunks)
+  prompt64/512       a fresh prompt of N tokens, no context (the torch path: SDPA, causal, on the fresh K/V)
+The engine sends every case to the kernel when it is built (model_runner._kernel_metadata).
 The last line is one JSON object: for each case ``{case}_torch_us``, ``{case}_kernel_us`` and
 ``{case}_speedup`` (torch / kernel), plus ``max_abs_diff`` over every case.
 """
@@ -39,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from serving.engine import model_runner as mr
-from serving.engine.attention import paged_attention
+from serving.engine.attention import paged_attention, write_kv
 from serving.engine.kernels import cpu_ops, disabled_reason
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
         "chunk64_after512": [(512, 64)],
         "chunk128_after512": [(512, 128)],
         "chunk256_after512": [(512, 256)],
+        "prompt64": [(0, 64)],
+        "prompt512": [(0, 512)],
     }
 
 
@@ -118,11 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for use_kernel in (False, True):
             runner.use_kernel = use_kernel
             metas[use_kernel] = runner._metadata(items, slots)
-        saved = mr.KERNEL_MAX_CHUNK
-        mr.KERNEL_MAX_CHUNK = 1 << 30  # the chunk cases measure the kernel past the engine's threshold
-        runner.use_kernel = True
-        metas[True] = runner._metadata(items, slots)
-        mr.KERNEL_MAX_CHUNK = saved
+        write_kv(k_cache, v_cache, k, v, slots)  # as each layer does before attention
         outs = {u: paged_attention(q, k, v, k_cache, v_cache, m) for u, m in metas.items()}
         max_diff = max(max_diff, (outs[True] - outs[False]).abs().max().item())
         calls = {u: partial(paged_attention, q, k, v, k_cache, v_cache, m) for u, m in metas.items()}

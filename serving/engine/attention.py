@@ -14,11 +14,11 @@ num_kv_heads, head_dim]``; slot ``b * block_size + i`` holds token ``i`` of bloc
   its fresh keys directly under a causal mask, a later chunk gathers its
   context from the cache and uses an offset causal mask.
 
-On the CPU in float32, with our C++ kernel built (``kernels/``), decodes and
-short chunks after some context go to ``paged_attention`` instead, which reads
-K and V in place from the blocks (``KernelGroups``): no gather, no padding. The
-torch path above stays for the GPU, other dtypes, long chunks with context and
-machines without a compiler, and gives the same results.
+On the CPU in float32, with our C++ kernel built (``kernels/``), every token goes
+to ``paged_attention`` instead, which reads K and V in place from the blocks
+(``KernelGroups``): no gather, no padding, and several-token groups as
+register-blocked matrix products. The torch path above stays for the GPU, other
+dtypes and machines without a compiler, and gives the same results.
 
 The gather indices, masks and kernel groups are built once per step
 (``AttentionMetadata``) and reused by every layer.

@@ -42,7 +42,7 @@ class ModelRunner:
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
         self.use_kernel = (device.type == "cpu" and model.dtype == torch.float32 and shape.head_dim in (64, 128)
                            and cpu_ops() is not None)
-        """Decodes and short chunks after context go to the C++ kernel (see attention.py)."""
+        """Every token's attention goes to the C++ kernel (see attention.py)."""
 
     @torch.inference_mode()
     def run(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
@@ -83,39 +83,32 @@ class ModelRunner:
         return AttentionMetadata(slot_mapping, groups, prefills, block_size=self.block_size)
 
     def _kernel_metadata(self, items: list[ScheduledSeq], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """Every item with earlier context and at most ``KERNEL_MAX_CHUNK`` new tokens goes to the kernel,
-        in query groups of at most ``KERNEL_GROUP`` tokens (more work items to share out between threads);
-        fresh prompts and longer chunks keep the SDPA path."""
-        tables: list[list[int]] = []
+        """Every item goes to the kernel, in query groups of at most ``KERNEL_GROUP`` tokens (more work
+        items to share out between threads): decodes, chunks after context and fresh prompts alike, which
+        it runs faster than gather + SDPA at every size measured (bench/attention.py)."""
         token: list[int] = []
         size: list[int] = []
         seq: list[int] = []
         length: list[int] = []
-        prefills, start = [], 0
-        for item in items:
+        start = 0
+        for row, item in enumerate(items):
             num_new, num_context = item.num_new_tokens, item.seq.num_computed_tokens
-            if num_context > 0 and num_new <= KERNEL_MAX_CHUNK:
-                row = len(tables)
-                tables.append(item.seq.block_table)
-                for offset in range(0, num_new, KERNEL_GROUP):
-                    token.append(start + offset)
-                    size.append(min(KERNEL_GROUP, num_new - offset))
-                    seq.append(row)
-                    length.append(num_context + offset + 1)
-            else:
-                prefills.append(self._chunk(item, start))
+            for offset in range(0, num_new, KERNEL_GROUP):
+                token.append(start + offset)
+                size.append(min(KERNEL_GROUP, num_new - offset))
+                seq.append(row)
+                length.append(num_context + offset + 1)
             start += num_new
-        kernel = None
-        if tables:
-            width = max(len(t) for t in tables)
-            device = self.model.device
+        tables = [item.seq.block_table for item in items]
+        width = max(len(t) for t in tables)
+        device = self.model.device
 
-            def index(values: list[int]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.int64, device=device)
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
 
-            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-            kernel = KernelGroups(padded, index(token), index(size), index(seq), index(length))
-        return AttentionMetadata(slot_mapping, [], prefills, kernel, self.block_size)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+        kernel = KernelGroups(padded, index(token), index(size), index(seq), index(length))
+        return AttentionMetadata(slot_mapping, [], [], kernel, self.block_size)
 
     def _decode_slots(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Built with tensor ops, not per-token Python: this runs for up to
@@ -149,10 +142,6 @@ class ModelRunner:
         return PrefillChunk(start, num_new, num_context, slots, mask.repeat(shape.num_heads // shape.num_kv_heads, 1))
 
 
-#: Chunks after context up to this many tokens use the kernel; a longer one is cheaper as gather + SDPA,
-#: whose matrix products reuse each key across all its queries (measured in tests/.../test_attention.py's
-#: companion bench, bench/attention.py).
-KERNEL_MAX_CHUNK = 16
 #: Tokens per kernel query group: each group re-reads its context once, so larger groups read less, and
 #: smaller ones give the threads more items to share.
 KERNEL_GROUP = 16

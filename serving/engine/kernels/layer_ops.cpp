@@ -137,9 +137,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + n;
       float* out = yp + r * n;
       int64_t i = 0;
-      for (; i + W <= n; i += W) {
-        const vf x = load(g + i);
-        store(out + i, x / (1.f + vexp(-x)) * load(u + i));
+      for (; i + NW <= n; i += NW) {  // vn, not vf: on AVX2, GCC spills vf's exp polynomial to the stack
+        const vn x = load_n(g + i);
+        store_n(out + i, x / (1.f + vexp(-x)) * load_n(u + i));
       }
       for (; i < n; i++) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }

@@ -12,19 +12,26 @@
 // group_size[i] consecutive tokens of the step's batch starting at group_token[i],
 // all of sequence group_seq[i] (a row of block_tables); its first token sees the
 // first group_len[i] positions of the sequence and each later one a position more,
-// which is the causal mask. A decode is a group of one; a short chunk after some
-// context (speculative guesses, a prompt's tail after a prefix-cache hit) is a group
-// of its tokens.
+// which is the causal mask. A decode is a group of one; a chunk (speculative
+// guesses, a prompt's tail after a prefix-cache hit, a prompt) is groups of up to
+// model_runner.KERNEL_GROUP of its tokens.
 //
 // Work items are (group, kv head); the grouped query heads of a KV head share each
-// key and value load. Softmax is exact (max-subtracted, two passes over the
-// scores), in float32. GCC vector extensions keep it portable: -march=native picks
-// AVX-512, AVX2 or SSE at build time, on the machine that runs it.
+// key and value load. A decode (one query token, a handful of query heads) takes
+// its dot products key by key (attend_group). A group of several tokens, a chunk
+// after context or a fresh prompt's, is two small matrix products (attend_chunk),
+// register-blocked in the machine's own vector width: scores key-major, each key
+// element broadcast against a tile of transposed query rows; then each block's
+// value rows against a block of output rows. Softmax is exact (max-subtracted,
+// two passes over the scores), in float32. GCC vector extensions keep it portable:
+// -march=native picks AVX-512, AVX2 or SSE at build time, on the machine that runs it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -32,29 +39,30 @@
 
 namespace {
 
-// Scores in place -> exp(score - max(scores)); returns their sum.
+// Scores in place -> exp(score - max(scores)); returns their sum. In the registers' own vectors
+// (vn): with vec.h's 16-float vf, GCC round-trips the exp polynomial through the stack on AVX2.
 inline float softmax_numerators(float* s, int64_t n) {
-  vf mv = splat(-INFINITY);
+  vn mv = vn{} - INFINITY;
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const vf v = load(s + i);
+  for (; i + NW <= n; i += NW) {
+    const vn v = load_n(s + i);
     mv = v > mv ? v : mv;
   }
   float max = -INFINITY;
-  for (int j = 0; j < W; j++) max = mv[j] > max ? mv[j] : max;
+  for (int j = 0; j < NW; j++) max = mv[j] > max ? mv[j] : max;
   for (; i < n; i++) max = s[i] > max ? s[i] : max;
-  const vf m = splat(max);
-  vf acc{};
-  for (i = 0; i + W <= n; i += W) {
-    const vf e = vexp(load(s + i) - m);
-    store(s + i, e);
+  const vn m = vn{} + max;
+  vn acc{};
+  for (i = 0; i + NW <= n; i += NW) {
+    const vn e = vexp(load_n(s + i) - m);
+    store_n(s + i, e);
     acc += e;
   }
-  float sum = hsum(acc);
+  float sum = hsum_n(acc);
   if (i < n) {  // the tail, padded with values that exp to 0
-    float tail[W];
-    for (int j = 0; j < W; j++) tail[j] = i + j < n ? s[i + j] : max - 100.f;
-    const vf e = vexp(load(tail) - m);
+    float tail[NW];
+    for (int j = 0; j < NW; j++) tail[j] = i + j < n ? s[i + j] : max - 100.f;
+    const vn e = vexp(load_n(tail) - m);
     for (int64_t j = 0; i + j < n; j++) {
       s[i + j] = e[j];
       sum += e[j];
@@ -64,7 +72,7 @@ inline float softmax_numerators(float* s, int64_t n) {
 }
 
 struct Scratch {
-  std::vector<float> scores, inv;
+  std::vector<float> scores, inv, qs, out;
   std::vector<vf> qv, acc;
 };
 
@@ -139,6 +147,123 @@ void attend_group(const float* q, int64_t q_stride, const float* k_cache, const 
     }
 }
 
+// The chunk path works key-major: scores[p * rows_padded + row], rows padded to a multiple of W (one
+// row tile). Its register blocks are in the machine's own vectors (vec.h's vn) and hold 8 accumulators:
+// for the scores, SCORE_KEYS keys x a row tile (broadcast key elements times the transposed queries);
+// for the values, VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times value rows).
+constexpr int ROW_VECS = W / NW, SCORE_KEYS = 8 / ROW_VECS, VALUE_ROWS = 4, VALUE_COLS = 2;
+
+// scores[i][tile] = k_i . qt[:, tile] for KEYS keys (kv_stride apart) and one tile of W query rows
+// (qt[d * qt_stride + r] is element d of row r).
+template <int D, int KEYS>
+inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64_t qt_stride, float* out,
+                       int64_t out_stride) {
+  vn acc[KEYS][ROW_VECS];
+  for (int i = 0; i < KEYS; i++)
+    for (int c = 0; c < ROW_VECS; c++) acc[i][c] = vn{};
+  for (int d = 0; d < D; d++) {
+    vn x[ROW_VECS];
+    for (int c = 0; c < ROW_VECS; c++) {
+      x[c] = load_n(qt + d * qt_stride + c * NW);
+      asm("" : "+v"(x[c]));  // in a register: GCC would fold a reload into each key's FMA (twice the loads)
+    }
+    for (int i = 0; i < KEYS; i++) {
+      const vn e = splat_n(k[i * kv_stride + d]);
+      for (int c = 0; c < ROW_VECS; c++) acc[i][c] += e * x[c];
+    }
+  }
+  for (int i = 0; i < KEYS; i++)
+    for (int c = 0; c < ROW_VECS; c++) store_n(out + i * out_stride + c * NW, acc[i][c]);
+}
+
+template <int D>
+inline void score_block(const float* k, int64_t count, int64_t kv_stride, const float* qt, int64_t qt_stride,
+                        float* out, int64_t out_stride) {
+  int64_t i = 0;
+  for (; i + SCORE_KEYS <= count; i += SCORE_KEYS)
+    score_keys<D, SCORE_KEYS>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
+  for (; i < count; i++) score_keys<D, 1>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
+}
+
+// Adds to columns [0, VALUE_COLS * NW) of VALUE_ROWS output rows (out, out_stride apart) their weighted
+// sum of count value rows (kv_stride apart), weights w[i * w_stride + r]. Called block by block, so each
+// block's values come from memory once and then from L1.
+inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64_t count, int64_t kv_stride,
+                         float* out, int64_t out_stride) {
+  vn acc[VALUE_ROWS][VALUE_COLS];
+  for (int r = 0; r < VALUE_ROWS; r++)
+    for (int c = 0; c < VALUE_COLS; c++) acc[r][c] = load_n(out + r * out_stride + c * NW);
+  for (int64_t i = 0; i < count; i++, v += kv_stride, w += w_stride) {
+    vn vv[VALUE_COLS];
+    for (int c = 0; c < VALUE_COLS; c++) {
+      vv[c] = load_n(v + c * NW);
+      asm("" : "+v"(vv[c]));  // as in score_keys
+    }
+    for (int r = 0; r < VALUE_ROWS; r++) {
+      const vn p = splat_n(w[r]);
+      for (int c = 0; c < VALUE_COLS; c++) acc[r][c] += p * vv[c];
+    }
+  }
+  for (int r = 0; r < VALUE_ROWS; r++)
+    for (int c = 0; c < VALUE_COLS; c++) store_n(out + r * out_stride + c * NW, acc[r][c]);
+}
+
+// A group of several query tokens (see attend_group for the arguments): the same result, as two
+// register-blocked matrix products over key-major scores. Padding rows have zero queries and are dropped.
+template <int D>
+void attend_chunk(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                  const int64_t* table, int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride,
+                  int64_t groups, float scale, float* out, int64_t out_stride, Scratch& s) {
+  static_assert(D % (VALUE_COLS * NW) == 0 && W % VALUE_ROWS == 0, "blocks must divide the head and tile");
+  const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
+  const int64_t padded = (rows + W - 1) / W * W;
+  s.qs.assign(D * padded, 0.f);  // transposed: qs[d * padded + row]
+  s.scores.resize(len * padded);
+  s.inv.resize(padded);
+  for (int64_t j = 0; j < num_queries; j++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
+
+  for (int64_t start = 0; start < len; start += block_size) {
+    const float* k = k_cache + table[start / block_size] * block_size * kv_stride;
+    const int64_t count = std::min(block_size, len - start);
+    for (int64_t tile = 0; tile < padded; tile += W)
+      score_block<D>(k, count, kv_stride, &s.qs[tile], padded, &s.scores[start * padded + tile], padded);
+  }
+  // The causal mask: token j of the group sees positions below len0 + j.
+  for (int64_t p = len0; p < len; p++)
+    for (int64_t row = 0; row < (p - len0 + 1) * groups; row++) s.scores[p * padded + row] = -INFINITY;
+  // Softmax down each column, a vector of rows at a time.
+  for (int64_t c = 0; c < padded; c += NW) {
+    vn m = vn{} - INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+      const vn x = load_n(&s.scores[p * padded + c]);
+      m = x > m ? x : m;
+    }
+    vn sum{};
+    for (int64_t p = 0; p < len; p++) {
+      const vn e = vexp(load_n(&s.scores[p * padded + c]) - m);
+      store_n(&s.scores[p * padded + c], e);
+      sum += e;
+    }
+    store_n(&s.inv[c], vn{} + 1.f / sum);
+  }
+  s.out.assign(padded * D, 0.f);
+  for (int64_t start = 0; start < len; start += block_size) {
+    const float* v = v_cache + table[start / block_size] * block_size * kv_stride;
+    const int64_t count = std::min(block_size, len - start);
+    for (int64_t row = 0; row < padded; row += VALUE_ROWS)
+      for (int64_t c0 = 0; c0 < D; c0 += VALUE_COLS * NW)
+        weigh_values(&s.scores[start * padded + row], padded, v + c0, count, kv_stride, &s.out[row * D + c0], D);
+  }
+  for (int64_t j = 0; j < num_queries; j++)
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t row = j * groups + g;
+      for (int c = 0; c < D / W; c++)
+        store(out + j * out_stride + g * D + c * W, load(&s.out[row * D + c * W]) * s.inv[row]);
+    }
+}
+
 template <int D>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& group_token, const at::Tensor& group_size,
@@ -155,13 +280,23 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t* lens = group_len.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0), kv_stride = num_kv_heads * D;
-  at::parallel_for(0, num_groups * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost (a decode against a chunk of sixteen tokens), so the threads take them from
+  // one atomic counter, costliest first, rather than in equal runs of the item list.
+  const int64_t num_items = num_groups * num_kv_heads;
+  std::vector<int64_t> order(num_groups);
+  for (int64_t i = 0; i < num_groups; i++) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return sizes[a] * (lens[a] + sizes[a]) > sizes[b] * (lens[b] + sizes[b]);
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t item = begin; item < end; item++) {
-      const int64_t i = item / num_kv_heads, h = item % num_kv_heads, token = tokens[i];
-      attend_group<D>(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,
-                      tables + seqs[i] * max_blocks, lens[i], sizes[i], block_size, kv_stride, groups,
-                      static_cast<float>(scale), op + token * out_stride + h * groups * D, out_stride, scratch);
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const int64_t i = order[item / num_kv_heads], h = item % num_kv_heads, token = tokens[i];
+      auto attend = sizes[i] > 1 ? attend_chunk<D> : attend_group<D>;
+      attend(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,
+             tables + seqs[i] * max_blocks, lens[i], sizes[i], block_size, kv_stride, groups,
+             static_cast<float>(scale), op + token * out_stride + h * groups * D, out_stride, scratch);
     }
   });
 }

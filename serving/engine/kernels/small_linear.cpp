@@ -200,35 +200,6 @@ Pool& pool() {
   return *pool;
 }
 
-// This kernel's vectors are the machine's registers, not vec.h's 16-float vf: on AVX2, GCC keeps
-// a block of 16-float accumulators in memory, round-tripping every one through the stack at each
-// step of K (measured on a Zen 3 without AVX-512: 3 GFLOP/s, a third of oneDNN's speed at 1 row).
-#ifdef __AVX512F__
-constexpr int NW = 16;      // floats per register
-constexpr int NREGS = 32;   // vector registers
-#else
-constexpr int NW = 8;
-constexpr int NREGS = 16;
-#endif
-typedef float vn __attribute__((vector_size(NW * sizeof(float))));
-
-inline vn load_n(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float hsum_n(vn v) {
-#ifdef __AVX512F__
-  return hsum(v);
-#else
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
-  return v[0];
-#endif
-}
-
 // Outputs per block for MR rows of x: as many as keep the MR * NR accumulators, the MR rows of x
 // and one row of weights in registers (up to 8, or 4 from 3 rows on).
 template <int MR>

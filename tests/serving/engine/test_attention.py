@@ -24,7 +24,8 @@ def fake_model(num_heads: int, num_kv_heads: int, head_dim: int):
     return SimpleNamespace(shape=shape, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def batch(rng: random.Random, num_blocks: int, work: list[tuple[int, int]]) -> list[ScheduledSeq]:
+def batch(rng: random.Random, num_blocks: int, work: list[tuple[int, int]],
+          block_size: int = BLOCK_SIZE) -> list[ScheduledSeq]:
     """Sequences with (context, new tokens) each, their blocks scattered over the pool."""
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -32,35 +33,40 @@ def batch(rng: random.Random, num_blocks: int, work: list[tuple[int, int]]) -> l
     for seq_id, (num_context, num_new) in enumerate(work):
         total = num_context + num_new
         seq = Sequence(seq_id, [rng.randrange(1000) for _ in range(total)], total, SamplingParams())
-        seq.block_table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        seq.block_table = [free.pop() for _ in range(-(-total // block_size))]
         seq.num_computed_tokens = num_context
         items.append(ScheduledSeq(seq, num_new))
     return items
 
 
 def attend(runner: ModelRunner, items: list[ScheduledSeq], q, k, v, use_kernel: bool) -> torch.Tensor:
+    block_size = runner.block_size
     runner.use_kernel = use_kernel
     ordered = runner.order(items)
     slots = [s for item in ordered for s in mr._slots(item.seq.block_table, item.seq.num_computed_tokens,
                                                        item.seq.num_computed_tokens + item.num_new_tokens,
-                                                       BLOCK_SIZE)]
+                                                       block_size)]
     meta = runner._metadata(ordered, torch.tensor(slots))
     write_kv(runner.k_caches[0], runner.v_caches[0], k, v, meta.slot_mapping)
     if use_kernel:
-        assert meta.kernel is not None and not meta.decode_groups
+        assert meta.kernel is not None and not meta.decode_groups and not meta.prefills
     return paged_attention(q, k, v, runner.k_caches[0], runner.v_caches[0], meta)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (4, 1, 64)])
-def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 16), (9, 3, 64, 8), (6, 2, 128, 32)])
+def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim, block_size):
     rng = random.Random(num_heads)
     # Decodes of every length class, a 1-token context, speculative-like short chunks, a prefix-cache
-    # tail of 37 tokens after 1,000, a chunk longer than the kernel takes, and a fresh prompt.
-    work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (1000, 37), (300, 80), (0, 29)]
-    runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim), 400, BLOCK_SIZE)
+    # tail of 37 tokens after 1,000, a long chunk after context, fresh prompts of a group, part of one and
+    # several, and a chunk that starts mid-block.
+    work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (1000, 37), (300, 80), (0, 29),
+                                                                   (0, 16), (0, 3), (0, 70), (21, 33)]
+    num_blocks = 6400 // block_size
+    runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim), num_blocks, block_size)
     for cache in (*runner.k_caches, *runner.v_caches):
         cache.normal_()
-    items = batch(rng, 400, work)
+    items = batch(rng, num_blocks, work, block_size)
     num_tokens = sum(n for _, n in work)
     q = torch.randn(num_tokens, num_heads, head_dim)
     k = torch.randn(num_tokens, num_kv_heads, head_dim)
