@@ -17,12 +17,12 @@
 // model_runner.KERNEL_GROUP of its tokens.
 //
 // Work items are (group, kv head); the grouped query heads of a KV head share each
-// key and value load. A decode (one query token, a handful of query heads) takes
-// its dot products key by key (attend_group). A group of several tokens, a chunk
-// after context or a fresh prompt's, is two small matrix products (attend_chunk),
-// register-blocked in the machine's own vector width: scores key-major, each key
-// element broadcast against a tile of transposed query rows; then each block's
-// value rows against a block of output rows. Softmax is exact (max-subtracted,
+// key and value load. Each item is two small matrix products (attend): its query
+// rows (tokens x grouped heads) against the keys, then the weights against the
+// values, register-blocked in the machine's own vector width: scores key-major,
+// each key element broadcast against a tile of transposed query rows; then each
+// block's value rows against a block of output rows. Each next block is
+// prefetched: a sequence's blocks lie anywhere in the pool. Softmax is exact (max-subtracted,
 // two passes over the scores), in float32. GCC vector extensions keep it portable:
 // -march=native picks AVX-512, AVX2 or SSE at build time, on the machine that runs it.
 
@@ -39,150 +39,58 @@
 
 namespace {
 
-// Scores in place -> exp(score - max(scores)); returns their sum. In the registers' own vectors
-// (vn): with vec.h's 16-float vf, GCC round-trips the exp polynomial through the stack on AVX2.
-inline float softmax_numerators(float* s, int64_t n) {
-  vn mv = vn{} - INFINITY;
-  int64_t i = 0;
-  for (; i + NW <= n; i += NW) {
-    const vn v = load_n(s + i);
-    mv = v > mv ? v : mv;
-  }
-  float max = -INFINITY;
-  for (int j = 0; j < NW; j++) max = mv[j] > max ? mv[j] : max;
-  for (; i < n; i++) max = s[i] > max ? s[i] : max;
-  const vn m = vn{} + max;
-  vn acc{};
-  for (i = 0; i + NW <= n; i += NW) {
-    const vn e = vexp(load_n(s + i) - m);
-    store_n(s + i, e);
-    acc += e;
-  }
-  float sum = hsum_n(acc);
-  if (i < n) {  // the tail, padded with values that exp to 0
-    float tail[NW];
-    for (int j = 0; j < NW; j++) tail[j] = i + j < n ? s[i + j] : max - 100.f;
-    const vn e = vexp(load_n(tail) - m);
-    for (int64_t j = 0; i + j < n; j++) {
-      s[i + j] = e[j];
-      sum += e[j];
-    }
-  }
-  return sum;
-}
-
 struct Scratch {
   std::vector<float> scores, inv, qs, out;
-  std::vector<vf> qv, acc;
 };
 
-// One (query group, KV head) work item. The group's query j (token j of the group)
-// sees the first len0 + j positions of its sequence; its G query heads share the
-// KV head, so every key and value row is loaded once for all of them.
-template <int D>
-void attend_group(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                  const int64_t* table, int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride,
-                  int64_t groups, float scale, float* out, int64_t out_stride, Scratch& s) {
-  constexpr int V = D / W;
-  const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
-  s.scores.resize(rows * len);
-  s.inv.resize(rows);
-  s.qv.resize(rows * V);
-  s.acc.assign(rows * V, vf{});
-  for (int64_t j = 0; j < num_queries; j++)
-    for (int64_t g = 0; g < groups; g++)
-      for (int c = 0; c < V; c++) s.qv[(j * groups + g) * V + c] = load(q + j * q_stride + g * D + c * W) * scale;
+// An item works key-major: scores[p * rows_padded + row], rows padded to a whole row tile
+// (NW rows where that holds them all, as for a decode's few query heads; else W). Its register blocks
+// are in the machine's own vectors (vec.h's vn) and hold 8 accumulators: for the scores, 8 / RV keys x
+// a tile of RV vectors of rows (broadcast key elements times the transposed queries); for the values,
+// VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times value rows).
+constexpr int VALUE_ROWS = 4, VALUE_COLS = 2;
 
-  // Scores, W positions at a time: each row's W dot products end in one transposing sum. A query
-  // row may get scores past what it sees (a chunk's earlier tokens); softmax and the value pass
-  // read only the positions it sees.
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t base = table[start / block_size] * block_size;
-    const int64_t count = std::min(block_size, len - start);
-    for (int64_t off = 0; off < count; off += W) {
-      const int64_t n = std::min<int64_t>(W, count - off), p0 = start + off;
-      const float* k0 = k_cache + (base + off) * kv_stride;
-      for (int64_t row = std::max<int64_t>(0, p0 - len0 + 1) * groups; row < rows; row++) {
-        const vf* qr = &s.qv[row * V];
-        vf dots[W];
-        for (int64_t i = 0; i < n; i++) {
-          const float* k = k0 + i * kv_stride;
-          vf acc = load(k) * qr[0];
-          for (int c = 1; c < V; c++) acc += load(k + c * W) * qr[c];
-          dots[i] = acc;
-        }
-        for (int64_t i = n; i < W; i++) dots[i] = vf{};
-        const vf sums = hsum16(dots);
-        float* out_scores = &s.scores[row * len + p0];
-        if (n == W) {
-          store(out_scores, sums);
-        } else {
-          for (int64_t i = 0; i < n; i++) out_scores[i] = sums[i];
-        }
-      }
-    }
-  }
-  for (int64_t row = 0; row < rows; row++)
-    s.inv[row] = 1.f / softmax_numerators(&s.scores[row * len], len0 + row / groups);
-
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t base = table[start / block_size] * block_size;
-    const int64_t count = std::min(block_size, len - start);
-    for (int64_t i = 0; i < count; i++) {
-      const int64_t p = start + i;
-      const float* v = v_cache + (base + i) * kv_stride;
-      vf vv[V];
-      for (int c = 0; c < V; c++) vv[c] = load(v + c * W);
-      for (int64_t row = std::max<int64_t>(0, p - len0 + 1) * groups; row < rows; row++) {
-        const vf w = splat(s.scores[row * len + p]);
-        vf* acc = &s.acc[row * V];
-        for (int c = 0; c < V; c++) acc[c] += w * vv[c];
-      }
-    }
-  }
-  for (int64_t j = 0; j < num_queries; j++)
-    for (int64_t g = 0; g < groups; g++) {
-      const int64_t row = j * groups + g;
-      for (int c = 0; c < V; c++) store(out + j * out_stride + g * D + c * W, s.acc[row * V + c] * s.inv[row]);
-    }
-}
-
-// The chunk path works key-major: scores[p * rows_padded + row], rows padded to a multiple of W (one
-// row tile). Its register blocks are in the machine's own vectors (vec.h's vn) and hold 8 accumulators:
-// for the scores, SCORE_KEYS keys x a row tile (broadcast key elements times the transposed queries);
-// for the values, VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times value rows).
-constexpr int ROW_VECS = W / NW, SCORE_KEYS = 8 / ROW_VECS, VALUE_ROWS = 4, VALUE_COLS = 2;
-
-// scores[i][tile] = k_i . qt[:, tile] for KEYS keys (kv_stride apart) and one tile of W query rows
+// scores[i][tile] = k_i . qt[:, tile] for KEYS keys (kv_stride apart) and one tile of RV * NW query rows
 // (qt[d * qt_stride + r] is element d of row r).
-template <int D, int KEYS>
+template <int D, int KEYS, int RV>
 inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64_t qt_stride, float* out,
                        int64_t out_stride) {
-  vn acc[KEYS][ROW_VECS];
+  vn acc[KEYS][RV];
   for (int i = 0; i < KEYS; i++)
-    for (int c = 0; c < ROW_VECS; c++) acc[i][c] = vn{};
+    for (int c = 0; c < RV; c++) acc[i][c] = vn{};
   for (int d = 0; d < D; d++) {
-    vn x[ROW_VECS];
-    for (int c = 0; c < ROW_VECS; c++) {
+    vn x[RV];
+    for (int c = 0; c < RV; c++) {
       x[c] = load_n(qt + d * qt_stride + c * NW);
       asm("" : "+v"(x[c]));  // in a register: GCC would fold a reload into each key's FMA (twice the loads)
     }
     for (int i = 0; i < KEYS; i++) {
       const vn e = splat_n(k[i * kv_stride + d]);
-      for (int c = 0; c < ROW_VECS; c++) acc[i][c] += e * x[c];
+      for (int c = 0; c < RV; c++) acc[i][c] += e * x[c];
     }
   }
   for (int i = 0; i < KEYS; i++)
-    for (int c = 0; c < ROW_VECS; c++) store_n(out + i * out_stride + c * NW, acc[i][c]);
+    for (int c = 0; c < RV; c++) store_n(out + i * out_stride + c * NW, acc[i][c]);
 }
 
-template <int D>
+template <int D, int RV>
 inline void score_block(const float* k, int64_t count, int64_t kv_stride, const float* qt, int64_t qt_stride,
                         float* out, int64_t out_stride) {
+  constexpr int KEYS = 8 / RV;
   int64_t i = 0;
-  for (; i + SCORE_KEYS <= count; i += SCORE_KEYS)
-    score_keys<D, SCORE_KEYS>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
-  for (; i < count; i++) score_keys<D, 1>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
+  for (; i + KEYS <= count; i += KEYS)
+    score_keys<D, KEYS, RV>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
+  for (; i < count; i++)
+    score_keys<D, 1, RV>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
+}
+
+// Asks for one head's rows of a block (cache points at the head) ahead of use: the blocks of a sequence
+// lie anywhere in the pool, so the hardware prefetchers cannot follow from one to the next.
+template <int D>
+inline void prefetch_block(const float* cache, int64_t block, int64_t block_size, int64_t kv_stride) {
+  const float* row = cache + block * block_size * kv_stride;
+  for (int64_t i = 0; i < block_size; i++, row += kv_stride)
+    for (int d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
 }
 
 // Adds to columns [0, VALUE_COLS * NW) of VALUE_ROWS output rows (out, out_stride apart) their weighted
@@ -208,15 +116,16 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
     for (int c = 0; c < VALUE_COLS; c++) store_n(out + r * out_stride + c * NW, acc[r][c]);
 }
 
-// A group of several query tokens (see attend_group for the arguments): the same result, as two
-// register-blocked matrix products over key-major scores. Padding rows have zero queries and are dropped.
+// One (query group, KV head) work item. The group's query j (token j of the group) sees the first
+// len0 + j positions of its sequence; its `groups` query heads share the KV head. Padding rows have
+// zero queries and are dropped.
 template <int D>
-void attend_chunk(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                  const int64_t* table, int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride,
-                  int64_t groups, float scale, float* out, int64_t out_stride, Scratch& s) {
-  static_assert(D % (VALUE_COLS * NW) == 0 && W % VALUE_ROWS == 0, "blocks must divide the head and tile");
+void attend(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
+            int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride, int64_t groups, float scale,
+            float* out, int64_t out_stride, Scratch& s) {
+  static_assert(D % (VALUE_COLS * NW) == 0 && NW % VALUE_ROWS == 0, "blocks must divide the head and tile");
   const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
-  const int64_t padded = (rows + W - 1) / W * W;
+  const int64_t tile = rows <= NW ? NW : W, padded = (rows + tile - 1) / tile * tile;
   s.qs.assign(D * padded, 0.f);  // transposed: qs[d * padded + row]
   s.scores.resize(len * padded);
   s.inv.resize(padded);
@@ -227,13 +136,19 @@ void attend_chunk(const float* q, int64_t q_stride, const float* k_cache, const 
   for (int64_t start = 0; start < len; start += block_size) {
     const float* k = k_cache + table[start / block_size] * block_size * kv_stride;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t tile = 0; tile < padded; tile += W)
-      score_block<D>(k, count, kv_stride, &s.qs[tile], padded, &s.scores[start * padded + tile], padded);
+    if (start + block_size < len) prefetch_block<D>(k_cache, table[start / block_size + 1], block_size, kv_stride);
+    for (int64_t t = 0; t < padded; t += tile) {
+      if (tile == NW)
+        score_block<D, 1>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
+      else
+        score_block<D, W / NW>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
+    }
   }
   // The causal mask: token j of the group sees positions below len0 + j.
   for (int64_t p = len0; p < len; p++)
     for (int64_t row = 0; row < (p - len0 + 1) * groups; row++) s.scores[p * padded + row] = -INFINITY;
-  // Softmax down each column, a vector of rows at a time.
+  // Softmax down each column, a vector of rows at a time, in vn: with vec.h's 16-float vf, GCC
+  // round-trips the exp polynomial through the stack on AVX2.
   for (int64_t c = 0; c < padded; c += NW) {
     vn m = vn{} - INFINITY;
     for (int64_t p = 0; p < len; p++) {
@@ -252,7 +167,8 @@ void attend_chunk(const float* q, int64_t q_stride, const float* k_cache, const 
   for (int64_t start = 0; start < len; start += block_size) {
     const float* v = v_cache + table[start / block_size] * block_size * kv_stride;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t row = 0; row < padded; row += VALUE_ROWS)
+    if (start + block_size < len) prefetch_block<D>(v_cache, table[start / block_size + 1], block_size, kv_stride);
+    for (int64_t row = 0; row < rows; row += VALUE_ROWS)  // padding rows past the last block: not needed
       for (int64_t c0 = 0; c0 < D; c0 += VALUE_COLS * NW)
         weigh_values(&s.scores[start * padded + row], padded, v + c0, count, kv_stride, &s.out[row * D + c0], D);
   }
@@ -293,8 +209,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     Scratch scratch;
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const int64_t i = order[item / num_kv_heads], h = item % num_kv_heads, token = tokens[i];
-      auto attend = sizes[i] > 1 ? attend_chunk<D> : attend_group<D>;
-      attend(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,
+      attend<D>(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,
              tables + seqs[i] * max_blocks, lens[i], sizes[i], block_size, kv_stride, groups,
              static_cast<float>(scale), op + token * out_stride + h * groups * D, out_stride, scratch);
     }

@@ -33,23 +33,6 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-// out[i] = hsum(a[i]) for 16 vectors: a transposing tree of 30 shuffles and 15 adds, where
-// 16 separate hsums take 64 of each (the dot products of attention end in these sums).
-inline vf hsum16(const vf* a) {
-  vf b[8], c[4], d[2];
-  for (int k = 0; k < 8; k++)
-    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int k = 0; k < 4; k++)
-    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int k = 0; k < 2; k++)
-    d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 // The machine's own registers, for register-blocked loops (small_linear, attention's chunks): on
 // AVX2, GCC keeps a block of 16-float vf accumulators in memory, round-tripping every one through
 // the stack at each step (measured on a Zen 3 without AVX-512: 3 GFLOP/s in small_linear, a third
