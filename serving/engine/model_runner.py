@@ -9,8 +9,6 @@ lengths is one contiguous slice of the batch and pads little.
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -18,31 +16,11 @@ import torch
 
 from serving.engine.attention import AttentionMetadata, DecodeGroup, KernelGroups, PrefillChunk
 from serving.engine.kernels import cpu_ops
+from serving.engine.memory import zeros_on_huge_pages
 from serving.engine.models.llama import LlamaModel
 
 if TYPE_CHECKING:
     from serving.engine.scheduler import ScheduledSeq
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor whose memory the kernel is asked to back with 2 MB pages (Linux, CPU).
-
-    A sequence's blocks lie anywhere in the pool, so decode attention reads the cache in 12 KB pieces
-    spread over tens of MB: with 4 KB pages nearly every piece also misses the TLB (measured: 64
-    decodes over a cold pool, one layer, 7.1 ms against 8.2). The memory is a fresh anonymous mapping,
-    advised before its first touch (malloc may hand back pages already touched, which stay small), then
-    zeroed so that the whole pool is resident from the start, as with ``torch.zeros``. Where transparent
-    huge pages are off, or off Linux, or on a GPU, it is plain ``torch.zeros``.
-    """
-    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < 2 * _HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
-    memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:

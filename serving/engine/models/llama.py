@@ -15,7 +15,8 @@ each matmul is a memory-bound pass over the weights, and oneDNN's per-call
 OpenMP wake-up is a quarter of the step (the 121 matmuls of a SmolLM2-135M
 step at batch 1: 12.5-13 ms against 18-19 ms). The plain copies double the
 linear weights' memory, so they are kept only for models whose linear weights
-fit in ``DENSE_COPY_MAX_BYTES``.
+fit in ``DENSE_COPY_MAX_BYTES``; they lie back to back in one buffer on huge
+pages, in the order a step reads them (``_in_one_arena``).
 
 With ``int8=True`` every linear weight (and a copy of a tied LM head) is
 quantized per output channel (``serving/engine/quant.py``); activations, the
@@ -40,6 +41,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
 from serving.engine.kernels import cpu_ops
+from serving.engine.memory import zeros_on_huge_pages
 from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
 
 
@@ -165,6 +167,17 @@ def _cpu_linear(x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -
     return _onednn_linear(x, weight.packed, bias)
 
 
+def _in_one_arena(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Copies of *weights*, in this order, back to back in one buffer on huge pages (serving/engine/memory.py):
+    a decode step streams them front to back."""
+    arena = zeros_on_huge_pages((sum(w.numel() for w in weights),), dtype, device)
+    copies, offset = [], 0
+    for weight in weights:
+        copies.append(arena[offset:offset + weight.numel()].view(weight.shape).copy_(weight))
+        offset += weight.numel()
+    return copies
+
+
 class LlamaModel:
     """Weights plus the forward pass; the KV cache belongs to the model runner."""
 
@@ -192,12 +205,14 @@ class LlamaModel:
         pack = torch.ops.mkldnn._reorder_linear_weight
         dense = [getattr(layer, name) for layer in self.layers for name in LINEARS] + [self.lm_head]
         keep = cpu_ops() is not None and sum(w.numel() * w.element_size() for w in dense) <= DENSE_COPY_MAX_BYTES
+        plain = iter(_in_one_arena(dense, self.dtype, self.device) if keep else [None] * len(dense))
         for layer in self.layers:
             for name in LINEARS:
-                weight = getattr(layer, name)
-                setattr(layer, name, CpuWeight(pack(weight, _PACK_FOR_BATCH), weight.contiguous() if keep else None))
-        # A packed copy; the plain one is the embedding itself when tied.
-        self.lm_head = CpuWeight(pack(self.lm_head, _PACK_FOR_BATCH), self.lm_head.contiguous() if keep else None)
+                setattr(layer, name, CpuWeight(pack(getattr(layer, name), _PACK_FOR_BATCH), next(plain)))
+        tied = self.lm_head is self.embed
+        self.lm_head = CpuWeight(pack(self.lm_head, _PACK_FOR_BATCH), next(plain))
+        if tied and self.lm_head.dense is not None:
+            self.embed = self.lm_head.dense  # one plain copy serves both, as before
         self.linear = _cpu_linear
 
     def _quantize(self) -> None:

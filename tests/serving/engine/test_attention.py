@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from serving.engine import model_runner as mr
 from serving.engine.attention import paged_attention, write_kv
+from serving.engine.memory import zeros_on_huge_pages
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
@@ -122,6 +123,6 @@ def _huge_page_kb(address: int) -> int | None:
                     or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
                     reason="no transparent huge pages on this machine")
 def test_the_kv_cache_lies_on_huge_pages():
-    cache = mr.zeros_on_huge_pages(((16 << 20) // (3 * 64 * 4), 3, 64), torch.float32, torch.device("cpu"))
+    cache = zeros_on_huge_pages(((16 << 20) // (3 * 64 * 4), 3, 64), torch.float32, torch.device("cpu"))
     assert cache.count_nonzero() == 0
     assert (_huge_page_kb(cache.data_ptr() + cache.numel() * 2) or 0) >= 2048  # at least one 2 MB page

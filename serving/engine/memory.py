@@ -1,0 +1,34 @@
+"""Large CPU buffers on huge pages: the KV pool and the weights' plain copies.
+
+Both are read at memory speed every step: the weights front to back (540 MB for SmolLM2-135M at
+batch-1 decode), the KV pool in 12 KB pieces spread over tens of MB (a sequence's blocks lie
+anywhere in it). With 4 KB pages nearly every piece also misses the TLB. Measured on an AVX2 Zen 3
+(2 cores), in one process: 64 mixed decodes over a cold pool, one layer, 7.1 ms against 8.2; the
+121 matrix-vector products of a decode step from one huge-page arena 21.1 ms against 22.4.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor whose memory the kernel is asked to back with 2 MB pages (Linux, CPU).
+
+    The memory is a fresh private anonymous mapping (a shared one gets no transparent huge pages),
+    advised before its first touch (malloc may hand back pages already touched, which stay small),
+    then zeroed so that all of it is resident from the start, as with ``torch.zeros``. Huge pages
+    come where transparent huge pages are ``madvise`` or ``always``; elsewhere, off Linux, below
+    4 MB or on a GPU it is plain ``torch.zeros``.
+    """
+    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < 2 * _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
