@@ -12,7 +12,7 @@ once (as the model runner does, outside the timing) and times ``paged_attention`
   tail37_after1024   a 37-token prompt tail after a 1,024-token prefix-cache hit (prefix reuse TTFT)
   spec5_x4           4 sequences verifying 4 guesses each (5 tokens) after 300 tokens
   chunk64/128/256_after512  one chunk of N tokens after 512 of context (a long prompt's later chunks)
-  prompt64/512       a fresh prompt of N tokens, no context (the torch path: SDPA, causal, on the fresh K/V)
+  prompt64/512       a fresh prompt of N tokens, no context (its torch side: causal SDPA on the fresh K/V)
 The engine sends every case to the kernel when it is built (model_runner._kernel_metadata).
 The last line is one JSON object: for each case ``{case}_torch_us``, ``{case}_kernel_us`` and
 ``{case}_speedup`` (torch / kernel), plus ``max_abs_diff`` over every case.

@@ -138,8 +138,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       float* out = yp + r * n;
       int64_t i = 0;
       for (; i + NW <= n; i += NW) {  // vn, not vf: on AVX2, GCC spills vf's exp polynomial to the stack
-        const vn x = load_n(g + i);
-        store_n(out + i, x / (1.f + vexp(-x)) * load_n(u + i));
+        const vn x = load<vn>(g + i);
+        store(out + i, x / (1.f + vexp(-x)) * load<vn>(u + i));
       }
       for (; i < n; i++) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }

@@ -61,7 +61,7 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
   for (int d = 0; d < D; d++) {
     vn x[RV];
     for (int c = 0; c < RV; c++) {
-      x[c] = load_n(qt + d * qt_stride + c * NW);
+      x[c] = load<vn>(qt + d * qt_stride + c * NW);
       asm("" : "+v"(x[c]));  // in a register: GCC would fold a reload into each key's FMA (twice the loads)
     }
     for (int i = 0; i < KEYS; i++) {
@@ -70,7 +70,7 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
     }
   }
   for (int i = 0; i < KEYS; i++)
-    for (int c = 0; c < RV; c++) store_n(out + i * out_stride + c * NW, acc[i][c]);
+    for (int c = 0; c < RV; c++) store(out + i * out_stride + c * NW, acc[i][c]);
 }
 
 template <int D, int RV>
@@ -100,11 +100,11 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
                          float* out, int64_t out_stride) {
   vn acc[VALUE_ROWS][VALUE_COLS];
   for (int r = 0; r < VALUE_ROWS; r++)
-    for (int c = 0; c < VALUE_COLS; c++) acc[r][c] = load_n(out + r * out_stride + c * NW);
+    for (int c = 0; c < VALUE_COLS; c++) acc[r][c] = load<vn>(out + r * out_stride + c * NW);
   for (int64_t i = 0; i < count; i++, v += kv_stride, w += w_stride) {
     vn vv[VALUE_COLS];
     for (int c = 0; c < VALUE_COLS; c++) {
-      vv[c] = load_n(v + c * NW);
+      vv[c] = load<vn>(v + c * NW);
       asm("" : "+v"(vv[c]));  // as in score_keys
     }
     for (int r = 0; r < VALUE_ROWS; r++) {
@@ -113,7 +113,7 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
     }
   }
   for (int r = 0; r < VALUE_ROWS; r++)
-    for (int c = 0; c < VALUE_COLS; c++) store_n(out + r * out_stride + c * NW, acc[r][c]);
+    for (int c = 0; c < VALUE_COLS; c++) store(out + r * out_stride + c * NW, acc[r][c]);
 }
 
 // One (query group, KV head) work item. The group's query j (token j of the group) sees the first
@@ -152,16 +152,16 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
   for (int64_t c = 0; c < padded; c += NW) {
     vn m = vn{} - INFINITY;
     for (int64_t p = 0; p < len; p++) {
-      const vn x = load_n(&s.scores[p * padded + c]);
+      const vn x = load<vn>(&s.scores[p * padded + c]);
       m = x > m ? x : m;
     }
     vn sum{};
     for (int64_t p = 0; p < len; p++) {
-      const vn e = vexp(load_n(&s.scores[p * padded + c]) - m);
-      store_n(&s.scores[p * padded + c], e);
+      const vn e = vexp(load<vn>(&s.scores[p * padded + c]) - m);
+      store(&s.scores[p * padded + c], e);
       sum += e;
     }
-    store_n(&s.inv[c], vn{} + 1.f / sum);
+    store(&s.inv[c], vn{} + 1.f / sum);
   }
   s.out.assign(padded * D, 0.f);
   for (int64_t start = 0; start < len; start += block_size) {
@@ -206,7 +206,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    Scratch scratch;
+    thread_local Scratch scratch;  // kept between calls: a step makes one call a layer
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const int64_t i = order[item / num_kv_heads], h = item % num_kv_heads, token = tokens[i];
       attend<D>(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,

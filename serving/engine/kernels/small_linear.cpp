@@ -221,9 +221,9 @@ inline void dot_block(const float* x, int64_t x_stride, const float* w, int64_t 
   int64_t i = 0;
   for (; i + NW <= k; i += NW) {
     vn xv[MR];
-    for (int m = 0; m < MR; m++) xv[m] = load_n(x + m * x_stride + i);
+    for (int m = 0; m < MR; m++) xv[m] = load<vn>(x + m * x_stride + i);
     for (int r = 0; r < NR; r++) {
-      const vn wv = load_n(rows[r] + i);
+      const vn wv = load<vn>(rows[r] + i);
       for (int m = 0; m < MR; m++) acc[m][r] += xv[m] * wv;
     }
   }

@@ -12,13 +12,16 @@ constexpr int W = 16;  // floats per vector
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int vi __attribute__((vector_size(W * sizeof(int))));
 
-inline vf load(const float* p) {
-  vf v;
+// Unaligned loads and stores of either vector type: load(p) is a vf, load<vn>(p) a vn.
+template <typename V = vf>
+inline V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 
 // x - 0 is x for every x, -0 included (0 + x is not, for x = -0), so the compiler folds it to a
 // plain broadcast; vf{} + x costs a scalar add before each one.
@@ -45,14 +48,6 @@ constexpr int NW = 8;
 constexpr int NREGS = 16;
 #endif
 typedef float vn __attribute__((vector_size(NW * sizeof(float))));
-
-inline vn load_n(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_n(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 
 inline vn splat_n(float x) { return x - vn{}; }  // a broadcast: see splat
 

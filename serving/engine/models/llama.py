@@ -41,7 +41,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
 from serving.engine.kernels import cpu_ops
-from serving.engine.memory import zeros_on_huge_pages
+from serving.engine.memory import empty_on_huge_pages
 from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
 
 
@@ -170,7 +170,7 @@ def _cpu_linear(x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -
 def _in_one_arena(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Copies of *weights*, in this order, back to back in one buffer on huge pages (serving/engine/memory.py):
     a decode step streams them front to back."""
-    arena = zeros_on_huge_pages((sum(w.numel() for w in weights),), dtype, device)
+    arena = empty_on_huge_pages((sum(w.numel() for w in weights),), dtype, device)  # every element is copied in
     copies, offset = [], 0
     for weight in weights:
         copies.append(arena[offset:offset + weight.numel()].view(weight.shape).copy_(weight))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,6 @@ import torch.nn.functional as F
 
 from serving.engine import model_runner as mr
 from serving.engine.attention import paged_attention, write_kv
-from serving.engine.memory import zeros_on_huge_pages
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
@@ -103,26 +101,3 @@ def test_kernel_refuses_what_it_cannot_run(ops):
         ops.paged_attention(out, q, cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         ops.paged_attention(out, q.double(), cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
-
-
-def _huge_page_kb(address: int) -> int | None:
-    """AnonHugePages of the mapping of this process that holds ``address`` (kB)."""
-    mapping = None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(part, 16) for part in head.split("-"))
-                mapping = low <= address < high
-            elif mapping and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return None
-
-
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
-                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-                    reason="no transparent huge pages on this machine")
-def test_the_kv_cache_lies_on_huge_pages():
-    cache = zeros_on_huge_pages(((16 << 20) // (3 * 64 * 4), 3, 64), torch.float32, torch.device("cpu"))
-    assert cache.count_nonzero() == 0
-    assert (_huge_page_kb(cache.data_ptr() + cache.numel() * 2) or 0) >= 2048  # at least one 2 MB page
