@@ -152,5 +152,20 @@ async def test_a_running_engine_shortens_the_gil_switch_interval(loaded_model, m
     assert chosen == [async_engine.GIL_SWITCH_INTERVAL_S] and chosen[0] < 0.005
 
 
+async def test_a_running_engine_keeps_the_startup_heap_frozen(loaded_model):
+    # An oldest-generation collection over the loaded model's objects stops the loop and the step for
+    # ~0.3 s (serving/engine/heap.py); frozen, collections skip them.
+    import gc
+
+    engine = AsyncEngine(engine=make_engine(loaded_model))
+    await engine.start()
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is loaded_model for o in gc.get_objects())
+    finally:
+        await engine.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
 async def _tokens(stream) -> list[int]:
     return [event.token_id async for event in stream]
