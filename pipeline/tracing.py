@@ -10,6 +10,7 @@ from __future__ import annotations
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, SamplingResult
 
 # OpenTelemetry GenAI semantic conventions.
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
@@ -36,14 +37,42 @@ def make_tracer_provider(exporter: str = "none", endpoint: str | None = None,
                          service_name: str = "inferline") -> TracerProvider:
     """A tracer provider exporting to ``none``, ``console`` or ``otlp`` (HTTP).
 
-    With ``none`` spans are still recorded, so every request has a real trace
-    id to return to its caller; they are just not sent anywhere.
+    With ``none`` every request still has a real trace id to return to its caller, but its spans
+    are not recorded (they would go nowhere): recording six spans a request cost 0.25 ms of the
+    event loop's time against 0.08 ms (measured on a 2-core Zen 3). Adding a span processor later,
+    as tests and bench/runner.py do, turns recording on.
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    sampler = _WhileExported()
+    provider = _Provider(sampler, resource=Resource.create({"service.name": service_name}), sampler=sampler)
     processor = _processor(exporter, endpoint)
     if processor is not None:
         provider.add_span_processor(processor)
     return provider
+
+
+class _WhileExported(Sampler):
+    """Samples every span once the provider has a span processor, none before."""
+
+    def __init__(self) -> None:
+        self.recording = False
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None) -> SamplingResult:
+        return (ALWAYS_ON if self.recording else ALWAYS_OFF).should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return "WhileExported"
+
+
+class _Provider(TracerProvider):
+    def __init__(self, recording: _WhileExported, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._recording = recording
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self._recording.recording = True
 
 
 def _processor(exporter: str, endpoint: str | None) -> SpanProcessor | None:

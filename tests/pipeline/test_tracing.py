@@ -76,3 +76,19 @@ def test_exporter_choices():
     assert tracing.make_tracer_provider("otlp", "http://127.0.0.1:4318/v1/traces") is not None
     with pytest.raises(ValueError, match="unknown telemetry exporter 'jaeger'"):
         tracing.make_tracer_provider("jaeger")
+
+
+async def test_without_an_exporter_spans_are_not_recorded_but_every_request_has_its_own_trace_id(registry):
+    provider = tracing.make_tracer_provider("none")
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("pipeline t") as root, tracer.start_as_current_span("stage a") as child:
+        assert not root.is_recording() and not child.is_recording()
+        assert child.get_span_context().trace_id == root.get_span_context().trace_id
+    pipeline = Pipeline(load_pipeline_text("name: t\nstages: [{id: a, type: record}]\n", "t.yaml", registry))
+    runner = Runner(tracer)
+    ids = {(await runner.run(pipeline, RequestContext.from_text("t", "x"))).summary.trace_id for _ in range(3)}
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) != 0 for i in ids)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))  # from now on spans go somewhere: recorded
+    await runner.run(pipeline, RequestContext.from_text("t", "x"))
+    assert {span.name for span in exporter.get_finished_spans()} == {"pipeline t", "stage a"}
