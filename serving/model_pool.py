@@ -39,8 +39,6 @@ from serving.placement import Placement, ReplicaLoad, ewma
 
 logger = logging.getLogger(__name__)
 
-#: Weight of the newest sample in a model's time-to-first-token average.
-
 
 class HFTokenizer:
     """The pipeline's Tokenizer protocol over a transformers tokenizer."""
@@ -62,9 +60,6 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-
-# -- placement ----------------------------------------------------------------
 
 
 # -- local engines --------------------------------------------------------------
