@@ -39,7 +39,10 @@ they were), per rate, the attainment of each objective and of all
 of them, predicted and measured (the client's measurement), and the difference in percentage points;
 ``max_diff_pp`` the largest difference over rates for ``all``, and ``within_10pp`` whether every rate's
 ``all`` is within 10 points. The machine's load average before and after is included: other work on the
-same cores slows the engine down after it was profiled, which the plan cannot know.
+same cores slows the engine down after it was profiled, which the plan cannot know. Per rate,
+``decode_steps`` sets the server's own decode steps during the load (``inferline_decode_step_seconds``
+in /metrics) against the profile's step at the same mean batch (``served_vs_profile`` > 1: the server
+stepped slower than its profile said).
 """
 
 from __future__ import annotations
@@ -205,9 +208,24 @@ def attainments(slo_report: dict[str, Any] | None) -> dict[str, float | None]:
     return {name: entry["attainment"] for name, entry in (slo_report or {}).items()}
 
 
-def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any]) -> list[dict[str, Any]]:
+def served_steps(load: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any] | None:
+    """The server's decode steps during the load (``engine_steps``, from /metrics) against the profile's
+    decode step at the same mean batch: a ratio above 1 is the server stepping slower than the profile,
+    which the plan cannot know (another job on the cores, the event loop's share of them)."""
+    decode = (load.get("engine_steps") or {}).get("decode") or {}
+    if not decode.get("steps") or decode.get("mean_batch") is None:
+        return None
+    from serving.profile import StepModel
+
+    profiled = StepModel(profile).decode_ms(decode["mean_batch"])
+    return {"decode_steps": decode["steps"], "mean_batch": decode["mean_batch"], "served_ms": decode["mean_ms"],
+            "profile_ms": round(profiled, 2), "served_vs_profile": round(decode["mean_ms"] / profiled, 3)}
+
+
+def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any],
+            profiles: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for rate, load, planned in zip(rates, loads, plan["rates"], strict=True):
+    for rate, load, planned, profile in zip(rates, loads, plan["rates"], profiles, strict=True):
         predicted = attainments(planned["tried"][-1]["attainment"])
         measured = attainments(load["slo"])
         diff = {name: None if predicted.get(name) is None or measured.get(name) is None
@@ -221,7 +239,7 @@ def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any
                      "predicted_busy": planned["tried"][-1]["busy"],
                      "requests": load["requests"], "achieved_rate_rps": load["achieved_rate_rps"],
                      "queue_depth": load.get("queue_depth"), "status": load["status"],
-                     "loadavg_1m": load.get("loadavg_1m"),
+                     "loadavg_1m": load.get("loadavg_1m"), "decode_steps": served_steps(load, profile),
                      "output_tokens_per_request": load["tokens"]["output_per_request"],
                      "cost_per_1k_requests_usd": {"predicted": planned["cost_per_1k_requests_usd"],
                                                   "measured": load["cost_usd"]["per_1k_requests"]}})
@@ -368,7 +386,7 @@ def main() -> int:
             loads, profiles = loads[1:], profiles[1:]
         plan = plan_for(config, profiles, rates, args, step_scale)
         measured = [json.loads(p.read_text()) for p in profiles]
-    rows = compare(rates, loads, plan)
+    rows = compare(rates, loads, plan, measured)
     diffs = [abs(row["diff_pp"]["all"]) for row in rows if row["diff_pp"].get("all") is not None]
     result = {"auto": auto, "rates": rows, "max_diff_pp": max(diffs) if len(diffs) == len(rows) else None,
               "within_10pp": len(diffs) == len(rows) and all(d <= 10 for d in diffs),
@@ -381,7 +399,8 @@ def main() -> int:
     for row in rows:
         print(f"{row['rate_rps']:g} req/s: attainment (all) predicted {row['predicted'].get('all')}, measured "
               f"{row['measured'].get('all')} ({row['diff_pp'].get('all')} pts); p95 ms predicted "
-              f"{row['predicted_p95_ms']}, measured {row['measured_p95_ms']}", file=sys.stderr)
+              f"{row['predicted_p95_ms']}, measured {row['measured_p95_ms']}; served decode steps "
+              f"{row['decode_steps']}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -162,6 +162,12 @@ def _print_load(r: dict[str, Any]) -> None:
     queue = r.get("queue_depth") or {}
     print(f"  queue depth mean {queue.get('mean')} max {queue.get('max')}; tokens {r['tokens']}; cost per request "
           f"{r['cost_usd']['per_request']} USD", file=err)
+    steps = r.get("engine_steps")
+    if steps:
+        decode, prefill = steps["decode"], steps["prefill"]
+        print(f"  engine steps: {decode['steps']} decode (mean {decode['mean_ms']} ms at a mean batch of "
+              f"{decode['mean_batch']}), {prefill['steps']} with prompt tokens (mean {prefill['mean_ms']} ms)",
+              file=err)
     for name, entry in (r.get("slo") or {}).items():
         print(f"  slo {name}: attainment {entry['attainment']} ({entry['met']}/{entry['judged']})"
               + (f", observed {entry['observed']} vs {entry['target']}" if "target" in entry else ""), file=err)

@@ -96,6 +96,16 @@ async def dispatch(requests: Sequence[LoadRequest], send: Callable[[LoadRequest,
     return tasks, started
 
 
+#: Engine series summed over models: the gauges sampled while a load runs, and the step totals read
+#: before and after it (serving/engine/metrics.py).
+_SUMMED = frozenset({
+    "inferline_num_requests_waiting", "inferline_num_requests_running",
+    "inferline_decode_step_seconds_count", "inferline_decode_step_seconds_sum",
+    "inferline_prefill_step_seconds_count", "inferline_prefill_step_seconds_sum",
+    "inferline_decode_step_sequences_total",
+})
+
+
 @dataclass(slots=True)
 class MetricsSampler:
     """Reads ``/metrics`` now and then: queue depth and requests running, summed over models."""
@@ -131,7 +141,7 @@ class MetricsSampler:
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
-                if sample.name in ("inferline_num_requests_waiting", "inferline_num_requests_running"):
+                if sample.name in _SUMMED:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
                 elif (sample.name == "inferline_slo_requests_total" and pipeline is not None
                       and sample.labels.get("pipeline") == pipeline):
@@ -216,7 +226,27 @@ async def run_load(client: httpx.AsyncClient, pipeline: str, requests: Sequence[
                          error=f"no answer {drain_s:g} s after the last arrival")
                  for r in requests if r.index not in answered]
     return report(outcomes, requests, rate=rate, duration_s=duration_s, wall_s=wall, sent_span_s=sent_span, slo=slo,
-                  sampler=sampler, server_slo=_slo_delta(before, after))
+                  sampler=sampler, server_slo=_slo_delta(before, after), engine_steps=_steps_delta(before, after))
+
+
+def _steps_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The server's engine steps during the load: how many of each kind, their mean wall time, and the
+    decode steps' mean batch, to set against the profile's step times at that batch."""
+    if before is None or after is None:
+        return None
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    out: dict[str, Any] = {}
+    for kind in ("decode", "prefill"):
+        count = delta(f"inferline_{kind}_step_seconds_count")
+        out[kind] = {"steps": int(count),
+                     "mean_ms": round(delta(f"inferline_{kind}_step_seconds_sum") / count * 1e3, 2) if count else None}
+    decodes = out["decode"]["steps"]
+    sequences = delta("inferline_decode_step_sequences_total")
+    out["decode"]["mean_batch"] = round(sequences / decodes, 3) if decodes else None
+    return out
 
 
 def _slo_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
@@ -239,7 +269,7 @@ def _stats_ms(values: list[float]) -> dict[str, float | None]:
 
 def report(outcomes: Sequence[Outcome], requests: Sequence[LoadRequest], *, rate: float, duration_s: float,
            wall_s: float, sent_span_s: float, slo: SLOSpec | None, sampler: MetricsSampler | None = None,
-           server_slo: dict[str, Any] | None = None) -> dict[str, Any]:
+           server_slo: dict[str, Any] | None = None, engine_steps: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a load run measured. The achieved rate counts the requests actually sent within the duration."""
     ok = [o for o in outcomes if o.status == "ok"]
     lateness = [max(0.0, o.sent_s - o.scheduled_s) for o in outcomes]
@@ -270,6 +300,7 @@ def report(outcomes: Sequence[Outcome], requests: Sequence[LoadRequest], *, rate
                      "per_1k_requests": 1000 * fmean(o.cost_usd for o in ok) if ok else None},
         "slo": attainment(slo, (o.figures() for o in outcomes)) if slo is not None else None,
         "server_slo": server_slo,
+        "engine_steps": engine_steps,
     }
     if sampler is not None:
         result["queue_depth"] = {"mean": round(fmean(sampler.waiting), 2) if sampler.waiting else None,

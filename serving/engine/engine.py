@@ -169,6 +169,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one batched forward; return the tokens it produced."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.preempted:
             self.metrics.add_preemptions(len(plan.preempted))
@@ -178,6 +179,11 @@ class LLMEngine:
                 self._update_gauges()
             return ended
         ordered = self.runner.order(plan.scheduled)
+        # Counted before the step moves them: prompt tokens (a prompt's chunk, or a preempted
+        # sequence's recompute) and the sequences that decode.
+        prefills = [item.num_new_tokens for item in ordered
+                    if item.seq.num_computed_tokens < item.seq.num_prompt_tokens]
+        num_prompt_tokens, num_decodes = sum(prefills), len(ordered) - len(prefills)
         logits = self.runner.run(ordered)
         sampling_items = [item for item in ordered if item.samples]
         # A row per sampling item, plus one per guess: row j of a verified decode is sampled as if
@@ -200,6 +206,7 @@ class LLMEngine:
         outputs = ended + self._collect([item.seq for item in sampling_items], lengths, logprobs_by_seq)
         if self.proposer is not None:
             self._propose()
+        self.metrics.observe_step(time.perf_counter() - started, num_prompt_tokens, num_decodes)
         return outputs
 
     def _propose(self) -> None:

@@ -32,6 +32,10 @@ _HISTOGRAMS = {
     "inter_token_latency_seconds": ("Time between two consecutive output tokens of a request.", _ITL_BUCKETS_S),
     "e2e_request_latency_seconds": ("Time from a request's arrival to its last token.", _LATENCY_BUCKETS_S),
     "request_queue_time_seconds": ("Time a request waited before it was first scheduled.", _LATENCY_BUCKETS_S),
+    # Not vLLM's: the engine's own steps, to set against `inferline profile`'s (docs/capacity.md).
+    "decode_step_seconds": ("Wall time of an engine step that ran decodes only (no prompt tokens).", _ITL_BUCKETS_S),
+    "prefill_step_seconds": ("Wall time of an engine step that computed prompt tokens (decodes may ride along).",
+                             _LATENCY_BUCKETS_S),
 }
 _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
@@ -47,6 +51,7 @@ _COUNTERS = {
     "generation_tokens": "Output tokens generated.",
     "spec_decode_num_draft_tokens": "Tokens proposed by speculative decoding.",
     "spec_decode_num_accepted_tokens": "Proposed tokens the model accepted.",
+    "decode_step_sequences": "Sequences of the decode-only steps, summed (over their count: the mean batch).",
 }
 _PERCENTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 
@@ -127,6 +132,14 @@ class EngineMetrics:
     def observe_finished(self, e2e_s: float) -> None:
         """A finished request: time from arrival to its last token."""
         self._observe("e2e_request_latency_seconds", (e2e_s,))
+
+    def observe_step(self, seconds: float, num_prompt_tokens: int, num_decodes: int) -> None:
+        """One step's wall time, with the prompt tokens and the decoding sequences it computed."""
+        if num_prompt_tokens:
+            self._observe("prefill_step_seconds", (seconds,))
+        else:
+            self._observe("decode_step_seconds", (seconds,))
+            self._add({"decode_step_sequences": num_decodes})
 
     def set_gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         """The batch and queue sizes, and the KV-cache fraction in use, after a step."""

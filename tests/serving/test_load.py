@@ -111,3 +111,26 @@ async def test_load_reports_refused_requests(live_server):
     assert result["slo"]["all"]["attainment"] == 0.0 and "max_tokens" in result["first_errors"][0]
     async with httpx.AsyncClient(base_url=live_server.url) as client:
         assert (await client.get("/pipelines/nope")).status_code == 404
+
+
+async def test_load_reports_the_servers_engine_steps_from_metrics():
+    # A real EngineMetrics registry exposed as /metrics; the load reads it before and after.
+    from prometheus_client import generate_latest
+
+    from serving.engine.metrics import EngineMetrics
+    from serving.load import MetricsSampler, _steps_delta
+
+    metrics = EngineMetrics("smol")
+    metrics.observe_step(0.2, num_prompt_tokens=50, num_decodes=1)
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=generate_latest(metrics.registry)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        sampler = MetricsSampler(client)
+        before = await sampler.read("chat")
+        for batch in (1, 2, 3):  # during the load
+            metrics.observe_step(0.05 + 0.01 * batch, num_prompt_tokens=0, num_decodes=batch)
+        metrics.observe_step(0.3, num_prompt_tokens=80, num_decodes=2)
+        after = await sampler.read("chat")
+    steps = _steps_delta(before, after)
+    assert steps == {"decode": {"steps": 3, "mean_ms": 70.0, "mean_batch": 2.0},
+                     "prefill": {"steps": 1, "mean_ms": 300.0}}
+    assert _steps_delta(None, after) is None

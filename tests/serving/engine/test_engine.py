@@ -152,6 +152,18 @@ async def test_a_running_engine_shortens_the_gil_switch_interval(loaded_model, m
     assert chosen == [async_engine.GIL_SWITCH_INTERVAL_S] and chosen[0] < 0.005
 
 
+def test_steps_are_timed_as_prefill_or_decode(loaded_model, chat_prompts):
+    engine = make_engine(loaded_model, max_num_batched_tokens=16)  # every prompt in chunks of 16
+    prompts = chat_prompts[:2]
+    engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    snap = engine.metrics.snapshot()
+    prefill, decode = snap["prefill_step_seconds"], snap["decode_step_seconds"]
+    assert prefill["count"] >= sum(len(p) for p in prompts) // 16  # a chunk a step at most
+    assert 5 <= decode["count"] < 2 * 5 + 1  # five more tokens each; the two may decode apart at first
+    assert decode["sum"] > 0 and prefill["p50"] > 0
+    assert decode["count"] <= snap["decode_step_sequences"] <= 2 * decode["count"]
+
+
 async def test_a_running_engine_keeps_the_startup_heap_frozen(loaded_model):
     # An oldest-generation collection over the loaded model's objects stops the loop and the step for
     # ~0.3 s (serving/engine/heap.py); frozen, collections skip them.

@@ -6,9 +6,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serving.engine.metrics import EngineMetrics
 
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds"]
+              "request_queue_time_seconds", "decode_step_seconds", "prefill_step_seconds"]
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
-COUNTERS = ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens"]
+COUNTERS = ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+            "decode_step_sequences"]
 
 
 def value(metrics: EngineMetrics, sample: str, model_name: str | None = None) -> float | None:
@@ -27,6 +28,9 @@ def feed(metrics: EngineMetrics) -> None:
     metrics.add_preemptions(2)
     metrics.add_tokens(prompt=160, generated=5)
     metrics.add_tokens(prompt=0, generated=3)
+    metrics.observe_step(0.3, num_prompt_tokens=120, num_decodes=2)
+    metrics.observe_step(0.05, num_prompt_tokens=0, num_decodes=4)
+    metrics.observe_step(0.07, num_prompt_tokens=0, num_decodes=2)
 
 
 def test_every_series_is_exposed_with_the_model_label():
@@ -53,6 +57,10 @@ def test_exposed_values_match_what_was_observed():
     assert value(metrics, "inferline_num_preemptions_total") == 2
     assert value(metrics, "inferline_prompt_tokens_total") == 160
     assert value(metrics, "inferline_generation_tokens_total") == 8
+    assert value(metrics, "inferline_prefill_step_seconds_count") == 1
+    assert value(metrics, "inferline_decode_step_seconds_count") == 2
+    assert value(metrics, "inferline_decode_step_seconds_sum") == pytest.approx(0.12)
+    assert value(metrics, "inferline_decode_step_sequences_total") == 6  # a mean decode batch of 3
 
 
 def test_snapshot_matches_what_was_observed():
