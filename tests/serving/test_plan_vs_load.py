@@ -11,6 +11,7 @@ import pytest
 from pipeline.spec import SLOSpec
 from serving.app import create_app
 from serving.capacity_cli import load_command
+from serving.engine.heap import freeze_startup_heap, thaw
 from serving.engine.sampling_params import SamplingParams
 from serving.plan import EngineShape, plan_rate
 from serving.profile import StepModel, profile_engine
@@ -60,8 +61,15 @@ def server(tmp_path, monkeypatch):
     config = write_workspace(tmp_path, auth=False)
     (tmp_path / "pipelines" / "chat.yaml").write_text(textwrap.dedent(CHAT))
     running = LiveServer(create_app(open_workspace(str(config)), engines=FakeEngines(smol=ModelledEngine(step_ms))))
-    yield running
-    running.stop()
+    # As a real engine does once started (serving/engine/heap.py). This process holds the whole test
+    # session's heap; one oldest-generation collection of it stalls the server's loop, and with it the
+    # modelled engine's steps, for longer than the SLO's slack.
+    freeze_startup_heap()
+    try:
+        yield running
+    finally:
+        thaw()
+        running.stop()
 
 
 async def test_plan_predicts_what_load_measures(server):
