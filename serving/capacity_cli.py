@@ -32,7 +32,8 @@ def add_capacity_parsers(sub: Any) -> None:
                     "of --prompt-tokens tokens with max_tokens from --output-tokens. Reports the achieved rate, "
                     "throughput, latency percentiles, the attainment of the pipeline's slo: (from GET "
                     "/pipelines/PIPELINE, as the client measured it and as the server counted it), the engine's "
-                    "queue depth (/metrics) and cost per request. The JSON report is the last line of stdout.",
+                    "queue depth and step times (/metrics) and cost per request. The JSON report is the last line "
+                    "of stdout.",
         epilog="Distributions: fixed:N (or N), uniform:LOW,HIGH, normal:MEAN,SD, lognormal:MEDIAN,SIGMA, "
                "exponential:MEAN. Example: inferline load chat --rate 1 --duration 60 --prompt-tokens "
                "uniform:32,96 --output-tokens fixed:32")

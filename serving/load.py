@@ -231,8 +231,9 @@ async def run_load(client: httpx.AsyncClient, pipeline: str, requests: Sequence[
 
 def _steps_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
     """The server's engine steps during the load: how many of each kind, their mean wall time, and the
-    decode steps' mean batch, to set against the profile's step times at that batch."""
-    if before is None or after is None:
+    decode steps' mean batch, to set against the profile's step times at that batch. None when the
+    server exposes no step series (no local engine: a remote or Ray backend, a fake in tests)."""
+    if before is None or after is None or "inferline_decode_step_seconds_count" not in after:
         return None
 
     def delta(name: str) -> float:

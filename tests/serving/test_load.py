@@ -134,3 +134,4 @@ async def test_load_reports_the_servers_engine_steps_from_metrics():
     assert steps == {"decode": {"steps": 3, "mean_ms": 70.0, "mean_batch": 2.0},
                      "prefill": {"steps": 1, "mean_ms": 300.0}}
     assert _steps_delta(None, after) is None
+    assert _steps_delta({}, {"inferline_num_requests_running": 0.0}) is None  # no local engine behind /metrics
