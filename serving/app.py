@@ -36,6 +36,7 @@ from serving.audit_sink import StoreSink, open_store
 from serving.auth import Authenticator
 from serving.caches import StoreCaches
 from serving.console import ConsolePlugin
+from serving.engine.heap import freeze_startup_heap, thaw
 from serving.evals.calls import LocalPipelines, check_calls
 from serving.execution import Executor
 from serving.http_metrics import HttpMetrics
@@ -51,8 +52,15 @@ from store.keys import KeyStore
 logger = logging.getLogger(__name__)
 
 
-def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -> Litestar:
-    """The app for *workspace*; *engines* replaces the local model pool (tests pass fakes)."""
+def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, freeze_heap: bool = False) -> Litestar:
+    """The app for *workspace*; *engines* replaces the local model pool (tests pass fakes).
+
+    *freeze_heap* (a serving process: ``inferline serve``, the Ray ingress): once started, the heap
+    is collected and frozen (serving/engine/heap.py) until shutdown. A local engine freezes its own
+    on start; this covers what the app loads besides, and a process with no engine of its own (the
+    Ray ingress: tokenizers, the app, Ray's client side), where one collection of the oldest
+    generation would stop every stream for a few hundred milliseconds.
+    """
     server = workspace.server
     check_bind(workspace)
     loaded = workspace.load_all()
@@ -74,6 +82,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
         db = make_engine(workspace.database_url)
         counters: SqlCounters | RedisCounters | None = None
         watcher: asyncio.Task[None] | None = None
+        frozen = False
         try:
             create_schema(db)
             state.auth.keys = KeyStore(db)
@@ -87,6 +96,9 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
             watcher = asyncio.create_task(indexes.watch())
             if engines is None:
                 await pool.start_all()
+            if freeze_heap:
+                freeze_startup_heap()
+                frozen = True
             state.ready = True
             _log_start(workspace)
             yield
@@ -106,6 +118,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None) -
                 await counters.close()
             tracer_provider.shutdown()
             db.dispose()
+            if frozen:
+                thaw()
 
     app = Litestar(
         route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,

@@ -131,7 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.ray:
             logging.getLogger(__name__).info("Ray Serve engines: %s",
                                              ", ".join(run_engines(workspace.server, workspace.root)) or "none")
-        app = create_app(workspace)
+        app = create_app(workspace, freeze_heap=True)
         # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
         # found at start; a no-op one here makes a drained shutdown exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)

@@ -338,7 +338,7 @@ class Ingress:
         from serving.wiring import open_workspace
 
         replica = serve.get_replica_context().replica_id.unique_id
-        return with_replica_header(create_app(open_workspace(self._config)), replica)
+        return with_replica_header(create_app(open_workspace(self._config), freeze_heap=True), replica)
 
 
 #: The response header naming the ingress replica that answered (which one, when several share the load).

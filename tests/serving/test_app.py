@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
 
 import pytest
+from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import Overloaded
@@ -214,3 +216,19 @@ def test_the_app_leaves_logging_to_the_process(tmp_path, monkeypatch, fake_engin
     _client(tmp_path, monkeypatch, fake_engines, auth=False)  # builds the app, starts nothing
     assert root.level == logging.WARNING and root.handlers == handlers
     assert not set(threading.enumerate()) - threads
+
+
+def test_a_serving_app_freezes_its_heap_while_it_runs(tmp_path, monkeypatch, fake_engines):
+    """``freeze_heap`` (inferline serve, the Ray ingress): what the started app holds is out of the
+    collector's sight until shutdown, and given back then."""
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    workspace = open_workspace(str(write_workspace(tmp_path, auth=False)))
+    app = create_app(workspace, engines=fake_engines, freeze_heap=True)
+    assert gc.get_freeze_count() == 0
+    with TestClient(app) as test_client:
+        assert gc.get_freeze_count() > 0
+        assert test_client.get("/readyz").status_code == 200
+    assert gc.get_freeze_count() == 0
+    with TestClient(create_app(workspace, engines=fake_engines)):  # the default: tests, embedding
+        assert gc.get_freeze_count() == 0
