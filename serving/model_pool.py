@@ -50,11 +50,8 @@ class HFTokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        if self._backend is not None:
-            text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-            return self._backend.encode(text, add_special_tokens=False).ids
-        ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        return self._encode(self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                                tokenize=False))
 
     def encode_chat_tools(self, messages: Sequence[Mapping[str, str]], tools: Sequence[Mapping]) -> list[int] | None:
         """Token ids with *tools* rendered by the model's chat template; None when the template ignores them
@@ -62,7 +59,13 @@ class HFTokenizer:
         render = self._tokenizer.apply_chat_template
         plain = render(list(messages), add_generation_prompt=True, tokenize=False)
         text = render(list(messages), tools=list(tools), add_generation_prompt=True, tokenize=False)
-        return None if text == plain else list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return None if text == plain else self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        """A rendered chat template's ids: its special tokens are in the text already."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
