@@ -50,11 +50,11 @@ class HFTokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        tokenize = self._backend is None  # no Rust side: the template's own tokenization
-        out = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=tokenize)
-        if not tokenize:
-            return self._encode(out)
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        if self._backend is None:  # no Rust side: the template's own tokenization
+            ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        return self._encode(self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                                tokenize=False))
 
     def encode_chat_tools(self, messages: Sequence[Mapping[str, str]], tools: Sequence[Mapping]) -> list[int] | None:
         """Token ids with *tools* rendered by the model's chat template; None when the template ignores them
