@@ -12,18 +12,26 @@ head, its own copy when tied to the embedding) as ``int8 * scale[:, None]``
 with ``scale = max |row| / 127``. Activations, the KV cache, norms, biases and
 the embedding lookup stay float32.
 
-On CPU the matmul is fbgemm's dynamic quantized linear (``quantized::linear_dynamic``):
-it quantizes the activations to uint8 on the fly and multiplies in integers
-(AVX512-VNNI). Measured on the 2-core AMD EPYC machines here at batch 1:
-about 2x the speed of the oneDNN float32 linear on a layer's shapes, 9x on the
-49152x576 LM head, and 2.0-2.2x for a whole decode step. Two alternatives
-lost: ``torch._weight_int8pack_mm`` (int8 weight, float activations) was 5-10x
-slower than float32, and ``torch._int_mm`` with our own per-row activation
-scales 1.3-3x slower than fbgemm.
+On CPU, batches of up to ``SMALL_ROWS`` rows (decoding a few sequences) go to
+our own kernel (``kernels/small_linear.cpp``'s ``small_linear_int8``) over a
+plain ``[out, in]`` int8 copy of each weight: each weight is converted to
+float32 in a register and multiplied with float32 activations, so a decode step
+streams a quarter of float32's bytes and keeps float32 activations (weight-only
+quantization). Larger batches go to fbgemm's dynamic quantized linear
+(``quantized::linear_dynamic``): it quantizes the activations to uint8 on the
+fly and multiplies in integers (AVX512-VNNI), which is compute that a prefill
+needs and a decode does not. Measured on the 2-core AMD EPYC machines here at
+batch 1, fbgemm alone: about 2x the speed of the oneDNN float32 linear on a
+layer's shapes, 9x on the 49152x576 LM head, and 2.0-2.2x for a whole decode
+step; the kernel's figures are in docs/engine.md. Two alternatives lost for the
+larger batches: ``torch._weight_int8pack_mm`` (int8 weight, float activations)
+was 5-10x slower than float32, and ``torch._int_mm`` with our own per-row
+activation scales 1.3-3x slower than fbgemm.
 
 Quantized activations cost more quality than the weights' rounding alone:
 perplexity of the default model on ``bench/quality.py``'s passage is 35.26 in
-float32, 35.40 with int8 weights and float activations, 36.77 here. Most of
+float32, 35.40 with int8 weights and float activations, 36.77 through fbgemm
+(a prefill's rows). Most of
 the difference comes from the q/k/v input, which has a few large channels;
 SmoothQuant-style rescaling calibrated on a short text gained 0.4 to 1.1 and
 was not kept (it varied with the calibration text and needs a pass at load).
@@ -35,10 +43,10 @@ depends on the rest of the batch. With more than one row, :func:`int8_linear`
 divides each row by its max ``|x|`` and appends a fixed row holding +1 and -1,
 which pins the tensor's range to [-1, 1]: each row is quantized against its
 own maximum, and its output is bit-identical whatever else is in the batch
-(tested). A single row (batch-1 decode) goes to fbgemm as it is: its range is
-already its own, and the four extra small ops cost ~15% of a decode step. It
-rounds to its own asymmetric range, so a row alone and the same row in a batch
-can differ in the last bits.
+(tested). The small-batch kernel's rows are independent of each other by
+construction; a row there and the same row in a larger batch (fbgemm) differ by
+fbgemm's activation rounding. Without the kernel a single row goes to fbgemm as
+it is: its range is already its own.
 
 The engine as a whole is not bit-for-bit batch-invariant in int8: batched
 decode attention (padded SDPA groups) differs from single decode in the last
@@ -46,8 +54,8 @@ bits, as in float32, but int8's rounding turns more of those differences into
 another greedy token (8 chat prompts run together vs one at a time: about two
 thirds of greedy tokens equal in int8, all of them in float32).
 
-fbgemm's quantized ops are deprecated upstream. Where they are missing, and on
-CUDA, the weight is dequantized at each matmul (``F.linear`` on
+fbgemm's quantized ops are deprecated upstream. Where they are missing (for
+the batches the kernel does not take), and on CUDA, the weight is dequantized at each matmul (``F.linear`` on
 ``int8.to(x.dtype)``, scaled after): correct, with int8's weight memory, but
 no faster than float32 (untested on a GPU so far).
 """
@@ -60,13 +68,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serving.engine.kernels import cpu_ops
+
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
     """One linear layer's weight ``[out, in]`` as int8 with a float32 scale per output channel."""
 
     int8: torch.Tensor | None
-    """``[out, in]`` int8, for the dequantizing path; None when fbgemm's packed copy holds it."""
+    """``[out, in]`` int8, plain: the small-batch kernel's and the dequantizing path's matrix; None when
+    fbgemm's packed copy is the only one."""
     scale: torch.Tensor
     """``[out]`` float32: ``weight ≈ int8 * scale[:, None]``."""
     packed: object | None
@@ -80,9 +91,10 @@ class Int8Weight:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of the int8 matrix and its scales. fbgemm's packed copy holds the same matrix plus
-        per-channel offsets and padding that torch does not expose."""
-        return self.scale.numel() * (self.in_features + self.scale.element_size())
+        """Bytes of the int8 matrices (the plain one and fbgemm's packed copy, each counted at the
+        matrix's size: the packed copy's per-channel offsets and padding are not exposed) and the scales."""
+        copies = (self.int8 is not None) + (self.packed is not None)
+        return self.scale.numel() * (copies * self.in_features + self.scale.element_size())
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,11 +120,19 @@ def has_fbgemm(device: torch.device) -> bool:
             and hasattr(torch.ops.quantized, "linear_dynamic"))
 
 
+def has_small_kernel(device: torch.device) -> bool:
+    """Whether the small-batch int8 kernel (float32 activations, CPU) is built."""
+    return device.type == "cpu" and cpu_ops() is not None
+
+
 def quantize_weight(weight: torch.Tensor, device: torch.device) -> Int8Weight:
-    """*weight* ``[out, in]`` (any float dtype) as an :class:`Int8Weight` for :func:`int8_linear`."""
+    """*weight* ``[out, in]`` (any float dtype) as an :class:`Int8Weight` for :func:`int8_linear`: the plain
+    int8 matrix where the small-batch kernel or the dequantizing path reads it, fbgemm's packed one where
+    fbgemm serves (both on a CPU with our kernels built)."""
     q, scale = quantize_per_channel(weight)
     if not has_fbgemm(device):
         return Int8Weight(q.to(device), scale.to(device), None, None)
+    plain = q if has_small_kernel(device) else None
     with warnings.catch_warnings():
         # Quantized tensors are deprecated upstream; fbgemm's prepack takes nothing else.
         warnings.simplefilter("ignore", UserWarning)
@@ -121,11 +141,15 @@ def quantize_weight(weight: torch.Tensor, device: torch.device) -> Int8Weight:
         packed = torch.ops.quantized.linear_prepack(qweight, None)
     range_row = torch.zeros(1, weight.shape[1])
     range_row[0, :2] = torch.tensor([1.0, -1.0])
-    return Int8Weight(None, scale, packed, range_row)
+    return Int8Weight(plain, scale, packed, range_row)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` float32."""
+    if weight.int8 is not None and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 and x.is_cpu:
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.small_linear_int8(x, weight.int8, weight.scale, bias)
     if weight.packed is None:
         out = F.linear(x, weight.int8.to(x.dtype)) * weight.scale
         return out if bias is None else out + bias
@@ -139,6 +163,12 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 
 _TINY = torch.finfo(torch.float32).tiny
+
+#: Rows up to this go to the small-batch kernel when it is built; more go to fbgemm. The 121 matmuls of a
+#: SmolLM2-135M decode step (2 threads, AVX-512 Zen 4, weights streamed from memory): 1 row 5.3-7.9 ms against
+#: fbgemm's 6.9-7.4, 2 rows 6.7 against 7.7-9.2, 3 rows 8.0-8.5 against 7.3-7.5, 4 rows 9.0-9.6 against
+#: 8.0-8.1. Not measured on an AVX2-only machine, where fbgemm has no VNNI and the kernel half the lanes.
+SMALL_ROWS = 3
 
 #: fbgemm's 7-bit activation range guards against int16 overflow on CPUs without VNNI.
 _REDUCE_RANGE = not torch.cpu._is_vnni_supported()

@@ -10,8 +10,9 @@ flags, so a build is never reused on a machine it was not made for.
 ``make install`` builds it ahead of time: ``python -m serving.engine.kernels``.
 
 Kernels: ``paged_attention`` (paged_attention.cpp); ``rms_norm``, ``add_rms_norm_``, ``rope_`` and
-``silu_mul`` (layer_ops.cpp), the small steps of a layer fused; ``small_linear`` (small_linear.cpp), the
-linear layers of decode-sized batches on a thread pool of our own.
+``silu_mul`` (layer_ops.cpp), the small steps of a layer fused; ``small_linear`` and ``small_linear_int8``
+(small_linear.cpp), the linear layers of decode-sized batches, float32 or int8 weights. The matmuls and
+attention run on a thread pool of our own (pool.h, pool.cpp) whose helpers spin briefly between calls.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp", _HERE / "small_linear.cpp")
-HEADERS = (_HERE / "vec.h",)
+SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp", _HERE / "small_linear.cpp", _HERE / "pool.cpp")
+HEADERS = (_HERE / "vec.h", _HERE / "pool.h")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

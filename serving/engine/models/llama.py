@@ -20,7 +20,8 @@ pages, in the order a step reads them (``_in_one_arena``).
 
 With ``int8=True`` every linear weight (and a copy of a tied LM head) is
 quantized per output channel (``serving/engine/quant.py``); activations, the
-KV cache and the embedding lookup stay in *dtype* (float32).
+KV cache and the embedding lookup stay in *dtype* (float32). On CPU the plain
+int8 matrices that the small-batch kernel reads lie in one huge-page arena too.
 
 With float32 activations on the CPU and our C++ kernels built, the small steps
 between the matmuls run fused (``kernels/layer_ops.cpp``): RMSNorm with the
@@ -32,7 +33,7 @@ dispatch cost at decode batch sizes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -220,6 +221,14 @@ class LlamaModel:
             for name in LINEARS:
                 setattr(layer, name, quantize_weight(getattr(layer, name), self.device))
         self.lm_head = quantize_weight(self.lm_head, self.device)  # its own copy: the embedding stays dense
+        weights = [getattr(layer, name) for layer in self.layers for name in LINEARS] + [self.lm_head]
+        if self.device.type == "cpu" and all(w.int8 is not None for w in weights):
+            # The plain int8 matrices a decode step streams, back to back in step order, as _pack's float32 ones.
+            plain = iter(_in_one_arena([w.int8 for w in weights], torch.int8, self.device))
+            for layer in self.layers:
+                for name in LINEARS:
+                    setattr(layer, name, replace(getattr(layer, name), int8=next(plain)))
+            self.lm_head = replace(self.lm_head, int8=next(plain))
         self.linear = int8_linear
 
     def prepare(self, max_rows: int, max_logits_rows: int) -> None:
@@ -277,7 +286,6 @@ class LlamaModel:
             hidden = hidden + linear(F.silu(gate) * up, layer.down, None)
         hidden = _rms_norm(hidden.index_select(0, logits_indices), self.norm, shape.rms_norm_eps)
         return linear(hidden, self.lm_head, None).float()
-
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

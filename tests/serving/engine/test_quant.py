@@ -81,16 +81,69 @@ def test_a_row_gives_the_same_result_whatever_else_is_in_the_batch():
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)) * 0.05
     int8 = quant.quantize_weight(weight, torch.device("cpu"))
     row = torch.randn(1, 128, generator=torch.Generator().manual_seed(4))
-    others = torch.randn(6, 128, generator=torch.Generator().manual_seed(5))
+    others = torch.randn(8, 128, generator=torch.Generator().manual_seed(5))
     others[2] *= 1000  # an outlier request would coarsen everyone's step under per-tensor quantization
-    pair = quant.int8_linear(torch.cat((others[:1], row)), int8, None)[1:]
+    # Batches larger than the small-batch kernel takes: fbgemm, each row against its own range.
+    assert 5 > quant.SMALL_ROWS
+    five = quant.int8_linear(torch.cat((others[:4], row)), int8, None)[4:]
     batched = quant.int8_linear(torch.cat((others[:3], row, others[3:])), int8, None)[3:4]
-    assert torch.equal(pair, batched)
-    # Alone, a row is rounded to its own (asymmetric) range instead: not bit-identical, as close to float.
+    assert torch.equal(five, batched)
     expected = F.linear(row, weight)
-    for got in (batched, quant.int8_linear(row, int8, None)):
-        relative = ((got - expected).norm() / expected.norm()).item()
-        assert relative < 0.02, f"int8 linear is {relative:.2%} off float32"
+    relative = ((batched - expected).norm() / expected.norm()).item()
+    assert relative < 0.02, f"int8 linear is {relative:.2%} off float32"
+
+
+def _small_kernel_or_skip():
+    if not quant.has_small_kernel(torch.device("cpu")):
+        pytest.skip("the C++ CPU kernels are not built here")
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (37, 100), (960, 576)], ids=["even", "tails", "qkv"])
+def test_the_small_batch_kernel_multiplies_by_the_dequantized_weight(shape):
+    """Weight-only int8: float32 activations times the int8 weight times its scale, so the result is the
+    float32 product with the dequantized weight, up to the order of the sums (a tail of k below the vector
+    width and of n below a block of outputs included)."""
+    _small_kernel_or_skip()
+    weight = _random_weight(*shape, seed=8)
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(9))
+    int8 = quant.quantize_weight(weight, torch.device("cpu"))
+    assert int8.int8 is not None  # the plain matrix the kernel reads
+    dequantized = quant.dequantize(int8.int8, int8.scale)
+    # Rows with a stride wider than k, as the views the forward passes (a slice of a larger activation).
+    wide = torch.randn(quant.SMALL_ROWS, shape[1] + 7, generator=torch.Generator().manual_seed(10))
+    for rows in range(1, quant.SMALL_ROWS + 1):
+        x = wide[:rows, :shape[1]]
+        # Float32 rounding of a sum of k products: at most a few ulps of the sum of their magnitudes.
+        tolerance = 1e-6 * F.linear(x.abs(), dequantized.abs()) + 1e-6
+        for b in (None, bias):
+            error = (quant.int8_linear(x, int8, b) - F.linear(x, dequantized, b)).abs()
+            assert torch.all(error <= tolerance), f"{rows} rows: off by {float((error / tolerance).max()):.1f}x"
+
+
+def test_a_row_of_the_small_batch_kernel_does_not_depend_on_the_others():
+    _small_kernel_or_skip()
+    int8 = quant.quantize_weight(_random_weight(96, 160, seed=11), torch.device("cpu"))
+    rows = torch.randn(quant.SMALL_ROWS, 160, generator=torch.Generator().manual_seed(12))
+    rows[0] *= 1000
+    last = rows[-1:]
+    for count in range(1, quant.SMALL_ROWS + 1):
+        assert torch.equal(quant.int8_linear(rows[-count:], int8, None)[-1:], quant.int8_linear(last, int8, None))
+
+
+def test_the_small_batch_kernel_refuses_what_it_cannot_read():
+    _small_kernel_or_skip()
+    from serving.engine.kernels import cpu_ops
+
+    ops, x = cpu_ops(), torch.randn(2, 64)
+    q, scale = quant.quantize_per_channel(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.small_linear_int8(x, q.float(), scale, None)
+    with pytest.raises(RuntimeError, match="k = 64"):
+        ops.small_linear_int8(x, q[:, :48].contiguous(), scale, None)
+    with pytest.raises(RuntimeError, match="scale"):
+        ops.small_linear_int8(x, q, scale[:16], None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.small_linear_int8(x, q, scale, torch.zeros(31))
 
 
 # -- the model in int8 --------------------------------------------------------------
@@ -102,6 +155,8 @@ def test_int8_model_holds_at_most_half_the_weight_bytes(loaded_model, int8_model
     assert model.is_int8 and model.dtype == torch.float32  # activations and KV cache stay float32
     assert isinstance(model.layers[0].qkv, quant.Int8Weight) and isinstance(model.lm_head, quant.Int8Weight)
     assert model.embed.dtype == torch.float32  # the embedding lookup stays dense
+    if quant.has_small_kernel(model.device):  # the plain int8 copies, counted with fbgemm's packed ones
+        assert all(w.int8 is not None for w in (model.layers[0].qkv, model.layers[-1].down, model.lm_head))
     ratio = model.weight_bytes() / loaded_model.model.weight_bytes()
     assert ratio <= 0.5, f"int8 weights take {ratio:.2f} of float32's"
 
