@@ -27,14 +27,13 @@
 // -march=native picks AVX-512, AVX2 or SSE at build time, on the machine that runs it.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
 
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -181,39 +180,47 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
 }
 
 template <int D>
+struct Job {
+  const float *qp, *kp, *vp;
+  const int64_t *tables, *tokens, *sizes, *seqs, *lens, *order;
+  float* op;
+  int64_t q_stride, out_stride, kv_stride, num_kv_heads, groups, max_blocks, block_size;
+  float scale;
+};
+
+// Work item *item* of the job: query group order[item / num_kv_heads] against KV head item % num_kv_heads.
+template <int D>
+void attend_item(const void* arg, int64_t item) {
+  const Job<D>& job = *static_cast<const Job<D>*>(arg);
+  thread_local Scratch scratch;  // kept between calls: a step makes one call a layer
+  const int64_t i = job.order[item / job.num_kv_heads], h = item % job.num_kv_heads, token = job.tokens[i];
+  attend<D>(job.qp + token * job.q_stride + h * job.groups * D, job.q_stride, job.kp + h * D, job.vp + h * D,
+            job.tables + job.seqs[i] * job.max_blocks, job.lens[i], job.sizes[i], job.block_size, job.kv_stride,
+            job.groups, job.scale, job.op + token * job.out_stride + h * job.groups * D, job.out_stride, scratch);
+}
+
+template <int D>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& group_token, const at::Tensor& group_size,
          const at::Tensor& group_seq, const at::Tensor& group_len, int64_t block_size, double scale) {
   const int64_t num_groups = group_token.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
-  const int64_t groups = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* tokens = group_token.data_ptr<int64_t>();
   const int64_t* sizes = group_size.data_ptr<int64_t>();
-  const int64_t* seqs = group_seq.data_ptr<int64_t>();
   const int64_t* lens = group_len.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t q_stride = q.stride(0), out_stride = out.stride(0), kv_stride = num_kv_heads * D;
-  // Items differ in cost (a decode against a chunk of sixteen tokens), so the threads take them from
-  // one atomic counter, costliest first, rather than in equal runs of the item list.
-  const int64_t num_items = num_groups * num_kv_heads;
+  // Items differ in cost (a decode against a chunk of sixteen tokens), so they are handed out
+  // costliest first, one at a time, from the pool's ticket (pool.h), rather than in equal runs of
+  // the item list. The pool rather than OpenMP: at batch 1 a layer's attention is a few microseconds
+  // of work, and OpenMP's sleeping worker took 30-40 us to wake for it, every layer.
   std::vector<int64_t> order(num_groups);
   for (int64_t i = 0; i < num_groups; i++) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return sizes[a] * (lens[a] + sizes[a]) > sizes[b] * (lens[b] + sizes[b]);
   });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    thread_local Scratch scratch;  // kept between calls: a step makes one call a layer
-    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const int64_t i = order[item / num_kv_heads], h = item % num_kv_heads, token = tokens[i];
-      attend<D>(qp + token * q_stride + h * groups * D, q_stride, kp + h * D, vp + h * D,
-             tables + seqs[i] * max_blocks, lens[i], sizes[i], block_size, kv_stride, groups,
-             static_cast<float>(scale), op + token * out_stride + h * groups * D, out_stride, scratch);
-    }
-  });
+  const Job<D> job{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                   block_tables.data_ptr<int64_t>(), group_token.data_ptr<int64_t>(), sizes,
+                   group_seq.data_ptr<int64_t>(), lens, order.data(), out.data_ptr<float>(), q.stride(0),
+                   out.stride(0), num_kv_heads * D, num_kv_heads, num_heads / num_kv_heads, block_tables.size(1),
+                   block_size, static_cast<float>(scale)};
+  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads);
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
