@@ -508,7 +508,6 @@ def decode_section(b: Bench) -> dict[str, Any]:
     return f
 
 
-
 def parallel32_section(b: Bench) -> dict[str, Any]:
     rng = random.Random(b.args.seed + 1)
     requests = [Request(_slice(b.pool, rng, PARALLEL_PROMPT_LEN), b.sizes.parallel_new_tokens)
@@ -628,8 +627,6 @@ def int8_section(b: Bench) -> dict[str, Any]:
                 for _ in range(b.sizes.num_decode_repeats)]
     f: dict[str, Any] = {}
     with b.part("int8"):
-
-
         int8 = _engine_like(b, dtype="int8")
         ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
         plain, quant = [], []
