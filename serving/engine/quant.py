@@ -31,10 +31,10 @@ activation scales 1.3-3x slower than fbgemm.
 Quantized activations cost more quality than the weights' rounding alone:
 perplexity of the default model on ``bench/quality.py``'s passage is 35.26 in
 float32, 35.40 with int8 weights and float activations, 36.77 through fbgemm
-(a prefill's rows). Most of
-the difference comes from the q/k/v input, which has a few large channels;
-SmoothQuant-style rescaling calibrated on a short text gained 0.4 to 1.1 and
-was not kept (it varied with the calibration text and needs a pass at load).
+(a prefill's rows). Most of the difference comes from the q/k/v input, which
+has a few large channels; SmoothQuant-style rescaling calibrated on a short
+text gained 0.4 to 1.1 and was not kept (it varied with the calibration text
+and needs a pass at load).
 
 Per-row activation ranges: fbgemm picks one range for the whole input tensor.
 Used as is, one token with large activations coarsens every other token's
@@ -55,9 +55,9 @@ another greedy token (8 chat prompts run together vs one at a time: about two
 thirds of greedy tokens equal in int8, all of them in float32).
 
 fbgemm's quantized ops are deprecated upstream. Where they are missing (for
-the batches the kernel does not take), and on CUDA, the weight is dequantized at each matmul (``F.linear`` on
-``int8.to(x.dtype)``, scaled after): correct, with int8's weight memory, but
-no faster than float32 (untested on a GPU so far).
+the batches the kernel does not take), and on CUDA, the weight is dequantized
+at each matmul (``F.linear`` on ``int8.to(x.dtype)``, scaled after): correct,
+with int8's weight memory, but no faster than float32 (untested on a GPU so far).
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ _state: dict[str, object] = {}
 
 def cpu_ops():
     """``torch.ops.inferline`` with the CPU kernels registered, or None (see the module docstring)."""
+    if "ops" in _state:  # loaded (or refused) once: no lock on the hot path (int8_linear asks every matmul)
+        return _state["ops"]
     with _lock:
         if "ops" not in _state:
             _state["ops"] = _load()

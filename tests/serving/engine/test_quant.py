@@ -84,7 +84,7 @@ def test_a_row_gives_the_same_result_whatever_else_is_in_the_batch():
     others = torch.randn(8, 128, generator=torch.Generator().manual_seed(5))
     others[2] *= 1000  # an outlier request would coarsen everyone's step under per-tensor quantization
     # Batches larger than the small-batch kernel takes: fbgemm, each row against its own range.
-    assert 5 > quant.SMALL_ROWS
+    assert quant.SMALL_ROWS < 5
     five = quant.int8_linear(torch.cat((others[:4], row)), int8, None)[4:]
     batched = quant.int8_linear(torch.cat((others[:3], row, others[3:])), int8, None)[3:4]
     assert torch.equal(five, batched)
