@@ -61,7 +61,7 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
     vn x[RV];
     for (int c = 0; c < RV; c++) {
       x[c] = load<vn>(qt + d * qt_stride + c * NW);
-      asm("" : "+v"(x[c]));  // in a register: GCC would fold a reload into each key's FMA (twice the loads)
+      IN_REGISTER(x[c]);
     }
     for (int i = 0; i < KEYS; i++) {
       const vn e = splat_n(k[i * kv_stride + d]);
@@ -104,7 +104,7 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
     vn vv[VALUE_COLS];
     for (int c = 0; c < VALUE_COLS; c++) {
       vv[c] = load<vn>(v + c * NW);
-      asm("" : "+v"(vv[c]));  // as in score_keys
+      IN_REGISTER(vv[c]);
     }
     for (int r = 0; r < VALUE_ROWS; r++) {
       const vn p = splat_n(w[r]);

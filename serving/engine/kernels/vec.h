@@ -51,6 +51,14 @@ typedef float vn __attribute__((vector_size(NW * sizeof(float))));
 
 inline vn splat_n(float x) { return x - vn{}; }  // a broadcast: see splat
 
+// Keeps a loaded vector in a register: GCC would otherwise fold a reload into each FMA that uses it
+// (twice the loads). Without AVX a vn does not fit one register, and the constraint cannot be met.
+#ifdef __AVX__
+#define IN_REGISTER(v) asm("" : "+v"(v))
+#else
+#define IN_REGISTER(v) (void)(v)
+#endif
+
 inline float hsum_n(vn v) {
 #ifdef __AVX512F__
   return hsum(v);
