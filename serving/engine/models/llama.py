@@ -8,12 +8,14 @@ the MLP's gate and up projections.
 On CPU, float32 linear layers run through oneDNN with weights packed once at
 load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
 EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
-MKL does not pick its fast kernels on AMD processors. Batches of up to
-``SMALL_ROWS`` rows (decoding a few sequences: 3 with AVX-512, 8 without) instead go to our own
-kernel (``kernels/small_linear.cpp``) over a plain copy of each weight: there
-each matmul is a memory-bound pass over the weights, and oneDNN's per-call
-OpenMP wake-up is a quarter of the step (the 121 matmuls of a SmolLM2-135M
-step at batch 1: 12.5-13 ms against 18-19 ms). The plain copies double the
+MKL does not pick its fast kernels on AMD processors. Small batches instead
+go to our own kernel (``kernels/small_linear.cpp``) over a plain copy of each
+weight: decoding a few sequences, each matmul is a memory-bound pass over the
+weights, and oneDNN's per-call OpenMP wake-up is a quarter of the step (the
+121 matmuls of a SmolLM2-135M step at batch 1: 12.5-13 ms against 18-19 ms).
+How many rows "small" is depends on the machine (AVX-512 Zen 4: 3; AVX2 Zen 3:
+8; Sapphire Rapids: 48), so start-up measures it on the model's own weights
+(:func:`calibrate_small_rows`), from ``SMALL_ROWS`` up. The plain copies double the
 linear weights' memory, so they are kept only for models whose linear weights
 fit in ``DENSE_COPY_MAX_BYTES``; they lie back to back in one buffer on huge
 pages, in the order a step reads them (``_in_one_arena``).
@@ -32,6 +34,9 @@ dispatch cost at decode batch sizes.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -44,6 +49,8 @@ from serving.engine.attention import AttentionMetadata, paged_attention, write_k
 from serving.engine.kernels import cpu_ops
 from serving.engine.memory import empty_on_huge_pages
 from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +88,7 @@ class LlamaShape:
 @dataclass(frozen=True, slots=True)
 class CpuWeight:
     """A float32 linear weight on the CPU: oneDNN's packed layout for batches, and the plain
-    ``[out, in]`` matrix for ``SMALL_ROWS`` rows or fewer (None: not kept, oneDNN takes every batch)."""
+    ``[out, in]`` matrix for small batches (:class:`CpuLinear`; None: not kept, oneDNN takes every batch)."""
 
     packed: torch.Tensor
     dense: torch.Tensor | None
@@ -117,7 +124,7 @@ _PACK_FOR_BATCH = 64
 
 
 def _small_rows() -> int:
-    """Rows up to this go to the small-batch kernel.
+    """Rows up to this go to the small-batch kernel before start-up measures more (:func:`calibrate_small_rows`).
 
     With AVX-512, the 121 matmuls of a SmolLM2-135M decode step, ours against oneDNN (2 threads,
     PASSIVE OpenMP): 1 row 12.5 vs 18.3 ms, 2 rows 13.9 vs 19.0, 3 rows 14.9 vs 20.3, 4 rows 17.0 vs
@@ -162,10 +169,93 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
 
 
-def _cpu_linear(x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if weight.dense is not None and x.shape[0] <= SMALL_ROWS:
-        return torch.ops.inferline.small_linear(x, weight.dense, bias)
-    return _onednn_linear(x, weight.packed, bias)
+class CpuLinear:
+    """The forward's ``linear`` over :class:`CpuWeight`: our small-batch kernel up to ``small_rows`` rows
+    (where the weight keeps its plain copy), oneDNN above. ``small_rows`` starts at :data:`SMALL_ROWS` and
+    :meth:`LlamaModel.prepare` measures it on the machine (:func:`calibrate_small_rows`)."""
+
+    __slots__ = ("small_rows",)
+
+    def __init__(self, small_rows: int = 0) -> None:
+        self.small_rows = small_rows or SMALL_ROWS
+
+    def __call__(self, x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dense is not None and x.shape[0] <= self.small_rows:
+            return torch.ops.inferline.small_linear(x, weight.dense, bias)
+        return _onednn_linear(x, weight.packed, bias)
+
+
+#: Row counts at which start-up times the small-batch kernel against oneDNN, in order; the kernel keeps
+#: each while its pass over the model's layers is faster, and the first loss ends the scan.
+CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
+_calibrated: dict[tuple, int] = {}
+
+
+def calibrate_small_rows(layers: list[LayerWeights], max_rows: int, default: int = 0) -> int:
+    """The most rows for which our small-batch kernel beat oneDNN here, timed on *layers*' own weights.
+
+    The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
+    caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48 rows (a pass over SmolLM2-135M's
+    120 matmuls from memory, 27 rows: 46 against 54 ms). Each candidate is a pass over every layer's
+    matmuls (cold weights, as in a step), both paths interleaved, best of two; the scan starts above
+    *default* (``SMALL_ROWS``) and stops at the first row count where ours is not faster. Measured once
+    per process and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
+    """
+    default = default or SMALL_ROWS
+    override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
+    if override:
+        return int(override)
+    key = (tuple(getattr(layers[0], name).shape for name in LINEARS), len(layers), torch.get_num_threads(),
+           min(max_rows, CALIBRATION_ROWS[-1]))
+    if key not in _calibrated:
+        _calibrated[key] = _scan_small_rows(layers, max_rows, default)
+    return _calibrated[key]
+
+
+def _scan_small_rows(layers: list[LayerWeights], max_rows: int, default: int) -> int:
+    weights = [getattr(layer, name) for layer in layers for name in LINEARS]
+    if any(not isinstance(w, CpuWeight) or w.dense is None for w in weights):
+        return default
+    inputs = {w.shape[1]: torch.randn(CALIBRATION_ROWS[-1], w.shape[1]) for w in weights}
+
+    def one_pass(rows: int, ours: bool) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            x = inputs[w.shape[1]][:rows]
+            if ours:
+                torch.ops.inferline.small_linear(x, w.dense, None)
+            else:
+                _onednn_linear(x, w.packed, None)
+        return time.perf_counter() - start
+
+    def time_both(rows: int) -> tuple[float, float]:
+        for w in weights[:len(LINEARS)]:  # oneDNN builds its kernel for this row count on first use
+            _onednn_linear(inputs[w.shape[1]][:rows], w.packed, None)
+        ours = theirs = float("inf")
+        for _ in range(2):
+            ours, theirs = min(ours, one_pass(rows, True)), min(theirs, one_pass(rows, False))
+        return ours, theirs
+
+    with torch.inference_mode():
+        limit = scan_rows(time_both, max_rows, default)
+    log.info("small-batch kernel up to %d rows (measured against oneDNN at start-up)", limit)
+    return limit
+
+
+def scan_rows(time_both: Callable[[int], tuple[float, float]], max_rows: int, default: int) -> int:
+    """The last of :data:`CALIBRATION_ROWS` above *default* and up to *max_rows* before the first where
+    ``time_both(rows)`` (ours, oneDNN's) is not in our favour; *default* if the first already is not."""
+    limit = default
+    for rows in CALIBRATION_ROWS:
+        if rows <= default:
+            continue
+        if rows > max_rows:
+            break
+        ours, theirs = time_both(rows)
+        if ours >= theirs:
+            break
+        limit = rows
+    return limit
 
 
 def _in_one_arena(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -214,7 +304,7 @@ class LlamaModel:
         self.lm_head = CpuWeight(pack(self.lm_head, _PACK_FOR_BATCH), next(plain))
         if tied and self.lm_head.dense is not None:
             self.embed = self.lm_head.dense  # one plain copy serves both, as before
-        self.linear = _cpu_linear
+        self.linear = CpuLinear()
 
     def _quantize(self) -> None:
         for layer in self.layers:
@@ -235,8 +325,10 @@ class LlamaModel:
         """Run each distinct linear shape once at every row bucket a step can reach (up to *max_rows*
         tokens, *max_logits_rows* rows of logits), so that oneDNN builds its kernels now: memory stays
         flat while serving and no request waits for a kernel to be generated. No-op off oneDNN."""
-        if self.linear is not _onednn_linear and self.linear is not _cpu_linear:
+        if self.linear is not _onednn_linear and not isinstance(self.linear, CpuLinear):
             return
+        if isinstance(self.linear, CpuLinear):
+            self.linear.small_rows = calibrate_small_rows(self.layers, max_rows)
         layer = self.layers[0]
         weights = [(layer.qkv, layer.qkv_bias, max_rows), (layer.o, None, max_rows),
                    (layer.gate_up, None, max_rows), (layer.down, None, max_rows),
@@ -245,7 +337,7 @@ class LlamaModel:
             for weight, bias, limit in weights:
                 packed, first = weight, 1
                 if isinstance(weight, CpuWeight):  # rows the small-batch kernel takes never reach oneDNN
-                    packed, first = weight.packed, 1 if weight.dense is None else SMALL_ROWS + 1
+                    packed, first = weight.packed, 1 if weight.dense is None else self.linear.small_rows + 1
                 x = torch.zeros(bucket_rows(limit), weight.shape[1], dtype=self.dtype)
                 for rows in sorted({bucket_rows(n) for n in range(first, limit + 1)}):
                     _onednn_linear(x[:rows], packed, bias)

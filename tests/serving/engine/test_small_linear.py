@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from serving.engine.models import llama
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 27, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (1000, 100), (7, 16), (3, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_bias):
@@ -68,19 +68,20 @@ def test_it_refuses_what_it_cannot_run(ops):
 
 def test_small_batches_take_the_kernel_and_larger_ones_onednn(loaded_model, ops, monkeypatch):
     model = loaded_model.model
-    if model.linear is not llama._cpu_linear:
+    if not isinstance(model.linear, llama.CpuLinear):
         pytest.skip("the model does not run on oneDNN here")
     seen: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(model.linear, "small_rows", 5)
     layer = model.layers[0]
     assert isinstance(layer.qkv, llama.CpuWeight) and layer.qkv.dense is not None
     with torch.inference_mode():
-        for rows in range(1, llama.SMALL_ROWS + 2):
+        for rows in range(1, 7):
             x = torch.randn(rows, model.shape.hidden_size)
             out = model.linear(x, layer.qkv, layer.qkv_bias)
             torch.testing.assert_close(out, F.linear(x, layer.qkv.dense, layer.qkv_bias), rtol=1e-4, atol=1e-4)
-    assert seen == [llama.SMALL_ROWS + 1]  # only the batch above SMALL_ROWS went to oneDNN
+    assert seen == [6]  # only the batch above small_rows went to oneDNN
     # A tied LM head's plain copy is the embedding itself, not a third copy.
     assert model.lm_head.dense is model.embed
 
@@ -104,14 +105,69 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
 
 def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loaded_model, monkeypatch):
     model = loaded_model.model
-    if model.linear is not llama._cpu_linear or model.layers[0].qkv.dense is None:
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.dense is None:
         pytest.skip("the model keeps no plain copies here")
     seen: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setenv("INFERLINE_SMALL_ROWS", "6")  # the limit as set, not measured
+    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)
     model.prepare(40, 8)
-    assert min(seen) == llama.SMALL_ROWS + 1
-    assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(llama.SMALL_ROWS + 1, 41)})
+    assert model.linear.small_rows == 6
+    assert min(seen) == 7
+    assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(7, 41)})
+
+
+def test_start_up_measures_the_small_batch_limit_on_the_model(loaded_model, monkeypatch):
+    model = loaded_model.model
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.dense is None:
+        pytest.skip("the model keeps no plain copies here")
+    monkeypatch.delenv("INFERLINE_SMALL_ROWS", raising=False)
+    monkeypatch.setattr(llama, "_calibrated", {})
+    timed: list[int] = []
+    real = llama._onednn_linear
+    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: timed.append(x.shape[0]) or real(x, w, b))
+    limit = llama.calibrate_small_rows(model.layers, 40)
+    assert limit == llama.SMALL_ROWS or limit in llama.CALIBRATION_ROWS
+    assert llama.SMALL_ROWS <= limit <= 40
+    assert set(timed) <= {r for r in llama.CALIBRATION_ROWS if llama.SMALL_ROWS < r <= 40}
+    assert set(timed)  # at least the first row count above SMALL_ROWS was timed
+    timed.clear()
+    assert llama.calibrate_small_rows(model.layers, 40) == limit and not timed  # once per process and shape
+
+
+def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
+    asked: list[int] = []
+
+    def timings(win_up_to: int):
+        def time_both(rows: int) -> tuple[float, float]:
+            asked.append(rows)
+            return (1.0, 2.0) if rows <= win_up_to else (2.0, 1.0)
+        return time_both
+
+    assert llama.scan_rows(timings(24), 512, 3) == 24 and asked == [4, 6, 8, 12, 16, 20, 24, 28]
+    asked.clear()
+    assert llama.scan_rows(timings(0), 512, 3) == 3 and asked == [4]  # oneDNN already wins at 4 rows
+    asked.clear()
+    assert llama.scan_rows(timings(1000), 16, 3) == 16 and asked[-1] == 16  # never past the step's rows
+    asked.clear()
+    assert llama.scan_rows(timings(1000), 512, 8) == 64 and asked[0] == 12  # starts above the default
+    tie = llama.scan_rows(lambda rows: (1.0, 1.0), 512, 3)
+    assert tie == 3  # a tie keeps oneDNN
+
+
+def test_the_limit_can_be_set(loaded_model, monkeypatch):
+    monkeypatch.setenv("INFERLINE_SMALL_ROWS", "0")
+    assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 0
+    monkeypatch.setenv("INFERLINE_SMALL_ROWS", "12")
+    assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 12
+
+
+def test_weights_without_plain_copies_keep_the_default():
+    packed_only = llama.CpuWeight(torch.zeros(4, 4), None)
+    layer = llama.LayerWeights(torch.ones(4), packed_only, None, packed_only, torch.ones(4), packed_only,
+                               packed_only)
+    assert llama._scan_small_rows([layer], 512, 3) == 3
 
 
 @pytest.mark.parametrize(("flags", "rows"), [("flags\t: fpu sse avx2 fma avx512f avx512bw", 3),
