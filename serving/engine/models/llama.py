@@ -14,7 +14,7 @@ weight: decoding a few sequences, each matmul is a memory-bound pass over the
 weights, and oneDNN's per-call OpenMP wake-up is a quarter of the step (the
 121 matmuls of a SmolLM2-135M step at batch 1: 12.5-13 ms against 18-19 ms).
 How many rows "small" is depends on the machine (AVX-512 Zen 4: 3; AVX2 Zen 3:
-8; Sapphire Rapids: 48), so start-up measures it on the model's own weights
+8; Sapphire Rapids: 48-64), so start-up measures it on the model's own weights
 (:func:`calibrate_small_rows`), from ``SMALL_ROWS`` up. The plain copies double the
 linear weights' memory, so they are kept only for models whose linear weights
 fit in ``DENSE_COPY_MAX_BYTES``; they lie back to back in one buffer on huge
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
+from serving.engine.errors import EngineError
 from serving.engine.kernels import cpu_ops
 from serving.engine.memory import empty_on_huge_pages
 from serving.engine.quant import Int8Weight, int8_linear, quantize_weight
@@ -176,8 +177,8 @@ class CpuLinear:
 
     __slots__ = ("small_rows",)
 
-    def __init__(self, small_rows: int = 0) -> None:
-        self.small_rows = small_rows or SMALL_ROWS
+    def __init__(self) -> None:
+        self.small_rows = SMALL_ROWS
 
     def __call__(self, x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if weight.dense is not None and x.shape[0] <= self.small_rows:
@@ -191,24 +192,26 @@ CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
 _calibrated: dict[tuple, int] = {}
 
 
-def calibrate_small_rows(layers: list[LayerWeights], max_rows: int, default: int = 0) -> int:
+def calibrate_small_rows(layers: list[LayerWeights], max_rows: int) -> int:
     """The most rows for which our small-batch kernel beat oneDNN here, timed on *layers*' own weights.
 
     The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
-    caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48 rows (a pass over SmolLM2-135M's
+    caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48-64 rows (a pass over SmolLM2-135M's
     120 matmuls from memory, 27 rows: 46 against 54 ms). Each candidate is a pass over every layer's
     matmuls (cold weights, as in a step), both paths interleaved, best of two; the scan starts above
-    *default* (``SMALL_ROWS``) and stops at the first row count where ours is not faster. Measured once
-    per process and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
+    ``SMALL_ROWS`` and stops at the first row count where ours is not faster. Measured once per process
+    and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
-    default = default or SMALL_ROWS
     override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
     if override:
+        if not override.isdigit():
+            raise EngineError(f"INFERLINE_SMALL_ROWS must be a whole number of rows (0: oneDNN only), "
+                              f"got {override!r}")
         return int(override)
     key = (tuple(getattr(layers[0], name).shape for name in LINEARS), len(layers), torch.get_num_threads(),
            min(max_rows, CALIBRATION_ROWS[-1]))
     if key not in _calibrated:
-        _calibrated[key] = _scan_small_rows(layers, max_rows, default)
+        _calibrated[key] = _scan_small_rows(layers, max_rows, SMALL_ROWS)
     return _calibrated[key]
 
 

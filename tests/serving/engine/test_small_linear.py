@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from serving.engine.errors import EngineError
 from serving.engine.models import llama
 
 
@@ -111,7 +113,7 @@ def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loade
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "6")  # the limit as set, not measured
-    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)
+    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)  # restored after prepare sets it
     model.prepare(40, 8)
     assert model.linear.small_rows == 6
     assert min(seen) == 7
@@ -161,6 +163,10 @@ def test_the_limit_can_be_set(loaded_model, monkeypatch):
     assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 0
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "12")
     assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 12
+    for bad in ("twelve", "-1", "1.5"):
+        monkeypatch.setenv("INFERLINE_SMALL_ROWS", bad)
+        with pytest.raises(EngineError, match=f"INFERLINE_SMALL_ROWS must be a whole number.*{re.escape(repr(bad))}"):
+            llama.calibrate_small_rows(loaded_model.model.layers, 512)
 
 
 def test_weights_without_plain_copies_keep_the_default():
