@@ -115,6 +115,33 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
     for (int c = 0; c < VALUE_COLS; c++) store(out + r * out_stride + c * NW, acc[r][c]);
 }
 
+// Vectors of score columns per softmax pass: the max and the sum of each take a register, and the
+// exp's polynomial needs a few more (on AVX2, 6 were no faster than 4 and 3).
+constexpr int SOFTMAX_VECS = NREGS / 4;
+
+// Columns [0, vecs * NW) of scores (stride apart, len rows) become exp(x - column max), and inv their
+// column's 1 / sum; vecs <= V, unrolled for each count.
+template <int V>
+inline void softmax_columns(float* scores, int64_t stride, int64_t len, float* inv, int vecs) {
+  if constexpr (V > 1) {
+    if (vecs < V) return softmax_columns<V - 1>(scores, stride, len, inv, vecs);
+  }
+  vn m[V], sum[V];
+  for (int c = 0; c < V; c++) m[c] = vn{} - INFINITY, sum[c] = vn{};
+  for (int64_t p = 0; p < len; p++)
+    for (int c = 0; c < V; c++) {
+      const vn x = load<vn>(scores + p * stride + c * NW);
+      m[c] = x > m[c] ? x : m[c];
+    }
+  for (int64_t p = 0; p < len; p++)
+    for (int c = 0; c < V; c++) {
+      const vn e = vexp(load<vn>(scores + p * stride + c * NW) - m[c]);
+      store(scores + p * stride + c * NW, e);
+      sum[c] += e;
+    }
+  for (int c = 0; c < V; c++) store(inv + c * NW, vn{} + 1.f / sum[c]);
+}
+
 // One (query group, KV head) work item. The group's query j (token j of the group) sees the first
 // len0 + j positions of its sequence; its `groups` query heads share the KV head. Padding rows have
 // zero queries and are dropped.
@@ -146,22 +173,14 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
   // The causal mask: token j of the group sees positions below len0 + j.
   for (int64_t p = len0; p < len; p++)
     for (int64_t row = 0; row < (p - len0 + 1) * groups; row++) s.scores[p * padded + row] = -INFINITY;
-  // Softmax down each column, a vector of rows at a time, in vn: with vec.h's 16-float vf, GCC
-  // round-trips the exp polynomial through the stack on AVX2.
-  for (int64_t c = 0; c < padded; c += NW) {
-    vn m = vn{} - INFINITY;
-    for (int64_t p = 0; p < len; p++) {
-      const vn x = load<vn>(&s.scores[p * padded + c]);
-      m = x > m ? x : m;
-    }
-    vn sum{};
-    for (int64_t p = 0; p < len; p++) {
-      const vn e = vexp(load<vn>(&s.scores[p * padded + c]) - m);
-      store(&s.scores[p * padded + c], e);
-      sum += e;
-    }
-    store(&s.inv[c], vn{} + 1.f / sum);
-  }
+  // Softmax down each column, exact: the max, then exp and the sum. Row by row over up to
+  // SOFTMAX_VECS vectors of columns, kept in registers, so the scores are read in address order; going
+  // down one vector of columns at a time read a new cache line at every step, from L2 (a 1,040-key
+  // context x 48 rows is 200 KB). 28 tokens after a 1,024-token prefix, SmolLM2-135M's 30 layers
+  // (AVX2 Zen 3, interleaved A/B in one process): 31.4-33.7 ms against 35.0-36.7.
+  for (int64_t c0 = 0; c0 < padded; c0 += SOFTMAX_VECS * NW)
+    softmax_columns<SOFTMAX_VECS>(&s.scores[c0], padded, len, &s.inv[c0],
+                                  static_cast<int>(std::min<int64_t>(SOFTMAX_VECS, (padded - c0) / NW)));
   s.out.assign(padded * D, 0.f);
   for (int64_t start = 0; start < len; start += block_size) {
     const float* v = v_cache + table[start / block_size] * block_size * kv_stride;

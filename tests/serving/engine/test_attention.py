@@ -53,8 +53,11 @@ def attend(runner: ModelRunner, items: list[ScheduledSeq], q, k, v, use_kernel: 
     return paged_attention(q, k, v, runner.k_caches[0], runner.v_caches[0], meta)
 
 
+# (14, 2): seven query heads a KV head, 112 query rows a 16-token group: the softmax's passes over the
+# score columns come out uneven (4 + 4 + 4 + 2 vectors with AVX2).
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 16), (9, 3, 64, 8), (6, 2, 128, 32)])
+                         [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 16), (9, 3, 64, 8), (6, 2, 128, 32),
+                          (14, 2, 64, 16)])
 def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim, block_size):
     rng = random.Random(num_heads)
     # Decodes of every length class, a 1-token context, speculative-like short chunks, a prefix-cache
