@@ -25,7 +25,10 @@ bulk path (``write_many``) and ``verify`` is timed over them twice: as it runs
 by default (worker processes hashing seq ranges in parallel, one per CPU) and,
 the baseline, in one process (``workers=1``). The last line is one JSON object:
 ``audit_added_ms_p50_sqlite``, ``audit_added_ms_p50_postgres``, their p95s and
-concurrent p50s, ``audit_added_ms_p50_postgres_two_writers``,
+concurrent p50s, ``audit_added_ms_p50_sqlite_journal`` (the same stage with the
+server's write-ahead journal, ``audit.journal``: the answer waits for the journal's
+fsync, the chaining follows; its p95 and concurrent p50 too),
+``audit_added_ms_p50_postgres_two_writers``,
 ``postgres_commit_floor_ms_p50``, ``verify_s_100k`` (target: under 10 s),
 ``verify_s_100k_one_process`` and ``verify_parallel_speedup`` (their ratio),
 with the machine's CPU pressure before and after (``/proc/pressure/cpu``, the
@@ -64,6 +67,7 @@ from pipeline.spec import AuditSpec
 from serving.audit_sink import StoreSink
 from stages.audit import AuditConfig, AuditStage, build_record
 from store.audit import AuditStore
+from store.audit_journal import Journal
 from store.db import create_schema, make_engine
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -117,19 +121,20 @@ def open_store(engine: sa.Engine, spool: Path) -> AuditStore:
                       checkpoint_every=defaults.checkpoint_every)
 
 
-async def stage_latencies(store: AuditStore, num_requests: int,
-                          floor: Callable[[], None] | None = None) -> dict[str, Any]:
-    """The audit stage's run, in ms: one request at a time, then CONCURRENCY at a time."""
-    sink = StoreSink(store)
+async def stage_latencies(store: AuditStore, num_requests: int, floor: Callable[[], None] | None = None,
+                          journal: Journal | None = None) -> dict[str, Any]:
+    """The audit stage's run, in ms: one request at a time, then CONCURRENCY at a time. With *journal*
+    (as the server runs it), the stage waits for the journal's fsync, and the chaining follows."""
+    sink = StoreSink(store, journal)
     commits = 0
-    write_batch = store.awrite_batch
+    write_items = store.awrite_items
 
-    async def counted(records: list[dict[str, Any]]) -> list[str]:
+    async def counted(items: list[Any], strict: bool = False) -> None:
         nonlocal commits
         commits += 1
-        return await write_batch(records)
+        await write_items(items, strict=strict)
 
-    store.awrite_batch = counted  # type: ignore[method-assign]  # the real method, counted
+    store.awrite_items = counted  # type: ignore[method-assign]  # the real method, counted
     stage = AuditStage("log", AuditConfig(content="redacted"), Resources(audit=sink))
     for i in range(WARMUP):
         await stage.run(request_context(i), None)  # type: ignore[arg-type]
@@ -155,6 +160,10 @@ async def stage_latencies(store: AuditStore, num_requests: int,
 
     commits = 0
     await asyncio.gather(*(client(n) for n in range(CONCURRENCY)))
+    if not await sink.flushed(timeout=60):
+        raise SystemExit("the journaled records were not chained within a minute")
+    if journal is not None:
+        journal.close()
     report = store.verify()
     if not report.ok or report.checked != WARMUP + 2 * num_requests:
         raise SystemExit(f"verify failed after the write benchmark: {report.findings[:3]}")
@@ -232,11 +241,17 @@ def summarize(name: str, results: dict[str, Any], latency: dict[str, Any]) -> No
 
 def run_sqlite(results: dict[str, Any], num_writes: int, folder: Path) -> None:
     sqlite = make_engine(f"sqlite:///{folder / 'audit.db'}")
+    journaled = make_engine(f"sqlite:///{folder / 'journaled.db'}")
     try:
         latency = asyncio.run(stage_latencies(open_store(sqlite, folder / "sqlite.spool"), num_writes))
+        # As the server runs it (audit.journal): the answer waits for the journal's fsync only.
+        latency_journal = asyncio.run(stage_latencies(open_store(journaled, folder / "journaled.spool"),
+                                                      num_writes, journal=Journal.open(folder / "journal")))
     finally:
         sqlite.dispose()
+        journaled.dispose()
     summarize("sqlite", results, latency)
+    summarize("sqlite_journal", results, latency_journal)
 
 
 def run_postgres(results: dict[str, Any], num_writes: int, folder: Path, base_url: str) -> None:

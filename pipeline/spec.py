@@ -228,6 +228,10 @@ class AuditSpec(Strict):
     mode: Literal["best_effort", "required"] = "best_effort"
     #: Append-only file for records written while the database is unreachable.
     spool: str = "audit-spool.jsonl"
+    #: Each server process's write-ahead journal, ``<journal>.<pid>-<random>.jsonl``: a request is answered once
+    #: its record is there (fsynced), and the record is chained into the database right after, off the
+    #: response's path; a restart chains what a stopped process left. null: answer only once chained.
+    journal: str | None = "audit-journal"
     #: HMAC key for signed checkpoints; better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
     checkpoint_key: str | None = None
     checkpoint_every: PositiveInt = 1000

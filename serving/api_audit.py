@@ -38,6 +38,7 @@ async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tup
     clean = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in query.items() if v is not None}
     await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, clean)
+    await state.audit_read_barrier()
     return store, principal
 
 

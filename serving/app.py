@@ -32,7 +32,7 @@ from pipeline.runner import Pipeline, Runner
 from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
 from serving import api_audit, api_docs, api_openai, api_ops, api_pipelines
-from serving.audit_sink import StoreSink, open_store
+from serving.audit_sink import StoreSink, open_sink, open_store
 from serving.auth import Authenticator
 from serving.caches import StoreCaches
 from serving.console import ConsolePlugin
@@ -90,7 +90,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             replayed = await asyncio.to_thread(state.audit.replay_spool)
             if replayed:
                 logger.info("audit: replayed %d spooled record(s)", replayed)
-            resources.audit = StoreSink(state.audit)
+            resources.audit = state.audit_sink = await asyncio.to_thread(open_sink, workspace, state.audit)
             resources.counters = counters = await open_counters(server.limits, db)
             await asyncio.to_thread(indexes.refresh)
             watcher = asyncio.create_task(indexes.watch())

@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 from litestar import Request
 from prometheus_client import CollectorRegistry
 
+from serving.audit_sink import StoreSink
 from serving.auth import Authenticator
 from serving.execution import Executor
 from serving.model_pool import ModelPool
+from serving.problems import Problem
 from serving.wiring import Workspace
 from store.audit import AuditStore
+
+#: The longest an audit read waits for journaled records to be chained (the database may be away).
+AUDIT_READ_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -22,8 +27,18 @@ class AppState:
     pool: ModelPool
     registry: CollectorRegistry
     audit: AuditStore | None = None
+    #: The pipelines' writer to ``audit``; reads wait on its ``flushed()`` for the records not yet chained.
+    audit_sink: StoreSink | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
+
+    async def audit_read_barrier(self) -> None:
+        """Before an audit read: wait for the records whose requests have been answered but which are
+        not chained yet, so that a reviewer sees them; a 503 when that takes over ``AUDIT_READ_WAIT_S``
+        (the database is away), rather than an answer that silently lacks them."""
+        if self.audit_sink is not None and not await self.audit_sink.flushed(AUDIT_READ_WAIT_S):
+            raise Problem(503, "Backend unavailable", "recent audit records are still being written to the "
+                          "database; try again shortly", "backend_error", headers={"Retry-After": "5"})
 
     @staticmethod
     def of(request: Request) -> AppState:

@@ -122,11 +122,20 @@ class AuditStore:
         goes to :meth:`write_batch`'s blocking path in a thread, which sorts it out.
         """
         items = [normalize(record, utcnow()) for record in records]
+        await self.awrite_items(items)
+        return [row["id"] for row, _ in items]
+
+    async def awrite_items(self, items: list[Item], *, strict: bool = False) -> None:
+        """:meth:`awrite_batch` for records already normalized (``store.audit_chain.normalize``).
+
+        *strict*: raise AuditUnavailable when neither the database nor the spool takes them, whatever
+        the mode (best_effort would log them as lost): for a caller that still holds them elsewhere
+        (the server's journal) and will try again."""
         if time.monotonic() >= self._db_retry_at and self._spool.is_empty():
             if self._async_trip is not None:
                 try:
                     if await self._async_trip.append(items):
-                        return [row["id"] for row, _ in items]
+                        return
                 except (psycopg.Error, OSError) as exc:
                     # Retried below; if the call did commit, its records now collide with themselves by id.
                     logger.debug("audit: async append failed (%s); taking the blocking path", type(exc).__name__)
@@ -137,9 +146,8 @@ class AuditStore:
                 finally:
                     self._lock.release()
                 if written:
-                    return [row["id"] for row, _ in items]
-        await asyncio.to_thread(self._write_items, items)
-        return [row["id"] for row, _ in items]
+                    return
+        await asyncio.to_thread(self._write_items, items, strict)
 
     async def aclose(self) -> None:
         """:meth:`close`, and the event loop's connections too."""
@@ -147,7 +155,7 @@ class AuditStore:
             await self._async_trip.aclose()
         await asyncio.to_thread(self.close)
 
-    def _write_items(self, items: list[Item]) -> None:
+    def _write_items(self, items: list[Item], strict: bool = False) -> None:
         with self._lock:
             if time.monotonic() >= self._db_retry_at:
                 try:
@@ -158,7 +166,7 @@ class AuditStore:
                 except sa.exc.IntegrityError:
                     if len(items) > 1:  # find the duplicate one by one
                         for item in items:
-                            self._write_one_locked(item)
+                            self._write_one_locked(item, strict)
                         return
                     if self.get(items[0][0]["id"]) is None:
                         raise
@@ -168,13 +176,13 @@ class AuditStore:
                     logger.warning("audit database unavailable, spooling to %s: %s", self._spool.path,
                                    type(exc).__name__)
             for item in items:
-                self._spool_item(item)
+                self._spool_item(item, strict)
 
-    def _write_one_locked(self, item: Item) -> None:
+    def _write_one_locked(self, item: Item, strict: bool = False) -> None:
         try:
             self._append([item], skip_existing=True)
         except TRANSIENT_ERRORS:
-            self._spool_item(item)
+            self._spool_item(item, strict)
 
     def write_many(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
         """Chain *records* in order, 2,000 per transaction (bulk loads); no spool: errors propagate."""
@@ -187,7 +195,15 @@ class AuditStore:
     def replay_spool(self) -> int:
         """Chain the spooled records, in order, skipping ids already in the log; how many were added."""
         with self._lock:
-            return self._replay_locked()
+            return self._replay_locked(self._spool)
+
+    def replay_file(self, path: Path) -> int:
+        """:meth:`replay_spool` for another file of spool lines (a dead process's journal,
+        store/audit_journal.py), which is then removed; how many records were added."""
+        with self._lock:
+            added = self._replay_locked(Spool(path))
+        path.unlink(missing_ok=True)
+        return added
 
     def close(self) -> None:
         """Give back the connection that PostgreSQL writes hold between writes (engine.dispose() does too)."""
@@ -218,32 +234,32 @@ class AuditStore:
         # Spooled records first: they happened first. A spool that cannot be read must not
         # cost the record in hand as well; it stays for replay_spool() and an operator.
         try:
-            self._replay_locked()
+            self._replay_locked(self._spool)
         except OSError as exc:
             logger.error("audit spool %s could not be replayed: %s", self._spool.path, exc)
 
-    def _spool_item(self, item: Item) -> None:
+    def _spool_item(self, item: Item, strict: bool = False) -> None:
         try:
             self._spool.append(json_line(*item))
         except OSError as exc:
-            if self.mode == "required":
+            if self.mode == "required" or strict:
                 raise AuditUnavailable(f"audit database and spool {self._spool.path} both unavailable") from exc
             logger.error("audit record %s LOST: database and spool %s both unavailable: %s",
                          item[0]["id"], self._spool.path, exc)
 
-    def _replay_locked(self) -> int:
+    def _replay_locked(self, spool: Spool) -> int:
         added = 0
-        with self._spool.claimed() as records:
+        with spool.claimed() as records:
             items = []
             for record in records:
                 try:
                     items.append(normalize(record, utcnow()))
                 except ValueError as exc:
-                    self._spool.reject(record, str(exc))
+                    spool.reject(record, str(exc))
             for start in range(0, len(items), _CHUNK):
                 added += self._append(items[start:start + _CHUNK], skip_existing=True)
         if added:
-            logger.info("audit: replayed %d spooled record(s)", added)
+            logger.info("audit: replayed %d record(s) from %s", added, spool.path)
         return added
 
     def _append(self, items: list[Item], *, skip_existing: bool, conn: sa.Connection | None = None) -> int:

@@ -84,6 +84,7 @@ async def reviewer(console: Console, request: Request, action: str, query: Mappi
     logged = {k: v for k, v in query.items() if v not in (None, "")} | {"via": "console"}
     await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, logged)
+    await console.state.audit_read_barrier()
     return store, session
 
 

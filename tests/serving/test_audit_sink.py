@@ -1,12 +1,19 @@
-"""StoreSink's group commit: records that arrive together share a transaction."""
+"""StoreSink: group commit (records that arrive together share a transaction), and write-behind through the journal."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
+import pytest
+import sqlalchemy as sa
+
+from serving import audit_sink
 from serving.audit_sink import StoreSink
-from store.audit import AuditStore
+from store import audit_journal
+from store.audit import AuditStore, AuditUnavailable
+from store.audit_journal import Journal, leftover_journals
 from store.audit_query import AuditFilters
 
 
@@ -47,3 +54,167 @@ async def test_every_record_of_a_burst_lands_in_one_chain(tmp_path):
     assert report.ok and report.checked == 20
     page = store.query(AuditFilters(pipeline="chat"), limit=50)
     assert sorted(r["request_id"] for r in page.records) == sorted(f"r{i}" for i in range(20))
+
+
+# -- write-behind through the journal (the server's default) ------------------------------------------
+
+
+class _Held:
+    """A store whose writes wait until released, keeping what it was given; can be told to refuse."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.release = asyncio.Event()
+        self.refuse = False
+
+    async def awrite_items(self, items: list[Any], strict: bool = False) -> None:
+        await self.release.wait()
+        if self.refuse:
+            raise AuditUnavailable("the database is away and the spool is full")
+        self.items += items
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _journal_lines(path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_a_write_returns_once_its_record_is_journaled_and_is_chained_after(tmp_path):
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    await asyncio.gather(*(sink.write({"request_id": f"r{i}", "pipeline": "chat", "status": "ok"})
+                           for i in range(3)))
+    # Answered: the records are on disk, and not yet in the store.
+    assert [line["request_id"] for line in _journal_lines(journal.path)] == ["r0", "r1", "r2"]
+    assert store.items == [] and not await sink.flushed(timeout=0.05)
+    store.release.set()
+    assert await sink.flushed(timeout=5)
+    assert [row["request_id"] for row, _ in store.items] == ["r0", "r1", "r2"]
+    assert journal.size() == 0  # all chained: emptied
+    await sink.aclose()
+    assert not journal.path.exists()
+
+
+async def test_records_the_store_refuses_stay_journaled_and_a_restart_chains_them_once(tmp_path, monkeypatch):
+    from store.db import create_schema, make_engine
+
+    monkeypatch.setattr(audit_sink, "DRAIN_RETRY_S", 0.01)
+    prefix = tmp_path / "audit-journal"
+    held = _Held()
+    held.refuse = True
+    held.release.set()
+    sink = StoreSink(held, Journal.open(prefix))  # type: ignore[arg-type]
+    await asyncio.gather(*(sink.write({"request_id": f"r{i}", "pipeline": "chat", "status": "ok"})
+                           for i in range(4)))
+    await sink.aclose(timeout=0.1)  # shutdown while the store still refuses: the journal stays
+    (left,) = leftover_journals(prefix)
+    assert len(_journal_lines(left)) == 4
+    # The next start: a real store chains them, and a second replay of the same lines adds nothing.
+    database = make_engine(f"sqlite:///{tmp_path / 'audit.db'}")
+    create_schema(database)
+    store = AuditStore(database, spool_path=tmp_path / "spool.jsonl")
+    copy = left.with_name("audit-journal.1.jsonl")
+    copy.write_text(left.read_text())
+    assert store.replay_file(left) == 4 and not left.exists()
+    assert store.replay_file(copy) == 0
+    report = store.verify()
+    assert report.ok and report.checked == 4
+    page = store.query(AuditFilters(pipeline="chat"), limit=50)
+    assert sorted(r["request_id"] for r in page.records) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_running_process_journal_is_not_a_leftover(tmp_path):
+    prefix = tmp_path / "audit-journal"
+    mine = Journal.open(prefix)
+    mine.append(['{"id": "x"}\n'])
+    dead = tmp_path / "audit-journal.999999999-0badf00d.jsonl"  # no process holds its lock
+    dead.write_text('{"id": "y"}\n')
+    (tmp_path / "audit-journal.notes.jsonl").write_text("not a journal\n")
+    assert leftover_journals(prefix) == [dead]
+    mine.close()
+    assert mine.path.exists()  # not empty: kept for the next start
+    assert sorted(leftover_journals(prefix)) == sorted([dead, mine.path])
+
+
+async def test_when_the_journal_cannot_take_a_record_it_is_chained_before_the_answer(tmp_path, monkeypatch):
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+    store.release.set()
+
+    def full(lines: list[str]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal, "append", full)
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    await sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"})
+    assert [row["request_id"] for row, _ in store.items] == ["r0"]  # before write returned
+    await sink.aclose()
+
+
+async def test_a_malformed_record_fails_its_own_write_only(tmp_path):
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+    store.release.set()
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    good = asyncio.create_task(sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"}))
+    bad = asyncio.create_task(sink.write({"request_id": "r1", "status": "ok", "no_such_field": 1}))
+    results = await asyncio.gather(good, bad, return_exceptions=True)
+    assert results[0] is None
+    assert isinstance(results[1], ValueError) and "unknown audit record field" in str(results[1])
+    assert await sink.flushed(timeout=5)
+    assert [row["request_id"] for row, _ in store.items] == ["r0"]
+    await sink.aclose()
+
+
+async def test_journaled_records_are_never_dropped_when_neither_the_database_nor_the_spool_takes_them(
+        tmp_path, monkeypatch):
+    from store.db import make_engine
+
+    monkeypatch.setattr(audit_sink, "DRAIN_RETRY_S", 0.01)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    # best_effort would log such records as lost; journaled ones are kept and retried instead.
+    store = AuditStore(make_engine(f"sqlite:///{tmp_path}/no/such/folder/audit.db"),
+                       spool_path=blocked / "spool.jsonl", mode="best_effort")
+    journal = Journal.open(tmp_path / "audit-journal")
+    sink = StoreSink(store, journal)
+    await sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"})
+    assert not await sink.flushed(timeout=0.3)
+    assert [line["request_id"] for line in _journal_lines(journal.path)] == ["r0"]
+    await sink.aclose(timeout=0.1)
+    assert leftover_journals(tmp_path / "audit-journal") == [journal.path]
+
+
+class _Picky(_Held):
+    """Refuses (not for want of a database) any batch holding the record ``bad``."""
+
+    async def awrite_items(self, items: list[Any], strict: bool = False) -> None:
+        if any(row["request_id"] == "bad" for row, _ in items):
+            raise sa.exc.DataError("INSERT INTO audit_records ...", {},
+                                   Exception("value too long for type character varying(64)"))
+        self.items += items
+
+
+async def test_a_record_the_store_refuses_for_good_is_set_aside_and_the_rest_are_chained(tmp_path):
+    store, journal = _Picky(), Journal.open(tmp_path / "audit-journal")
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    await asyncio.gather(*(sink.write({"request_id": rid, "pipeline": "chat", "status": "ok"})
+                           for rid in ("r0", "bad", "r1")))
+    assert await sink.flushed(timeout=5)
+    assert [row["request_id"] for row, _ in store.items] == ["r0", "r1"]
+    rejected = journal.path.with_name(journal.path.name + ".rejected")
+    assert [json.loads(line)["request_id"] for line in rejected.read_text().splitlines()] == ["bad"]
+    await sink.aclose()
+
+
+def test_a_failed_append_leaves_no_torn_line(tmp_path, monkeypatch):
+    journal = Journal.open(tmp_path / "audit-journal")
+    journal.append(['{"id": "a"}\n'])
+
+    def no_sync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(audit_journal.os, "fdatasync", no_sync)
+    with pytest.raises(OSError, match="Input/output"):
+        journal.append(['{"id": "b"}\n'])
+    assert journal.path.read_text() == '{"id": "a"}\n'
