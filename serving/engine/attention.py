@@ -100,15 +100,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, num_rows: int | None = None) -> torch.Tensor:
     """Attention output ``[T, Hq * D]`` for queries ``q`` ``[T, Hq, D]``.
 
     ``k`` and ``v`` are this step's fresh keys and values (already written to
-    the cache), used directly by chunks that have no earlier context.
+    the cache), used directly by chunks that have no earlier context. With
+    *num_rows* > T the output has that many rows, the extra ones zero (a step
+    padded to the next matmul's row bucket).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(max(num_rows or 0, num_tokens), num_heads * head_dim, dtype=q.dtype, device=q.device)
+    out[num_tokens:].zero_()
     if meta.kernel is not None:
         g = meta.kernel
         cpu_ops().paged_attention(out, q, k_cache, v_cache, g.block_tables, g.token, g.size, g.seq, g.length,
