@@ -21,7 +21,9 @@
 // rows (tokens x grouped heads) against the keys, then the weights against the
 // values, register-blocked in the machine's own vector width: scores key-major,
 // each key element broadcast against a tile of transposed query rows; then each
-// block's value rows against a block of output rows. Each next block is
+// block's value rows against a block of output rows. An item of a few rows (up to
+// DOT_ROWS: a decode's grouped heads) takes dot products along the head instead,
+// and weighs each value row for its rows alone: a tile would be mostly padding. Each next block is
 // prefetched: a sequence's blocks lie anywhere in the pool. Softmax is exact (max-subtracted,
 // two passes over the scores), in float32. GCC vector extensions keep it portable:
 // -march=native picks AVX-512, AVX2 or SSE at build time, on the machine that runs it.
@@ -83,6 +85,40 @@ inline void score_block(const float* k, int64_t count, int64_t kv_stride, const 
     score_keys<D, 1, RV>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
 }
 
+// A few query rows (a decode's grouped heads) against a block: each score a dot product along the head,
+// every row against each key as it is loaded, summed across the vector by a tree of shuffles. The
+// key-major tiles above broadcast each key element against a whole vector of rows, NW of them, where a
+// decode has as many as the KV head has query heads (3 for SmolLM2): most of those products were padding.
+// Writes all NW columns of each key's scores (the rows past R as zeros, as the padded tiles do).
+constexpr int DOT_ROWS = 4;
+
+template <int D, int R>
+inline void score_dots(const float* k, int64_t count, int64_t kv_stride, const float* qr, float* out,
+                       int64_t out_stride) {
+  for (int64_t i = 0; i < count; i++, k += kv_stride, out += out_stride) {
+    vn acc[R];
+    for (int r = 0; r < R; r++) acc[r] = vn{};
+    for (int c = 0; c < D / NW; c++) {
+      const vn x = load<vn>(k + c * NW);
+      for (int r = 0; r < R; r++) acc[r] += x * load<vn>(qr + r * D + c * NW);
+    }
+    vn s{};
+    for (int r = 0; r < R; r++) s[r] = hsum_n(acc[r]);
+    store(out, s);
+  }
+}
+
+template <int D>
+inline void score_dots_block(int64_t rows, const float* k, int64_t count, int64_t kv_stride, const float* qr,
+                             float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return score_dots<D, 1>(k, count, kv_stride, qr, out, out_stride);
+    case 2: return score_dots<D, 2>(k, count, kv_stride, qr, out, out_stride);
+    case 3: return score_dots<D, 3>(k, count, kv_stride, qr, out, out_stride);
+    default: return score_dots<D, 4>(k, count, kv_stride, qr, out, out_stride);
+  }
+}
+
 // Asks for one head's rows of a block (cache points at the head) ahead of use: the blocks of a sequence
 // lie anywhere in the pool, so the hardware prefetchers cannot follow from one to the next.
 template <int D>
@@ -113,6 +149,42 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
   }
   for (int r = 0; r < VALUE_ROWS; r++)
     for (int c = 0; c < VALUE_COLS; c++) store(out + r * out_stride + c * NW, acc[r][c]);
+}
+
+// weigh_values for a few rows (DOT_ROWS at most): R output rows over the head, CB vectors of columns at a
+// time (as many as keep R x CB accumulators in half the registers), each value row loaded once per pass
+// and weighed for every row; weigh_values' VALUE_ROWS rows would be mostly padding for a decode.
+template <int D, int R>
+inline void weigh_rows_r(const float* w, int64_t w_stride, const float* v, int64_t count, int64_t kv_stride,
+                         float* out) {
+  constexpr int FIT = NREGS / 2 / R, CB = FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
+  constexpr int C = D / NW < CB ? D / NW : CB;
+  static_assert(D % (C * NW) == 0, "column passes must divide the head");
+  for (int c0 = 0; c0 < D; c0 += C * NW) {
+    vn acc[R][C];
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < C; c++) acc[r][c] = load<vn>(out + r * D + c0 + c * NW);
+    const float* vi = v + c0;
+    const float* wi = w;
+    for (int64_t i = 0; i < count; i++, vi += kv_stride, wi += w_stride)
+      for (int c = 0; c < C; c++) {
+        const vn x = load<vn>(vi + c * NW);
+        for (int r = 0; r < R; r++) acc[r][c] += splat_n(wi[r]) * x;
+      }
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < C; c++) store(out + r * D + c0 + c * NW, acc[r][c]);
+  }
+}
+
+template <int D>
+inline void weigh_rows(int64_t rows, const float* w, int64_t w_stride, const float* v, int64_t count,
+                       int64_t kv_stride, float* out) {
+  switch (rows) {
+    case 1: return weigh_rows_r<D, 1>(w, w_stride, v, count, kv_stride, out);
+    case 2: return weigh_rows_r<D, 2>(w, w_stride, v, count, kv_stride, out);
+    case 3: return weigh_rows_r<D, 3>(w, w_stride, v, count, kv_stride, out);
+    default: return weigh_rows_r<D, 4>(w, w_stride, v, count, kv_stride, out);
+  }
 }
 
 // Vectors of score columns per softmax pass: the max and the sum of each take a register, and the
@@ -152,17 +224,32 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
   static_assert(D % (VALUE_COLS * NW) == 0 && NW % VALUE_ROWS == 0, "blocks must divide the head and tile");
   const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
   const int64_t tile = rows <= NW ? NW : W, padded = (rows + tile - 1) / tile * tile;
-  s.qs.assign(D * padded, 0.f);  // transposed: qs[d * padded + row]
+  const bool dots = rows <= DOT_ROWS;
   s.scores.resize(len * padded);
   s.inv.resize(padded);
-  for (int64_t j = 0; j < num_queries; j++)
-    for (int64_t g = 0; g < groups; g++)
-      for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
+  if (dots) {
+    s.qs.resize(rows * D);  // row-major: qs[row * D + d]
+    for (int64_t j = 0; j < num_queries; j++)
+      for (int64_t g = 0; g < groups; g++)
+        for (int d = 0; d < D; d++) s.qs[(j * groups + g) * D + d] = q[j * q_stride + g * D + d] * scale;
+  } else {
+    s.qs.assign(D * padded, 0.f);  // transposed: qs[d * padded + row]
+    for (int64_t j = 0; j < num_queries; j++)
+      for (int64_t g = 0; g < groups; g++)
+        for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
+  }
 
+  // The first blocks too: a decode's context is a few blocks, and its item is over in microseconds.
+  prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
+  prefetch_block<D>(v_cache, table[0], block_size, kv_stride);
   for (int64_t start = 0; start < len; start += block_size) {
     const float* k = k_cache + table[start / block_size] * block_size * kv_stride;
     const int64_t count = std::min(block_size, len - start);
     if (start + block_size < len) prefetch_block<D>(k_cache, table[start / block_size + 1], block_size, kv_stride);
+    if (dots) {
+      score_dots_block<D>(rows, k, count, kv_stride, s.qs.data(), &s.scores[start * padded], padded);
+      continue;
+    }
     for (int64_t t = 0; t < padded; t += tile) {
       if (tile == NW)
         score_block<D, 1>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
@@ -186,6 +273,10 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
     const float* v = v_cache + table[start / block_size] * block_size * kv_stride;
     const int64_t count = std::min(block_size, len - start);
     if (start + block_size < len) prefetch_block<D>(v_cache, table[start / block_size + 1], block_size, kv_stride);
+    if (dots) {
+      weigh_rows<D>(rows, &s.scores[start * padded], padded, v, count, kv_stride, s.out.data());
+      continue;
+    }
     for (int64_t row = 0; row < rows; row += VALUE_ROWS)  // padding rows past the last block: not needed
       for (int64_t c0 = 0; c0 < D; c0 += VALUE_COLS * NW)
         weigh_values(&s.scores[start * padded + row], padded, v + c0, count, kv_stride, &s.out[row * D + c0], D);
