@@ -111,7 +111,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty(max(num_rows or 0, num_tokens), num_heads * head_dim, dtype=q.dtype, device=q.device)
-    out[num_tokens:].zero_()
+    if out.shape[0] > num_tokens:
+        out[num_tokens:].zero_()
     if meta.kernel is not None:
         g = meta.kernel
         cpu_ops().paged_attention(out, q, k_cache, v_cache, g.block_tables, g.token, g.size, g.seq, g.length,
