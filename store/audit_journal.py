@@ -38,6 +38,7 @@ class Journal:
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd = fd
+        self._dirty = False  # appended to since the last truncate
 
     @classmethod
     def open(cls, prefix: Path) -> Journal:
@@ -62,6 +63,7 @@ class Journal:
         start = os.fstat(self._fd).st_size
         view = memoryview("".join(lines).encode())
         try:
+            self._dirty = True
             while view:
                 view = view[os.write(self._fd, view):]
             os.fdatasync(self._fd)
@@ -71,9 +73,11 @@ class Journal:
             raise
 
     def truncate(self) -> None:
-        """Empty the file: every record in it is in the chain (appends go on at the new end)."""
-        if self._fd >= 0:
+        """Empty the file: every record in it is in the chain (appends go on at the new end). No system
+        call when nothing was appended since the last time (the sink asks before every batch)."""
+        if self._fd >= 0 and self._dirty:
             os.ftruncate(self._fd, 0)
+            self._dirty = False
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size

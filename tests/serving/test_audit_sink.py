@@ -218,3 +218,18 @@ def test_a_failed_append_leaves_no_torn_line(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output"):
         journal.append(['{"id": "b"}\n'])
     assert journal.path.read_text() == '{"id": "a"}\n'
+
+
+def test_the_journal_is_truncated_only_after_an_append(tmp_path, monkeypatch):
+    """The sink asks for a truncate before each batch, on the event loop: an empty journal costs no system call."""
+    journal = Journal.open(tmp_path / "audit-journal")
+    calls: list[int] = []
+    real = audit_journal.os.ftruncate
+    monkeypatch.setattr(audit_journal.os, "ftruncate", lambda fd, size: calls.append(size) or real(fd, size))
+    journal.truncate()
+    journal.append(['{"id": "a"}\n'])
+    journal.truncate()
+    journal.truncate()
+    assert calls == [0] and journal.size() == 0
+    journal.close()
+    assert not journal.path.exists()

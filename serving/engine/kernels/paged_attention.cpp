@@ -227,17 +227,17 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
   const bool dots = rows <= DOT_ROWS;
   s.scores.resize(len * padded);
   s.inv.resize(padded);
-  if (dots) {
-    s.qs.resize(rows * D);  // row-major: qs[row * D + d]
-    for (int64_t j = 0; j < num_queries; j++)
-      for (int64_t g = 0; g < groups; g++)
-        for (int d = 0; d < D; d++) s.qs[(j * groups + g) * D + d] = q[j * q_stride + g * D + d] * scale;
-  } else {
-    s.qs.assign(D * padded, 0.f);  // transposed: qs[d * padded + row]
-    for (int64_t j = 0; j < num_queries; j++)
-      for (int64_t g = 0; g < groups; g++)
-        for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
-  }
+  // The scaled queries: row-major for the dot products (qs[row * D + d]), else transposed and padded with
+  // zero rows for the tiles (qs[d * padded + row]).
+  if (dots)
+    s.qs.resize(rows * D);
+  else
+    s.qs.assign(D * padded, 0.f);
+  const int64_t row_step = dots ? D : 1, d_step = dots ? 1 : padded;
+  for (int64_t j = 0; j < num_queries; j++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int d = 0; d < D; d++)
+        s.qs[(j * groups + g) * row_step + d * d_step] = q[j * q_stride + g * D + d] * scale;
 
   // The first blocks too: a decode's context is a few blocks, and its item is over in microseconds.
   prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
