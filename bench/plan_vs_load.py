@@ -38,8 +38,10 @@ Figures (the last line of stdout is one JSON object): ``auto`` (how the SLO and 
 they were), per rate, the attainment of each objective and of all
 of them, predicted and measured (the client's measurement), and the difference in percentage points;
 ``max_diff_pp`` the largest difference over rates for ``all``, and ``within_10pp`` whether every rate's
-``all`` is within 10 points. The machine's load average before and after is included: other work on the
-same cores slows the engine down after it was profiled, which the plan cannot know. Per rate,
+``all`` is within 10 points. ``predicted_all_if_steps``: the plan's attainment of all objectives with every
+step 5% faster and 5% slower than the profile, how far the prediction moves with the machine's speed. The
+machine's load average before and after is included: other work on the same cores slows the engine down
+after it was profiled, which the plan cannot know. Per rate,
 ``decode_steps`` sets the server's own decode steps during the load (``inferline_decode_step_seconds``
 in /metrics) against the profile's step at the same mean batch (``served_vs_profile`` > 1: the server
 stepped slower than its profile said).
@@ -237,6 +239,7 @@ def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any
                      "measured_p95_ms": {"ttft": load["ttft_ms"]["p95"], "itl": load["itl_ms"]["p95"],
                                          "e2e": load["e2e_ms"]["p95"]},
                      "predicted_busy": planned["tried"][-1]["busy"],
+                     "predicted_all_if_steps": planned["tried"][-1].get("attainment_if_steps"),
                      "requests": load["requests"], "achieved_rate_rps": load["achieved_rate_rps"],
                      "queue_depth": load.get("queue_depth"), "status": load["status"],
                      "loadavg_1m": load.get("loadavg_1m"), "decode_steps": served_steps(load, profile),
@@ -397,7 +400,9 @@ def main() -> int:
               "loadavg_before": [round(x, 2) for x in load_before],
               "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     for row in rows:
-        print(f"{row['rate_rps']:g} req/s: attainment (all) predicted {row['predicted'].get('all')}, measured "
+        band = row["predicted_all_if_steps"] or {}
+        print(f"{row['rate_rps']:g} req/s: attainment (all) predicted {row['predicted'].get('all')} "
+              f"({band.get('faster_5pct')} / {band.get('slower_5pct')} with steps 5% faster / slower), measured "
               f"{row['measured'].get('all')} ({row['diff_pp'].get('all')} pts); p95 ms predicted "
               f"{row['predicted_p95_ms']}, measured {row['measured_p95_ms']}; served decode steps "
               f"{row['decode_steps']}", file=sys.stderr)

@@ -305,6 +305,10 @@ def _print_plan(result: dict[str, Any]) -> None:
         head = f"  {rate['rate_rps']:g} req/s: " + (f"{needed} replica(s)" if needed else
                                                     f"SLO not met with {best['replicas']} replica(s)")
         attained = ", ".join(f"{k} {v['attainment']}" for k, v in best["attainment"].items())
+        band = best.get("attainment_if_steps")
+        if band:
+            attained += " (all: " + ", ".join(f"{v} if steps run {k.split('_')[1].removesuffix('pct')}% "
+                                              f"{k.split('_')[0]}" for k, v in band.items()) + ")"
         print(f"{head}; busy {best['busy']}, p95 ttft {best['ttft_ms_p95']} ms, itl {best['itl_ms_p95']} ms, "
               f"e2e {best['e2e_ms_p95']} ms; attainment {attained or '-'}; "
               f"{rate['cost_per_1k_requests_usd']} USD per 1,000 requests", file=sys.stderr)

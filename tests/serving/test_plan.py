@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pipeline.cost import Price
@@ -40,6 +42,23 @@ def test_profile_recovers_the_step_times_of_an_engine():
     model = StepModel(profile)
     assert model.step_ms(64, 3) == 24.0 + 32.0 and model.step_ms(64, 0) == 42.0
     assert not engine.has_unfinished
+
+
+def test_profile_step_times_are_means_because_the_plan_adds_them_up():
+    # One decode step in four takes 40 ms more (it verifies speculative guesses, or the machine is
+    # busy): a request's decode time is the sum of its steps, so each step counts 10 ms more on
+    # average. The median of the samples would say the fast step's time, and the plan would be short.
+    clock = VirtualClock()
+    decode_only = itertools.count()
+
+    def skewed(prefill: int, decodes: int) -> float:
+        slow = prefill == 0 and decodes > 0 and next(decode_only) % 4 == 0
+        return formula(prefill, decodes) + (40.0 if slow else 0.0)
+
+    engine = ModelledEngine(skewed, EngineConfig(model="m", num_blocks=2048), clock)
+    profile = profile_engine(engine, lambda n, seed: [1 + (seed + i) % 200 for i in range(n)], SamplingParams,
+                             batch_sizes=(1, 2, 4), prefill_sizes=(16, 64), repeats=2, decode_steps=8, clock=clock)
+    assert [(d["batch"], d["step_ms"]) for d in profile["decode"]] == [(1, 30.0), (2, 32.0), (4, 36.0)]
 
 
 def test_noise_cannot_make_more_work_faster():
@@ -113,6 +132,17 @@ def test_the_plan_is_the_fewest_replicas_that_meet_every_objective():
     assert planned["tried"][-1]["meets_slo"] and planned["cost_per_1k_requests_usd"] > 0
     impossible = plan_rate(workload(30.0), model, EngineShape(), SLOSpec(ttft_ms_p95=1), max_replicas=3)
     assert impossible["replicas_needed"] is None and len(impossible["tried"]) == 3
+
+
+def test_the_plan_shows_how_far_its_attainment_moves_with_the_machines_speed():
+    model, shape = StepModel(PROFILE), EngineShape()
+    requests = workload(6.0)
+    e2es = sorted(r.e2e_ms for r in simulate(requests, model, shape).requests)
+    edge = plan_rate(requests, model, shape, SLOSpec(e2e_ms_p95=e2es[len(e2es) // 2]), replicas=1)["tried"][-1]
+    band = edge["attainment_if_steps"]
+    assert band["faster_5pct"] > edge["attainment"]["all"]["attainment"] > band["slower_5pct"]
+    roomy = plan_rate(requests, model, shape, SLOSpec(e2e_ms_p95=10 * e2es[-1]), replicas=1)["tried"][-1]
+    assert roomy["attainment_if_steps"] == {"faster_5pct": 1.0, "slower_5pct": 1.0}
 
 
 def test_prefill_follows_the_measured_points():
