@@ -29,6 +29,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
 from pipeline.context import RequestContext, StageRecord
+from pipeline.eager import start_eagerly
 from pipeline.errors import ExpressionError, InferlineError, PolicyDenied, StageTimeout
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta, final_event
 from pipeline.loader import LoadedPipeline, StagePlan
@@ -120,7 +121,9 @@ class Runner:
     async def stream(self, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
         """Events of one request, as they happen; the last is :class:`Done` or :class:`Error`."""
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        task = asyncio.create_task(self._execute(pipeline, ctx, queue.put_nowait))
+        # Started here, in the caller's step, rather than behind whatever else the loop has ready: in a
+        # burst, that was every other request's HTTP handling (pipeline/eager.py).
+        task = start_eagerly(self._execute(pipeline, ctx, queue.put_nowait))
         # A None after the task ends unblocks us should the task die of a bug
         # before it could emit its final event.
         task.add_done_callback(lambda _: queue.put_nowait(None))
