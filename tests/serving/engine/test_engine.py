@@ -67,7 +67,7 @@ def test_a_step_is_padded_once_to_the_matmul_row_bucket(loaded_model, chat_promp
     if not isinstance(model.linear, llama.CpuLinear):
         pytest.skip("the oneDNN path runs only in float32 on a CPU with oneDNN")
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "4")  # steps above 4 tokens go to oneDNN
-    calibrated = model.linear.small_rows  # the shared model keeps its limit for the other tests
+    calibrated = model.linear.small_rows, model.head_linear.small_rows  # the shared model keeps its limits
     matmul_rows: list[int] = []
     real_linear = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear",
@@ -80,7 +80,7 @@ def test_a_step_is_padded_once_to_the_matmul_row_bucket(loaded_model, chat_promp
     try:
         outputs = engine.generate(chat_prompts, GREEDY)
     finally:
-        model.linear.small_rows = calibrated
+        model.linear.small_rows, model.head_linear.small_rows = calibrated
     assert [o.token_ids for o in outputs] == hf_greedy
     assert any(llama.bucket_rows(n) > n for n in step_tokens if n > 4)  # some step was padded
     assert matmul_rows and all(llama.bucket_rows(n) == n for n in matmul_rows)

@@ -44,6 +44,7 @@ def test_the_engine_prepares_every_bucket_at_start(monkeypatch):
     model.layers = [llama.LayerWeights(input_norm=None, qkv=weight, qkv_bias=None, o=weight, post_norm=None,
                                        gate_up=weight, down=weight)]
     model.lm_head, model.linear, model.dtype = weight, llama._onednn_linear, torch.float32
+    model.head_linear = llama._onednn_linear
     model.prepare(100, 20)
     rows = sorted({r for r, _ in seen})
     assert rows == sorted({bucket_rows(n) for n in range(1, 101)})

@@ -54,6 +54,16 @@ def test_greedy_ties_go_to_the_lowest_token_id(sampling):
     assert Sampler()(logits, [make_seq(temperature=0.0, **sampling)]).token_ids == [1]
 
 
+def test_greedy_ties_go_to_the_lowest_token_id_across_a_whole_vocabulary():
+    # A reduction over 49,152 logits is split between threads; the first maximum must still win.
+    logits = torch.zeros(32, 49152)
+    for row in range(32):
+        first = 37 * row
+        logits[row, [first, 49151 - row, 30000 + row]] = 5.0
+    seqs = [make_seq(i, temperature=0.0) for i in range(32)]
+    assert Sampler()(logits, seqs).token_ids == [37 * row for row in range(32)]
+
+
 def test_a_tiny_temperature_is_greedy():
     logits = random_logits(4, 100)
     seqs = [make_seq(i, temperature=1e-7) for i in range(4)]

@@ -129,13 +129,43 @@ def test_start_up_measures_the_small_batch_limit_on_the_model(loaded_model, monk
     timed: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: timed.append(x.shape[0]) or real(x, w, b))
-    limit = llama.calibrate_small_rows(model.layers, 40)
+    weights = llama.layer_linears(model.layers)
+    limit = llama.calibrate_small_rows(weights, 40)
     assert limit == llama.SMALL_ROWS or limit in llama.CALIBRATION_ROWS
     assert llama.SMALL_ROWS <= limit <= 40
     assert set(timed) <= {r for r in llama.CALIBRATION_ROWS if llama.SMALL_ROWS < r <= 40}
     assert set(timed)  # at least the first row count above SMALL_ROWS was timed
     timed.clear()
-    assert llama.calibrate_small_rows(model.layers, 40) == limit and not timed  # once per process and shape
+    assert llama.calibrate_small_rows(weights, 40) == limit and not timed  # once per process and shape
+
+
+def test_the_lm_head_has_a_limit_of_its_own(loaded_model, monkeypatch):
+    """The LM head (49152 x 576 for SmolLM2) crosses over to oneDNN at its own row count, not the
+    layers': start-up measures it alone, and a step's logits go by that limit."""
+    model = loaded_model.model
+    if not isinstance(model.linear, llama.CpuLinear) or model.lm_head.dense is None:
+        pytest.skip("the model keeps no plain copies here")
+    asked: list[tuple[int, int]] = []
+
+    def calibrate(weights, max_rows):
+        asked.append((len(weights), max_rows))
+        return 2 if len(weights) == 1 else 40
+
+    monkeypatch.setattr(llama, "calibrate_small_rows", calibrate)
+    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)  # restored after prepare sets it
+    monkeypatch.setattr(model.head_linear, "small_rows", model.head_linear.small_rows)
+    model.prepare(40, 8)
+    assert asked == [(len(llama.layer_linears(model.layers)), 40), (1, 8)]
+    assert (model.linear.small_rows, model.head_linear.small_rows) == (40, 2)
+    seen: list[tuple[int, int]] = []
+    real = llama._onednn_linear
+    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
+    with torch.inference_mode():
+        x = torch.randn(3, model.shape.hidden_size)
+        logits = model.head_linear(x, model.lm_head, None)
+        model.linear(x, model.layers[0].o, None)
+    assert seen == [tuple(model.lm_head.shape)]  # 3 rows: the LM head on oneDNN, the layer on ours
+    torch.testing.assert_close(logits, F.linear(x, model.lm_head.dense), rtol=1e-4, atol=1e-4)
 
 
 def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
@@ -160,20 +190,20 @@ def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
 
 def test_the_limit_can_be_set(loaded_model, monkeypatch):
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "0")
-    assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 0
+    assert llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 0
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "12")
-    assert llama.calibrate_small_rows(loaded_model.model.layers, 512) == 12
+    assert llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 12
     for bad in ("twelve", "-1", "1.5"):
         monkeypatch.setenv("INFERLINE_SMALL_ROWS", bad)
         with pytest.raises(EngineError, match=f"INFERLINE_SMALL_ROWS must be a whole number.*{re.escape(repr(bad))}"):
-            llama.calibrate_small_rows(loaded_model.model.layers, 512)
+            llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512)
 
 
 def test_weights_without_plain_copies_keep_the_default():
     packed_only = llama.CpuWeight(torch.zeros(4, 4), None)
     layer = llama.LayerWeights(torch.ones(4), packed_only, None, packed_only, torch.ones(4), packed_only,
                                packed_only)
-    assert llama._scan_small_rows([layer], 512, 3) == 3
+    assert llama._scan_small_rows(llama.layer_linears([layer]), 512, 3) == 3
 
 
 @pytest.mark.parametrize(("flags", "rows"), [("flags\t: fpu sse avx2 fma avx512f avx512bw", 3),
