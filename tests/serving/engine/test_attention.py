@@ -60,10 +60,10 @@ def attend(runner: ModelRunner, items: list[ScheduledSeq], q, k, v, use_kernel: 
                           (14, 2, 64, 16)])
 def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim, block_size):
     rng = random.Random(num_heads)
-    # Decodes of every length class, a 1-token context, speculative-like short chunks, a prefix-cache
-    # tail of 37 tokens after 1,000, a long chunk after context, fresh prompts of a group, part of one and
-    # several, and a chunk that starts mid-block.
-    work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (1000, 37), (300, 80), (0, 29),
+    # Decodes of every length class, a 1-token context, speculative-like short chunks (2 tokens: 2 rows
+    # where a KV head has one query head), a prefix-cache tail of 37 tokens after 1,000, a long chunk after
+    # context, fresh prompts of a group, part of one and several, and a chunk that starts mid-block.
+    work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (9, 2), (1000, 37), (300, 80), (0, 29),
                                                                    (0, 16), (0, 3), (0, 70), (21, 33)]
     num_blocks = 6400 // block_size
     runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim), num_blocks, block_size)
