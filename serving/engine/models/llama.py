@@ -181,9 +181,13 @@ class CpuLinear:
         self.small_rows = SMALL_ROWS
 
     def __call__(self, x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if weight.dense is not None and x.shape[0] <= self.small_rows:
+        if self.takes_small(x.shape[0], weight):
             return torch.ops.inferline.small_linear(x, weight.dense, bias)
         return _onednn_linear(x, weight.packed, bias)
+
+    def takes_small(self, rows: int, weight: CpuWeight) -> bool:
+        """Whether *rows* rows against *weight* go to the small-batch kernel (else to oneDNN)."""
+        return weight.dense is not None and rows <= self.small_rows
 
 
 #: Row counts at which start-up times the small-batch kernel against oneDNN, in order; the kernel keeps
@@ -394,7 +398,8 @@ class LlamaModel:
     def _onednn_rows(self, num_tokens: int) -> int:
         """The rows a step of *num_tokens* tokens runs at: oneDNN's bucket where it goes to oneDNN."""
         linear = self.linear
-        if linear is _onednn_linear or (isinstance(linear, CpuLinear) and num_tokens > linear.small_rows):
+        if linear is _onednn_linear or (isinstance(linear, CpuLinear)
+                                        and not linear.takes_small(num_tokens, self.layers[0].qkv)):
             return bucket_rows(num_tokens)
         return num_tokens
 

@@ -103,6 +103,10 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
         x = torch.randn(1, model.shape.hidden_size)
         weight = model.layers[0].o
         assert model.linear(x, weight, None).shape == (1, model.shape.hidden_size)
+    # Every matmul goes to oneDNN, whatever the limit: a step is padded once to its row bucket, at the
+    # embedding, rather than at each matmul.
+    model.linear.small_rows = 64
+    assert model._onednn_rows(17) == llama.bucket_rows(17) == 18
 
 
 def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loaded_model, monkeypatch):
