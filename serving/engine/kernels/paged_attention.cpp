@@ -151,6 +151,38 @@ inline void prefetch_block(const float* cache, int64_t block, int64_t block_size
     for (int d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
 }
 
+// The first K and V blocks of an item: a decode's context is a few blocks, and its item is over in
+// microseconds.
+template <int D>
+inline void prefetch_first(const float* k_cache, const float* v_cache, const int64_t* table, int64_t block_size,
+                           int64_t kv_stride) {
+  prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
+  prefetch_block<D>(v_cache, table[0], block_size, kv_stride);
+}
+
+// f(rows, start, count) for each block of a sequence's first len positions, in order (rows: the block's
+// first row of this head, kv_stride apart), with the next block prefetched before the current one is used.
+template <int D, typename F>
+inline void for_each_block(const float* cache, const int64_t* table, int64_t len, int64_t block_size,
+                           int64_t kv_stride, F&& f) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    if (start + block_size < len) prefetch_block<D>(cache, table[start / block_size + 1], block_size, kv_stride);
+    f(cache + table[start / block_size] * block_size * kv_stride, start, std::min(block_size, len - start));
+  }
+}
+
+// The item's output: row j * groups + g of acc (D apart), times inv of that row, to token j's head g.
+template <int D>
+inline void write_rows(const float* acc, const float* inv, int64_t num_queries, int64_t groups, float* out,
+                       int64_t out_stride) {
+  for (int64_t j = 0; j < num_queries; j++)
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t row = j * groups + g;
+      for (int c = 0; c < D / W; c++)
+        store(out + j * out_stride + g * D + c * W, load(acc + row * D + c * W) * inv[row]);
+    }
+}
+
 // Adds to columns [0, VALUE_COLS * NW) of VALUE_ROWS output rows (out, out_stride apart) their weighted
 // sum of count value rows (kv_stride apart), weights w[i * w_stride + r]. Called block by block, so each
 // block's values come from memory once and then from L1.
@@ -244,20 +276,15 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
     for (int64_t g = 0; g < groups; g++)
       for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
 
-  // The first blocks too: a decode's context is a few blocks, and its item is over in microseconds.
-  prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
-  prefetch_block<D>(v_cache, table[0], block_size, kv_stride);
-  for (int64_t start = 0; start < len; start += block_size) {
-    const float* k = k_cache + table[start / block_size] * block_size * kv_stride;
-    const int64_t count = std::min(block_size, len - start);
-    if (start + block_size < len) prefetch_block<D>(k_cache, table[start / block_size + 1], block_size, kv_stride);
+  prefetch_first<D>(k_cache, v_cache, table, block_size, kv_stride);
+  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const float* k, int64_t start, int64_t count) {
     for (int64_t t = 0; t < padded; t += tile) {
       if (tile == NW)
         score_block<D, 1>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
       else
         score_block<D, W / NW>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
     }
-  }
+  });
   // The causal mask: token j of the group sees positions below len0 + j.
   for (int64_t p = len0; p < len; p++)
     for (int64_t row = 0; row < (p - len0 + 1) * groups; row++) s.scores[p * padded + row] = -INFINITY;
@@ -270,20 +297,12 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
     softmax_columns<SOFTMAX_VECS>(&s.scores[c0], padded, len, &s.inv[c0],
                                   static_cast<int>(std::min<int64_t>(SOFTMAX_VECS, (padded - c0) / NW)));
   s.out.assign(padded * D, 0.f);
-  for (int64_t start = 0; start < len; start += block_size) {
-    const float* v = v_cache + table[start / block_size] * block_size * kv_stride;
-    const int64_t count = std::min(block_size, len - start);
-    if (start + block_size < len) prefetch_block<D>(v_cache, table[start / block_size + 1], block_size, kv_stride);
+  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const float* v, int64_t start, int64_t count) {
     for (int64_t row = 0; row < rows; row += VALUE_ROWS)  // padding rows past the last block: not needed
       for (int64_t c0 = 0; c0 < D; c0 += VALUE_COLS * NW)
         weigh_values(&s.scores[start * padded + row], padded, v + c0, count, kv_stride, &s.out[row * D + c0], D);
-  }
-  for (int64_t j = 0; j < num_queries; j++)
-    for (int64_t g = 0; g < groups; g++) {
-      const int64_t row = j * groups + g;
-      for (int c = 0; c < D / W; c++)
-        store(out + j * out_stride + g * D + c * W, load(&s.out[row * D + c * W]) * s.inv[row]);
-    }
+  });
+  write_rows<D>(s.out.data(), s.inv.data(), num_queries, groups, out, out_stride);
 }
 
 // attend() for an item of R <= DOT_ROWS rows: dot products along the head (score_rows), its scores row
@@ -303,14 +322,10 @@ void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const f
   for (int64_t j = 0; j < num_queries; j++)
     for (int64_t g = 0; g < groups; g++)
       for (int d = 0; d < D; d++) s.qs[(j * groups + g) * D + d] = q[j * q_stride + g * D + d] * scale;
-  // The first blocks too: a decode's context is a few blocks, and its item is over in microseconds.
-  prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
-  prefetch_block<D>(v_cache, table[0], block_size, kv_stride);
-  for (int64_t start = 0; start < len; start += block_size) {
-    const float* k = k_cache + table[start / block_size] * block_size * kv_stride;
-    if (start + block_size < len) prefetch_block<D>(k_cache, table[start / block_size + 1], block_size, kv_stride);
-    score_rows<D, R>(k, std::min(block_size, len - start), kv_stride, s.qs.data(), scores + start, stride);
-  }
+  prefetch_first<D>(k_cache, v_cache, table, block_size, kv_stride);
+  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const float* k, int64_t start, int64_t count) {
+    score_rows<D, R>(k, count, kv_stride, s.qs.data(), scores + start, stride);
+  });
   // The causal mask (token j of the group sees positions below len0 + j), and the padding to a whole vector.
   for (int64_t j = 0; j < num_queries; j++)
     for (int64_t g = 0; g < groups; g++)
@@ -333,17 +348,10 @@ void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const f
     }
     inv[r] = 1.f / hsum_n(sum);
   }
-  for (int64_t start = 0; start < len; start += block_size) {
-    const float* v = v_cache + table[start / block_size] * block_size * kv_stride;
-    if (start + block_size < len) prefetch_block<D>(v_cache, table[start / block_size + 1], block_size, kv_stride);
-    weigh_rows<D, R>(scores + start, stride, v, std::min(block_size, len - start), kv_stride, s.out.data());
-  }
-  for (int64_t j = 0; j < num_queries; j++)
-    for (int64_t g = 0; g < groups; g++) {
-      const int64_t row = j * groups + g;
-      for (int c = 0; c < D / W; c++)
-        store(out + j * out_stride + g * D + c * W, load(&s.out[row * D + c * W]) * inv[row]);
-    }
+  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const float* v, int64_t start, int64_t count) {
+    weigh_rows<D, R>(scores + start, stride, v, count, kv_stride, s.out.data());
+  });
+  write_rows<D>(s.out.data(), inv, num_queries, groups, out, out_stride);
 }
 
 template <int D>

@@ -208,7 +208,7 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
     The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
     caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48-64 rows (a pass over SmolLM2-135M's
     120 matmuls from memory, 27 rows: 46 against 54 ms), while oneDNN took SmolLM2's 49152 x 576 LM head
-    from 6 rows on there (32 rows: 7.4 against 9.1 ms). Each candidate is a pass over *weights* (cold,
+    from 4 rows on there (32 rows: 7.4 against 9.1 ms). Each candidate is a pass over *weights* (cold,
     as in a step), both paths interleaved, best of two; the scan starts above
     ``SMALL_ROWS`` and stops at the first row count where ours is not faster. Measured once per process
     and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
