@@ -1,24 +1,33 @@
-// Linear layers at decode batch sizes (a few rows), float32 or int8 weights, on the kernels' own
-// thread pool (pool.h).
+// Linear layers at decode batch sizes (a few rows to a few dozen), float32 or int8 weights, on the
+// kernels' own thread pool (pool.h).
 //
-// At batch 1 a decode step of SmolLM2-135M is 121 matrix-vector products that read
-// 540 MB of weights: memory-bound work that two cores stream at 40-45 GB/s. Through
-// oneDNN each product is an OpenMP parallel region whose sleeping worker takes 30-40 us
-// to wake (pool.h): a quarter of the step (measured: the 121 products take 16-20 ms
-// through oneDNN, 12 ms here). Batch-1 decode with a busy loop holding one of 2 cores:
-// 48-51 tokens/s here against 43-47 through oneDNN; batch 2: 80-82 against 88-89 (idle:
-// 65-85 against 44-46, and 118-125 against 82-87).
-//
-//   small_linear(x [M, K], weight [N, K], bias [N]?) -> [M, N]     y = x @ weight.T + bias
+//   pack_panels(out [P, K, PANEL], weight [N, K])               out: weight's columns in panels
+//   panel_linear(x [M, K], panels [P, K, PANEL], n, bias [N]?) -> [M, N]   y = x @ weight.T + bias
 //   small_linear_int8(x [M, K], weight [N, K] int8, scale [N], bias [N]?) -> [M, N]
 //                                                       y = (x @ weight.T) * scale + bias
 //
-// Each output is one dot product over K, accumulated in float32 lanes of the machine's own vector
-// width (16 with AVX-512, else 8): not the summation order of MKL or oneDNN, so results differ from
-// theirs in the last bits. The int8 variant is weight-only quantization (serving/engine/quant.py):
-// each weight vector is widened to float32 in registers, the activations stay float32, and a step
-// streams a quarter of the bytes; with the next rows prefetched it reads SmolLM2-135M's 134 MB of
-// int8 weights at about 25 GB/s on two Zen 4 cores (121 products: 5.3 ms, fbgemm's 6.9).
+// float32: outer products over packed panels (panel_linear). A panel is PANEL consecutive outputs
+// (3 of the machine's vectors), stored k-major: panels[p, k, j] = weight[p * PANEL + j, k], the last
+// panel padded with zero columns. A register block is PANEL_ROWS rows of x times one panel: each step
+// of k loads the panel's 3 vectors once and multiplies them by a broadcast element of each row, into
+// PANEL_ROWS x 3 accumulators, with no horizontal sums. k runs in blocks of PANEL_K: every block of
+// rows of x takes a panel's k-block while it is in L1, and only then does the panel move on, so a step
+// streams its weights from memory once, at an even pace, in one sequential run per panel that the
+// hardware prefetcher follows (and the next k-block is prefetched during the first block of rows).
+// It replaced dot products over the plain [N, K] matrix (NR rows of weights against MR rows of x, a
+// horizontal sum per output), which read a chunk of weights from memory for the first 4 rows of x
+// and from L2 for the others: the memory stream and the arithmetic took turns. The 120 layer matmuls
+// of SmolLM2-135M from memory (Ice Lake, 2 threads, best of 7): 1 row 23.1 against 24.4 ms, 4 rows
+// 25.8 against 27.7, 24 rows 43.0 against 57.6, 32 rows 53.2 against 72.6, 48 rows 61.8 against 92.7
+// (oneDNN: 85.2), 64 rows 81.3 against 132.6.
+//
+// int8 (weight-only quantization, serving/engine/quant.py): dot products over the plain matrix, each
+// weight vector widened to float32 in registers, the activations float32; a step streams a quarter of
+// float32's bytes. With the next rows prefetched it reads SmolLM2-135M's 134 MB of int8 weights at
+// about 25 GB/s on two Zen 4 cores (121 products: 5.3 ms, fbgemm's 6.9).
+//
+// Each output accumulates in float32 lanes in its own order: not the summation order of MKL or
+// oneDNN, so results differ from theirs in the last bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,12 +51,9 @@ using inferline::pool;
 
 constexpr int64_t CHUNK_BYTES = 256 * 1024;
 
-// One vector of weights as floats: float32 as they are; int8 sign-extended and converted (a
-// vpmovsxbd and a vcvtdq2ps per vector), so an int8 matrix streams a quarter of float32's bytes.
-// Intrinsics for x86: GCC 12 turns __builtin_convertvector from 16 int8 lanes into a scalar
+// One vector of int8 weights as floats, sign-extended and converted (a vpmovsxbd and a vcvtdq2ps per
+// vector). Intrinsics for x86: GCC 12 turns __builtin_convertvector from 16 int8 lanes into a scalar
 // conversion per lane (the int8 kernel ran at half float32's speed that way).
-inline vn load_w(const float* p) { return load<vn>(p); }
-
 inline vn load_w(const int8_t* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -77,20 +84,14 @@ inline void dot_block(const float* x, int64_t x_stride, const T* w, const float*
     for (int r = 0; r < NR; r++) acc[m][r] = vn{};
   const T* rows[NR];
   for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r) * k;
-  // The next block's rows are prefetched, a slice at every step. int8: NR interleaved row streams
-  // that each advance a quarter of a cache line a step leave the hardware prefetcher far behind
-  // (streaming a 28 MB int8 matrix on one core, AVX-512 Zen 4: 6.4 GB/s without, 19.9 with).
-  // float32 from 2 rows of x on, where a step does more arithmetic per line of weights and the
-  // misses no longer overlap on their own: a pass over SmolLM2-135M's 120 layer matmuls from memory
-  // (Sapphire Rapids, 2 threads) at 2, 3, 4, 8 and 16 rows 18.0, 18.2, 20.0, 26.4, 32.6 ms against
-  // 19.6, 21.4, 23.8, 29.2, 37.2 without. One row streams a whole line a step: there it measured
-  // within the noise (16.3 against 16.2 ms), so it is not done.
+  // The next block's rows are prefetched, a slice at every step: NR interleaved row streams that each
+  // advance a quarter of a cache line a step leave the hardware prefetcher far behind (streaming a
+  // 28 MB int8 matrix on one core, AVX-512 Zen 4: 6.4 GB/s without, 19.9 with).
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NR) * k);
   constexpr int64_t AHEAD_BYTES = NR * NW * static_cast<int64_t>(sizeof(T));
   int64_t i = 0;
   for (; i + NW <= k; i += NW, ahead += AHEAD_BYTES) {
-    if constexpr (sizeof(T) == 1 || MR >= 2)
-      for (int64_t b = 0; b < AHEAD_BYTES; b += 64) __builtin_prefetch(ahead + b);
+    for (int64_t b = 0; b < AHEAD_BYTES; b += 64) __builtin_prefetch(ahead + b);
     vn xv[MR];
     for (int m = 0; m < MR; m++) xv[m] = load<vn>(x + m * x_stride + i);
     for (int r = 0; r < NR; r++) {
@@ -175,15 +176,6 @@ void check_x(const at::Tensor& x, const char* op) {
               op, ": x must be a float32 CPU tensor [rows, k] with contiguous rows");
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  check_x(x, "small_linear");
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
-                  weight.is_contiguous() && weight.size(1) == x.size(1),
-              "small_linear: weight must be a contiguous float32 CPU tensor [n, k] with k = ", x.size(1));
-  const int64_t n = weight.size(0), k = weight.size(1);
-  return run_linear(x, weight.data_ptr<float>(), nullptr, n, k, checked_bias(bias, n, "small_linear"));
-}
-
 // y = (x @ weight.T) * scale + bias for int8 weight [n, k] with a float32 scale per output: weight-only
 // quantization, the activations stay float32.
 at::Tensor small_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -199,13 +191,149 @@ at::Tensor small_linear_int8(const at::Tensor& x, const at::Tensor& weight, cons
                     checked_bias(bias, n, "small_linear_int8"));
 }
 
+// ---- float32: outer products over panels (see the top of the file)
+
+// Vectors per panel, and rows of x per register block: PANEL_ROWS x PANEL_VECS accumulators, the
+// panel's vectors and a broadcast fill the registers (AVX-512: 24 + 3 + 1 of 32; AVX2: 12 + 3 + 1 of
+// 16). On Ice Lake 4 vectors x 6 rows and 2 x 12 were no faster than 3 x 8.
+constexpr int PANEL_VECS = 3, PANEL_ROWS = NREGS == 32 ? 8 : 4;
+constexpr int64_t PANEL = PANEL_VECS * NW;
+// k per block: the panel's 64 x 48 floats (12 KB) and a block of rows' 64 floats each stay in L1
+// while every block of rows takes them. 128 and 256 were 0-6% slower on Ice Lake, 96 the same.
+constexpr int64_t PANEL_K = 64;
+
+// acc (R rows x a panel, at c, PANEL apart) += x[r, :kc] (xs apart) times the k-block wp ([kc, PANEL]),
+// starting from zero when first. PREFETCH asks for the panel's next k-block meanwhile, a step's worth of
+// it at each step: the first block of rows goes to memory for this block, and the hardware prefetcher
+// does not run ahead of a stream by a whole block.
+template <int R, bool PREFETCH>
+inline void panel_block(const float* x, int64_t xs, const float* wp, int64_t kc, float* c, bool first) {
+  vn acc[R][PANEL_VECS];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PANEL_VECS; v++) acc[r][v] = first ? vn{} : load<vn>(c + r * PANEL + v * NW);
+  const char* ahead = reinterpret_cast<const char*>(wp + kc * PANEL);
+  for (int64_t i = 0; i < kc; i++) {
+    if constexpr (PREFETCH)
+      for (int64_t b = 0; b < PANEL * static_cast<int64_t>(sizeof(float)); b += 64)
+        __builtin_prefetch(ahead + i * PANEL * sizeof(float) + b);
+    vn w[PANEL_VECS];
+    for (int v = 0; v < PANEL_VECS; v++) {
+      w[v] = load<vn>(wp + i * PANEL + v * NW);
+      IN_REGISTER(w[v]);
+    }
+    for (int r = 0; r < R; r++) {
+      const vn b = splat_n(x[r * xs + i]);
+      for (int v = 0; v < PANEL_VECS; v++) acc[r][v] += b * w[v];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PANEL_VECS; v++) store(c + r * PANEL + v * NW, acc[r][v]);
+}
+
+template <bool PREFETCH, int R = PANEL_ROWS>
+inline void panel_rows(int rows, const float* x, int64_t xs, const float* wp, int64_t kc, float* c, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_rows<PREFETCH, R - 1>(rows, x, xs, wp, kc, c, first);
+  }
+  panel_block<R, PREFETCH>(x, xs, wp, kc, c, first);
+}
+
+struct PanelJob {
+  const float* x;
+  int64_t x_stride, rows;
+  const float* panels;
+  int64_t k, n;
+  const float* bias;
+  float* y;
+};
+
+// Panel p of the job: all rows of x against outputs [p * PANEL, (p + 1) * PANEL), accumulated in a
+// thread's own rows x PANEL buffer (L1), then written out (bias added, padding columns dropped).
+void panel_item(const void* arg, int64_t p) {
+  const PanelJob& job = *static_cast<const PanelJob*>(arg);
+  thread_local std::vector<float> buffer;
+  buffer.resize(job.rows * PANEL);
+  float* c = buffer.data();
+  const float* wp = job.panels + p * job.k * PANEL;
+  for (int64_t k0 = 0; k0 < job.k; k0 += PANEL_K) {
+    const int64_t kc = std::min(PANEL_K, job.k - k0);
+    const bool more = k0 + kc < job.k;
+    for (int64_t m = 0; m < job.rows; m += PANEL_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(PANEL_ROWS, job.rows - m));
+      const float* x = job.x + m * job.x_stride + k0;
+      if (more && m == 0)
+        panel_rows<true>(rows, x, job.x_stride, wp + k0 * PANEL, kc, c + m * PANEL, k0 == 0);
+      else
+        panel_rows<false>(rows, x, job.x_stride, wp + k0 * PANEL, kc, c + m * PANEL, k0 == 0);
+    }
+  }
+  const int64_t n0 = p * PANEL, cols = std::min(PANEL, job.n - n0);
+  for (int64_t m = 0; m < job.rows; m++) {
+    float* y = job.y + m * job.n + n0;
+    const float* cm = c + m * PANEL;
+    if (job.bias != nullptr)
+      for (int64_t j = 0; j < cols; j++) y[j] = cm[j] + job.bias[n0 + j];
+    else
+      std::memcpy(y, cm, cols * sizeof(float));
+  }
+}
+
+void check_panels(const at::Tensor& panels, const char* op) {
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
+                  panels.size(2) == PANEL && panels.is_contiguous(),
+              op, ": panels must be a contiguous float32 CPU tensor [P, K, ", PANEL, "]");
+}
+
+// out [ceil(N / PANEL), K, PANEL] = weight [N, K] in panels, the last one padded with zeros.
+void pack_panels(at::Tensor out, const at::Tensor& weight) {
+  check_panels(out, "pack_panels");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_panels: weight must be a float32 CPU tensor [n, k]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(out.size(0) == (n + PANEL - 1) / PANEL && out.size(1) == k, "pack_panels: out must be [",
+              (n + PANEL - 1) / PANEL, ", ", k, ", ", PANEL, "] for a [", n, ", ", k, "] weight");
+  const at::Tensor w = weight.contiguous();
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+      float* panel = dst + p * k * PANEL;
+      std::fill(panel, panel + k * PANEL, 0.f);
+      for (int64_t j = 0; j < PANEL && p * PANEL + j < n; j++) {
+        const float* row = src + (p * PANEL + j) * k;
+        for (int64_t i = 0; i < k; i++) panel[i * PANEL + j] = row[i];
+      }
+    }
+  });
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                        const c10::optional<at::Tensor>& bias) {
+  check_x(x, "panel_linear");
+  check_panels(panels, "panel_linear");
+  TORCH_CHECK(panels.size(1) == x.size(1), "panel_linear: panels hold k = ", panels.size(1), ", x has ", x.size(1));
+  TORCH_CHECK(n > (panels.size(0) - 1) * PANEL && n <= panels.size(0) * PANEL, "panel_linear: ", panels.size(0),
+              " panels cannot hold n = ", n, " outputs");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const PanelJob job{x.data_ptr<float>(), x.stride(0), x.size(0), panels.data_ptr<float>(), x.size(1), n,
+                     checked_bias(bias, n, "panel_linear"), y.data_ptr<float>()};
+  pool().run(&panel_item, &job, panels.size(0));
+  return y;
+}
+
+int64_t panel_width() { return PANEL; }
+
 int64_t small_linear_threads() { return pool().threads(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferline, m) {
-  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("small_linear", c10::DispatchKey::CPU, &small_linear);
+  m.def("pack_panels(Tensor(a!) out, Tensor weight) -> ()");
+  m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+  m.def("panel_width() -> int", &panel_width);
   m.def("small_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.impl("small_linear_int8", c10::DispatchKey::CPU, &small_linear_int8);
   m.def("small_linear_threads() -> int", &small_linear_threads);

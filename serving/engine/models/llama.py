@@ -9,16 +9,17 @@ On CPU, float32 linear layers run through oneDNN with weights packed once at
 load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
 EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
 MKL does not pick its fast kernels on AMD processors. Small batches instead
-go to our own kernel (``kernels/small_linear.cpp``) over a plain copy of each
-weight: decoding a few sequences, each matmul is a memory-bound pass over the
-weights, and oneDNN's per-call OpenMP wake-up is a quarter of the step (the
-121 matmuls of a SmolLM2-135M step at batch 1: 12.5-13 ms against 18-19 ms).
-How many rows "small" is depends on the machine (AVX-512 Zen 4: 3; AVX2 Zen 3:
-8; Sapphire Rapids: 48-64), so start-up measures it on the model's own weights
-(:func:`calibrate_small_rows`), from ``SMALL_ROWS`` up. The plain copies double the
-linear weights' memory, so they are kept only for models whose linear weights
-fit in ``DENSE_COPY_MAX_BYTES``; they lie back to back in one buffer on huge
-pages, in the order a step reads them (``_in_one_arena``).
+go to our own kernel (``kernels/small_linear.cpp``) over a second copy of each
+weight, its columns in panels: decoding a few sequences, each matmul is a
+memory-bound pass over the weights, and oneDNN's per-call OpenMP wake-up is a
+quarter of the step (the 121 matmuls of a SmolLM2-135M step at batch 1:
+12.5-13 ms against 18-19 ms). How many rows "small" is depends on the machine
+(AVX-512 Zen 4: 3 with the kernel's earlier dot products; AVX2 Zen 3: 8;
+Sapphire Rapids: 48-64), so start-up measures it on the model's own weights
+(:func:`calibrate_small_rows`), from ``SMALL_ROWS`` up. The panel copies double
+the linear weights' memory, so they are kept only for models whose linear
+weights fit in ``PANEL_COPY_MAX_BYTES``; they lie back to back in one buffer on
+huge pages, in the order a step reads them (``_in_one_arena``).
 
 With ``int8=True`` every linear weight (and a copy of a tied LM head) is
 quantized per output channel (``serving/engine/quant.py``); activations, the
@@ -35,6 +36,7 @@ dispatch cost at decode batch sizes.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -88,11 +90,12 @@ class LlamaShape:
 
 @dataclass(frozen=True, slots=True)
 class CpuWeight:
-    """A float32 linear weight on the CPU: oneDNN's packed layout for batches, and the plain
-    ``[out, in]`` matrix for small batches (:class:`CpuLinear`; None: not kept, oneDNN takes every batch)."""
+    """A float32 linear weight on the CPU: oneDNN's packed layout for batches, and for small batches
+    the small-batch kernel's panels (``[ceil(out / width), in, width]``, see ``kernels/small_linear.cpp``;
+    :class:`CpuLinear`; None: not kept, oneDNN takes every batch)."""
 
     packed: torch.Tensor
-    dense: torch.Tensor | None
+    panels: torch.Tensor | None
 
     @property
     def shape(self) -> torch.Size:
@@ -100,7 +103,7 @@ class CpuWeight:
 
 
 #: A linear layer's weight as the forward's ``linear`` takes it: dense, oneDNN-packed (with or without its
-#: plain copy) or int8.
+#: panels) or int8.
 Weight = torch.Tensor | CpuWeight | Int8Weight
 
 #: The layer weights that go through ``linear`` (packed or quantized at load).
@@ -140,9 +143,9 @@ def _small_rows() -> int:
 
 
 SMALL_ROWS = _small_rows()
-#: The plain copies for the small-batch kernel are kept while all linear weights together stay under
+#: The panel copies for the small-batch kernel are kept while all linear weights together stay under
 #: this (models up to about 500M parameters in float32); larger models run every batch through oneDNN.
-DENSE_COPY_MAX_BYTES = 2 << 30
+PANEL_COPY_MAX_BYTES = 2 << 30
 
 
 def use_onednn(dtype: torch.dtype, device: torch.device) -> bool:
@@ -172,7 +175,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class CpuLinear:
     """The forward's ``linear`` over :class:`CpuWeight`: our small-batch kernel up to ``small_rows`` rows
-    (where the weight keeps its plain copy), oneDNN above. ``small_rows`` starts at :data:`SMALL_ROWS` and
+    (where the weight keeps its panels), oneDNN above. ``small_rows`` starts at :data:`SMALL_ROWS` and
     :meth:`LlamaModel.prepare` measures it on the machine (:func:`calibrate_small_rows`)."""
 
     __slots__ = ("small_rows",)
@@ -182,17 +185,17 @@ class CpuLinear:
 
     def __call__(self, x: torch.Tensor, weight: CpuWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self.takes_small(x.shape[0], weight):
-            return torch.ops.inferline.small_linear(x, weight.dense, bias)
+            return torch.ops.inferline.panel_linear(x, weight.panels, weight.shape[0], bias)
         return _onednn_linear(x, weight.packed, bias)
 
     def takes_small(self, rows: int, weight: CpuWeight) -> bool:
         """Whether *rows* rows against *weight* go to the small-batch kernel (else to oneDNN)."""
-        return weight.dense is not None and rows <= self.small_rows
+        return weight.panels is not None and rows <= self.small_rows
 
 
 #: Row counts at which start-up times the small-batch kernel against oneDNN, in order; the kernel keeps
 #: each while its pass over the model's layers is faster, and the first loss ends the scan.
-CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
+CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96, 128)
 _calibrated: dict[tuple, int] = {}
 
 
@@ -208,10 +211,12 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
     The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
     caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48-64 rows (a pass over SmolLM2-135M's
     120 matmuls from memory, 27 rows: 46 against 54 ms), while oneDNN took SmolLM2's 49152 x 576 LM head
-    from 4 rows on there (32 rows: 7.4 against 9.1 ms). Each candidate is a pass over *weights* (cold,
-    as in a step), both paths interleaved, best of two; the scan starts above
-    ``SMALL_ROWS`` and stops at the first row count where ours is not faster. Measured once per process
-    and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
+    from 4 rows on there (32 rows: 7.4 against 9.1 ms). Those were the kernel's dot products; over panels,
+    on an Ice Lake, it beats oneDNN to 96 rows (120 matmuls: 64 rows 73 against 89 ms, 96 rows 122 against
+    138, 128 rows 136 against 127), the LM head included (32 rows: 42.6 against 45.7 ms for 4 heads).
+    Each candidate is a pass over *weights* (cold, as in a step), both paths interleaved, best of two;
+    the scan starts above ``SMALL_ROWS`` and stops at the first row count where ours is not faster.
+    Measured once per process and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
     override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
     if override:
@@ -226,7 +231,7 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
 
 
 def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int) -> int:
-    if any(not isinstance(w, CpuWeight) or w.dense is None for w in weights):
+    if any(not isinstance(w, CpuWeight) or w.panels is None for w in weights):
         return default
     inputs = {w.shape[1]: torch.randn(CALIBRATION_ROWS[-1], w.shape[1]) for w in weights}
 
@@ -235,7 +240,7 @@ def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int) -> 
         for w in weights:
             x = inputs[w.shape[1]][:rows]
             if ours:
-                torch.ops.inferline.small_linear(x, w.dense, None)
+                torch.ops.inferline.panel_linear(x, w.panels, w.shape[0], None)
             else:
                 _onednn_linear(x, w.packed, None)
         return time.perf_counter() - start
@@ -271,15 +276,27 @@ def scan_rows(time_both: Callable[[int], tuple[float, float]], max_rows: int, de
     return limit
 
 
-def _in_one_arena(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def _in_one_arena(weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                  shape: Callable[[torch.Size], tuple[int, ...]] = tuple,
+                  fill: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_) -> list[torch.Tensor]:
     """Copies of *weights*, in this order, back to back in one buffer on huge pages (serving/engine/memory.py):
-    a decode step streams them front to back."""
-    arena = empty_on_huge_pages((sum(w.numel() for w in weights),), dtype, device)  # every element is copied in
+    a decode step streams them front to back. Each copy has ``shape(weight.shape)`` and is written by
+    ``fill(copy, weight)`` (default: a plain copy; every element must be written)."""
+    shapes = [shape(w.shape) for w in weights]
+    arena = empty_on_huge_pages((sum(math.prod(s) for s in shapes),), dtype, device)
     copies, offset = [], 0
-    for weight in weights:
-        copies.append(arena[offset:offset + weight.numel()].view(weight.shape).copy_(weight))
-        offset += weight.numel()
+    for weight, copy_shape in zip(weights, shapes, strict=True):
+        copy = arena[offset:offset + math.prod(copy_shape)].view(copy_shape)
+        fill(copy, weight)
+        copies.append(copy)
+        offset += copy.numel()
     return copies
+
+
+def panel_shape(shape: torch.Size) -> tuple[int, int, int]:
+    """The small-batch kernel's panels for a ``[out, in]`` weight."""
+    width = torch.ops.inferline.panel_width()
+    return -(-shape[0] // width), shape[1], width
 
 
 class LlamaModel:
@@ -309,16 +326,15 @@ class LlamaModel:
 
     def _pack(self) -> None:
         pack = torch.ops.mkldnn._reorder_linear_weight
-        dense = [*layer_linears(self.layers), self.lm_head]
-        keep = cpu_ops() is not None and sum(w.numel() * w.element_size() for w in dense) <= DENSE_COPY_MAX_BYTES
-        plain = iter(_in_one_arena(dense, self.dtype, self.device) if keep else [None] * len(dense))
+        weights = [*layer_linears(self.layers), self.lm_head]
+        keep = cpu_ops() is not None and sum(w.numel() * w.element_size() for w in weights) <= PANEL_COPY_MAX_BYTES
+        panels = iter(_in_one_arena(weights, self.dtype, self.device, panel_shape, torch.ops.inferline.pack_panels)
+                      if keep else [None] * len(weights))
         for layer in self.layers:
             for name in LINEARS:
-                setattr(layer, name, CpuWeight(pack(getattr(layer, name), _PACK_FOR_BATCH), next(plain)))
-        tied = self.lm_head is self.embed
-        self.lm_head = CpuWeight(pack(self.lm_head, _PACK_FOR_BATCH), next(plain))
-        if tied and self.lm_head.dense is not None:
-            self.embed = self.lm_head.dense  # one plain copy serves both, as before
+                setattr(layer, name, CpuWeight(pack(getattr(layer, name), _PACK_FOR_BATCH), next(panels)))
+        # A tied LM head's panels are a copy of their own: the embedding lookup keeps the plain matrix.
+        self.lm_head = CpuWeight(pack(self.lm_head, _PACK_FOR_BATCH), next(panels))
         self.linear = CpuLinear()
 
     def _quantize(self) -> None:
@@ -353,18 +369,18 @@ class LlamaModel:
             for weight, bias, limit, linear in weights:
                 packed, first = weight, 1
                 if isinstance(weight, CpuWeight):  # rows the small-batch kernel takes never reach oneDNN
-                    packed, first = weight.packed, 1 if weight.dense is None else linear.small_rows + 1
+                    packed, first = weight.packed, 1 if weight.panels is None else linear.small_rows + 1
                 x = torch.zeros(bucket_rows(limit), weight.shape[1], dtype=self.dtype)
                 for rows in sorted({bucket_rows(n) for n in range(first, limit + 1)}):
                     _onednn_linear(x[:rows], packed, bias)
 
     def weight_bytes(self) -> int:
-        """Bytes held by the weights the forward reads, as stored: packed copies (and the plain copies
-        kept beside them for small batches) and int8 matrices with their scales count at their own size,
-        and a tensor read twice (a tied LM head, the embedding as its plain copy) once."""
+        """Bytes held by the weights the forward reads, as stored: packed copies (and the panels kept
+        beside them for small batches) and int8 matrices with their scales count at their own size, and a
+        tensor read twice (a tied LM head and the embedding, as loaded) once."""
         weights = [self.embed, self.norm, self.lm_head]
         weights += [getattr(layer, f.name) for layer in self.layers for f in fields(LayerWeights)]
-        weights = [part for w in weights for part in ((w.packed, w.dense) if isinstance(w, CpuWeight) else (w,))]
+        weights = [part for w in weights for part in ((w.packed, w.panels) if isinstance(w, CpuWeight) else (w,))]
         unique = {id(w): w for w in weights if w is not None}
         return sum(w.num_bytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
                    for w in unique.values())

@@ -1,4 +1,4 @@
-"""The small-batch linear kernel (kernels/small_linear.cpp) and where the model uses it."""
+"""The small-batch linear kernel (kernels/small_linear.cpp: float32 over panels) and where the model uses it."""
 
 from __future__ import annotations
 
@@ -13,15 +13,45 @@ from serving.engine.errors import EngineError
 from serving.engine.models import llama
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 27, 64])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (1000, 100), (7, 16), (3, 1)])
+def panels_of(ops, weight: torch.Tensor) -> torch.Tensor:
+    width = ops.panel_width()
+    panels = torch.full((-(-weight.shape[0] // width), weight.shape[1], width), float("nan"))
+    ops.pack_panels(panels, weight)
+    return panels
+
+
+def dense_of(weight: llama.CpuWeight) -> torch.Tensor:
+    """The ``[out, in]`` matrix that *weight*'s panels hold."""
+    return weight.panels.transpose(1, 2).reshape(-1, weight.shape[1])[:weight.shape[0]]
+
+
+def small_linear(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return ops.panel_linear(x, panels_of(ops, weight), weight.shape[0], bias)
+
+
+def test_panels_hold_the_weight_column_by_column_padded_with_zeros(ops):
+    width = ops.panel_width()
+    assert width in (12, 24, 48)  # 3 vectors of 4 (SSE), 8 (AVX2) or 16 (AVX-512) floats
+    weight = torch.randn(width + 5, 7)
+    panels = panels_of(ops, weight)  # filled with NaN first: every element must be written
+    assert panels.shape == (2, 7, width)
+    torch.testing.assert_close(panels[0], weight[:width].T)
+    torch.testing.assert_close(panels[1, :, :5], weight[width:].T)
+    assert (panels[1, :, 5:] == 0).all()
+
+
+# Rows across one and several register blocks and their remainders (blocks of 4 or 8 rows); in_features
+# across one and several k-blocks of 64, and not a multiple of the vector width; out_features across
+# whole and padded panels.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 27, 64, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (1000, 100), (50, 130), (7, 16), (3, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
-    out = ops.small_linear(x, weight, bias)
+    out = small_linear(ops, x, weight, bias)
     assert out.shape == (rows, out_features) and out.is_contiguous()
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
@@ -30,19 +60,20 @@ def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_b
 def test_rows_may_be_a_slice_of_a_wider_tensor(ops):
     wide = torch.randn(2, 3, 64)[:, 1]  # rows 192 floats apart, each contiguous
     weight = torch.randn(40, 64)
-    torch.testing.assert_close(ops.small_linear(wide, weight, None), F.linear(wide, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(small_linear(ops, wide, weight, None), F.linear(wide, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_many_threads_at_once_each_get_their_own_answer(ops):
     # One caller at a time uses the pool; the others run on their own threads (the try-lock path).
     weight = torch.randn(3072, 576)
-    inputs = [torch.randn(2, 576) for _ in range(6)]
+    panels = panels_of(ops, weight)
+    inputs = [torch.randn(2 + 5 * i, 576) for i in range(6)]
     expected = [F.linear(x, weight) for x in inputs]
     results: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(inputs))}
 
     def work(i: int) -> None:
         for _ in range(50):
-            results[i].append(ops.small_linear(inputs[i], weight, None))
+            results[i].append(ops.panel_linear(inputs[i], panels, 3072, None))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
     for thread in threads:
@@ -57,14 +88,19 @@ def test_many_threads_at_once_each_get_their_own_answer(ops):
 
 def test_it_refuses_what_it_cannot_run(ops):
     x, weight = torch.randn(1, 8), torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match="weight must be a contiguous float32"):
-        ops.small_linear(x, weight.t().contiguous().t(), None)
-    with pytest.raises(RuntimeError, match="with k = 8"):
-        ops.small_linear(x, torch.randn(4, 9), None)
+    panels = panels_of(ops, weight)
+    with pytest.raises(RuntimeError, match="panels must be a contiguous float32"):
+        ops.panel_linear(x, panels.transpose(1, 2).contiguous().transpose(1, 2), 4, None)
+    with pytest.raises(RuntimeError, match="panels hold k = 8, x has 9"):
+        ops.panel_linear(torch.randn(1, 9), panels, 4, None)
+    with pytest.raises(RuntimeError, match="cannot hold n = 100"):
+        ops.panel_linear(x, panels, 100, None)
     with pytest.raises(RuntimeError, match="x must be a float32"):
-        ops.small_linear(x.double(), weight, None)
+        ops.panel_linear(x.double(), panels, 4, None)
     with pytest.raises(RuntimeError, match="bias must be"):
-        ops.small_linear(x, weight, torch.randn(5))
+        ops.panel_linear(x, panels, 4, torch.randn(5))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.pack_panels(torch.empty(2, 8, ops.panel_width()), weight)
     assert ops.small_linear_threads() == max(1, min(torch.get_num_threads(), 16))
 
 
@@ -77,15 +113,13 @@ def test_small_batches_take_the_kernel_and_larger_ones_onednn(loaded_model, ops,
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
     monkeypatch.setattr(model.linear, "small_rows", 5)
     layer = model.layers[0]
-    assert isinstance(layer.qkv, llama.CpuWeight) and layer.qkv.dense is not None
+    assert isinstance(layer.qkv, llama.CpuWeight) and layer.qkv.panels is not None
     with torch.inference_mode():
         for rows in range(1, 7):
             x = torch.randn(rows, model.shape.hidden_size)
             out = model.linear(x, layer.qkv, layer.qkv_bias)
-            torch.testing.assert_close(out, F.linear(x, layer.qkv.dense, layer.qkv_bias), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out, F.linear(x, dense_of(layer.qkv), layer.qkv_bias), rtol=1e-4, atol=1e-4)
     assert seen == [6]  # only the batch above small_rows went to oneDNN
-    # A tied LM head's plain copy is the embedding itself, not a third copy.
-    assert model.lm_head.dense is model.embed
 
 
 def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
@@ -93,12 +127,12 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
 
     if DEVICE != "cpu" or not llama.use_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN packing is a CPU float32 path")
-    monkeypatch.setattr(llama, "DENSE_COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(llama, "PANEL_COPY_MAX_BYTES", 0)
     from serving.engine.models import load_model
 
     model = load_model(str(MODEL), "float32", "cpu").model
-    assert all(getattr(layer, name).dense is None for layer in model.layers for name in llama.LINEARS)
-    assert model.lm_head.dense is None
+    assert all(getattr(layer, name).panels is None for layer in model.layers for name in llama.LINEARS)
+    assert model.lm_head.panels is None
     with torch.inference_mode():
         x = torch.randn(1, model.shape.hidden_size)
         weight = model.layers[0].o
@@ -111,8 +145,8 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
 
 def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loaded_model, monkeypatch):
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.dense is None:
-        pytest.skip("the model keeps no plain copies here")
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
+        pytest.skip("the model keeps no panels here")
     seen: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
@@ -126,8 +160,8 @@ def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loade
 
 def test_start_up_measures_the_small_batch_limit_on_the_model(loaded_model, monkeypatch):
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.dense is None:
-        pytest.skip("the model keeps no plain copies here")
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
+        pytest.skip("the model keeps no panels here")
     monkeypatch.delenv("INFERLINE_SMALL_ROWS", raising=False)
     monkeypatch.setattr(llama, "_calibrated", {})
     timed: list[int] = []
@@ -147,8 +181,8 @@ def test_the_lm_head_has_a_limit_of_its_own(loaded_model, monkeypatch):
     """The LM head (49152 x 576 for SmolLM2) crosses over to oneDNN at its own row count, not the
     layers': start-up measures it alone, and a step's logits go by that limit."""
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.lm_head.dense is None:
-        pytest.skip("the model keeps no plain copies here")
+    if not isinstance(model.linear, llama.CpuLinear) or model.lm_head.panels is None:
+        pytest.skip("the model keeps no panels here")
     asked: list[tuple[int, int]] = []
 
     def calibrate(weights, max_rows):
@@ -169,7 +203,7 @@ def test_the_lm_head_has_a_limit_of_its_own(loaded_model, monkeypatch):
         logits = model.head_linear(x, model.lm_head, None)
         model.linear(x, model.layers[0].o, None)
     assert seen == [tuple(model.lm_head.shape)]  # 3 rows: the LM head on oneDNN, the layer on ours
-    torch.testing.assert_close(logits, F.linear(x, model.lm_head.dense), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, F.linear(x, dense_of(model.lm_head)), rtol=1e-4, atol=1e-4)
 
 
 def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
@@ -187,7 +221,7 @@ def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
     asked.clear()
     assert llama.scan_rows(timings(1000), 16, 3) == 16 and asked[-1] == 16  # never past the step's rows
     asked.clear()
-    assert llama.scan_rows(timings(1000), 512, 8) == 64 and asked[0] == 12  # starts above the default
+    assert llama.scan_rows(timings(1000), 512, 8) == 128 and asked[0] == 12  # starts above the default
     tie = llama.scan_rows(lambda rows: (1.0, 1.0), 512, 3)
     assert tie == 3  # a tie keeps oneDNN
 
@@ -203,7 +237,7 @@ def test_the_limit_can_be_set(loaded_model, monkeypatch):
             llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512)
 
 
-def test_weights_without_plain_copies_keep_the_default():
+def test_weights_without_panels_keep_the_default():
     packed_only = llama.CpuWeight(torch.zeros(4, 4), None)
     layer = llama.LayerWeights(torch.ones(4), packed_only, None, packed_only, torch.ones(4), packed_only,
                                packed_only)
