@@ -47,12 +47,18 @@ struct Scratch {
   std::vector<float> scores, inv, qs, out;
 };
 
-// An item works key-major: scores[p * rows_padded + row], rows padded to a whole row tile
-// (NW rows where that holds them all, as for a decode's few query heads; else W). Its register blocks
-// are in the machine's own vectors (vec.h's vn) and hold 8 accumulators: for the scores, 8 / RV keys x
-// a tile of RV vectors of rows (broadcast key elements times the transposed queries); for the values,
-// VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times value rows).
-constexpr int VALUE_ROWS = 4, VALUE_COLS = 2;
+// An item works key-major: scores[p * rows_padded + row], rows padded to a whole vector. Its register
+// blocks are in the machine's own vectors (vec.h's vn): for the scores, SCORE_KEYS(RV) keys x a tile of
+// RV vectors of rows (broadcast key elements times the transposed queries), tiles of up to SCORE_VECS
+// vectors; for the values, VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times
+// value rows). With AVX-512's 32 registers: 8 keys x 3 vectors (48 rows: 16 tokens x 3 grouped heads,
+// SmolLM2's chunk groups) and 4 rows x the whole head (4 vectors for 64), 24 and 16 accumulators, where
+// 8 x 1 and 4 x 2 loaded a vector or a broadcast for each FMA or two. With AVX2's 16: 8 accumulators,
+// the 12 of 6 keys x 2 vectors measured no faster there (Zen 3).
+constexpr int SCORE_VECS = NREGS == 32 ? 3 : 2;
+template <int RV>
+constexpr int score_keys_for() { return NREGS == 32 ? 8 : 8 / RV; }
+constexpr int VALUE_ROWS = 4, VALUE_COLS = NREGS == 32 ? 4 : 2;
 
 // scores[i][tile] = k_i . qt[:, tile] for KEYS keys (kv_stride apart) and one tile of RV * NW query rows
 // (qt[d * qt_stride + r] is element d of row r).
@@ -80,7 +86,7 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
 template <int D, int RV>
 inline void score_block(const float* k, int64_t count, int64_t kv_stride, const float* qt, int64_t qt_stride,
                         float* out, int64_t out_stride) {
-  constexpr int KEYS = 8 / RV;
+  constexpr int KEYS = score_keys_for<RV>();
   int64_t i = 0;
   for (; i + KEYS <= count; i += KEYS)
     score_keys<D, KEYS, RV>(k + i * kv_stride, kv_stride, qt, qt_stride, out + i * out_stride, out_stride);
@@ -265,9 +271,8 @@ template <int D>
 void attend(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
             int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride, int64_t groups, float scale,
             float* out, int64_t out_stride, Scratch& s) {
-  static_assert(D % (VALUE_COLS * NW) == 0 && NW % VALUE_ROWS == 0, "blocks must divide the head and tile");
-  const int64_t len = len0 + num_queries - 1, rows = num_queries * groups;
-  const int64_t tile = rows <= NW ? NW : W, padded = (rows + tile - 1) / tile * tile;
+  static_assert(D % (VALUE_COLS * NW) == 0 && NW % VALUE_ROWS == 0, "blocks must divide the head and a vector");
+  const int64_t len = len0 + num_queries - 1, rows = num_queries * groups, padded = (rows + NW - 1) / NW * NW;
   s.scores.resize(len * padded);
   s.inv.resize(padded);
   // The scaled queries, transposed and padded with zero rows for the tiles (qs[d * padded + row]).
@@ -278,12 +283,14 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
 
   prefetch_first<D>(k_cache, v_cache, table, block_size, kv_stride);
   for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const float* k, int64_t start, int64_t count) {
-    for (int64_t t = 0; t < padded; t += tile) {
-      if (tile == NW)
-        score_block<D, 1>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
-      else
-        score_block<D, W / NW>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
-    }
+    // Tiles of SCORE_VECS vectors of rows, then one of the 1 or 2 left.
+    int64_t t = 0;
+    for (; t + SCORE_VECS * NW <= padded; t += SCORE_VECS * NW)
+      score_block<D, SCORE_VECS>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
+    if (padded - t == 2 * NW)
+      score_block<D, 2>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
+    else if (padded - t == NW)
+      score_block<D, 1>(k, count, kv_stride, &s.qs[t], padded, &s.scores[start * padded + t], padded);
   });
   // The causal mask: token j of the group sees positions below len0 + j.
   for (int64_t p = len0; p < len; p++)
