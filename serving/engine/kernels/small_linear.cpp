@@ -75,20 +75,20 @@ constexpr int block_width() {
   return fit < 1 ? 1 : (fit < widest ? fit : widest);
 }
 
-// y[m, n0 + r] = (x[m, :] . w[n0 + r, :]) * scale[n0 + r] for m < MR, r < NR (scale: none for float32).
-template <int MR, int NR, typename T>
-inline void dot_block(const float* x, int64_t x_stride, const T* w, const float* scale, int64_t k, float* y,
+// int8: y[m, n0 + r] = (x[m, :] . w[n0 + r, :]) * scale[n0 + r] for m < MR, r < NR.
+template <int MR, int NR>
+inline void dot_block(const float* x, int64_t x_stride, const int8_t* w, const float* scale, int64_t k, float* y,
                       int64_t y_stride, int64_t n0) {
   vn acc[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) acc[m][r] = vn{};
-  const T* rows[NR];
+  const int8_t* rows[NR];
   for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r) * k;
   // The next block's rows are prefetched, a slice at every step: NR interleaved row streams that each
   // advance a quarter of a cache line a step leave the hardware prefetcher far behind (streaming a
   // 28 MB int8 matrix on one core, AVX-512 Zen 4: 6.4 GB/s without, 19.9 with).
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NR) * k);
-  constexpr int64_t AHEAD_BYTES = NR * NW * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t AHEAD_BYTES = NR * NW;
   int64_t i = 0;
   for (; i + NW <= k; i += NW, ahead += AHEAD_BYTES) {
     for (int64_t b = 0; b < AHEAD_BYTES; b += 64) __builtin_prefetch(ahead + b);
@@ -103,13 +103,13 @@ inline void dot_block(const float* x, int64_t x_stride, const T* w, const float*
     for (int r = 0; r < NR; r++) {
       float sum = hsum_n(acc[m][r]);
       for (int64_t j = i; j < k; j++) sum += x[m * x_stride + j] * static_cast<float>(rows[r][j]);
-      y[m * y_stride + n0 + r] = scale != nullptr ? sum * scale[n0 + r] : sum;
+      y[m * y_stride + n0 + r] = sum * scale[n0 + r];
     }
   }
 }
 
-template <int MR, typename T>
-void dot_rows(const float* x, int64_t x_stride, const T* w, const float* scale, int64_t k, float* y,
+template <int MR>
+void dot_rows(const float* x, int64_t x_stride, const int8_t* w, const float* scale, int64_t k, float* y,
               int64_t y_stride, int64_t begin, int64_t end) {
   constexpr int NR = block_width<MR>();
   int64_t n = begin;
@@ -117,21 +117,19 @@ void dot_rows(const float* x, int64_t x_stride, const T* w, const float* scale, 
   for (; n < end; n++) dot_block<MR, 1>(x, x_stride, w, scale, k, y, y_stride, n);
 }
 
-template <typename T>
 struct LinearJob {
   const float* x;
   int64_t x_stride, rows;
-  const T* w;
-  const float* scale;  // per output, int8 weights only
+  const int8_t* w;
+  const float* scale;  // per output
   int64_t k, n;
   const float* bias;
   float* y;
   int64_t chunk_rows;
 };
 
-template <typename T>
 void linear_chunk(const void* arg, int64_t chunk) {
-  const LinearJob<T>& job = *static_cast<const LinearJob<T>*>(arg);
+  const LinearJob& job = *static_cast<const LinearJob*>(arg);
   const int64_t begin = chunk * job.chunk_rows, end = std::min(job.n, begin + job.chunk_rows);
   for (int64_t m = 0; m < job.rows; m += 4) {
     const float* x = job.x + m * job.x_stride;
@@ -156,18 +154,17 @@ const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t n, cons
   return bias->data_ptr<float>();
 }
 
-template <typename T>
-at::Tensor run_linear(const at::Tensor& x, const T* w, const float* scale, int64_t n, int64_t k, const float* bias) {
+at::Tensor run_linear(const at::Tensor& x, const int8_t* w, const float* scale, int64_t n, int64_t k,
+                      const float* bias) {
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   // Chunks of about 256 KB of weights (a multiple of 8 rows), 5-6 us of streaming each: long enough
   // runs for the hardware prefetcher (64 KB chunks were 6-8% slower at batch 1), short enough that a
   // late or descheduled helper leaves little for the others to wait on.
-  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
-  const int64_t chunk_rows = std::max<int64_t>(8, ((CHUNK_BYTES / row_bytes) + 7) / 8 * 8);
-  const LinearJob<T> job{x.data_ptr<float>(), x.stride(0), x.size(0), w, scale, k, n, bias, y.data_ptr<float>(),
+  const int64_t chunk_rows = std::max<int64_t>(8, ((CHUNK_BYTES / k) + 7) / 8 * 8);  // k bytes a row
+  const LinearJob job{x.data_ptr<float>(), x.stride(0), x.size(0), w, scale, k, n, bias, y.data_ptr<float>(),
                          chunk_rows};
-  pool().run(&linear_chunk<T>, &job, (n + chunk_rows - 1) / chunk_rows);
+  pool().run(&linear_chunk, &job, (n + chunk_rows - 1) / chunk_rows);
   return y;
 }
 
