@@ -121,8 +121,6 @@ class StoreSink:
     async def _flush(self) -> None:
         try:
             while self._pending:
-                if self.journal is not None and not self._unwritten:
-                    self.journal.truncate()  # all chained, and no append in flight: keep it short
                 batch, self._pending = self._pending, []
                 try:
                     if self.journal is None:
@@ -147,7 +145,8 @@ class StoreSink:
             raise AuditUnavailable("the audit log is closed (the server is shutting down)")
         lines = [json_line(*item) for item in items]
         try:
-            await asyncio.to_thread(self.journal.append, lines)
+            # All chained so far: the journal is emptied first, in the same hop (off the loop).
+            await asyncio.to_thread(self.journal.append, lines, empty_first=not self._unwritten)
         except OSError as exc:
             # The journal cannot take them (a full disk): chain them before answering, as without one,
             # once the journaled records before them are chained (in order; one writer at a time).
@@ -184,9 +183,10 @@ class StoreSink:
                 continue
             del self._unwritten[:len(batch)]
             self._chained += len(batch)
-            if not self._unwritten and self._flushing is None:
+            if not self._unwritten and self._flushing is None:  # all chained, and no append in flight
                 assert self.journal is not None
-                self.journal.truncate()  # all chained, and no append in flight
+                # In a thread, unless a batch is appended meanwhile (the next append empties it then).
+                await asyncio.to_thread(self.journal.truncate, self.journal.appends)
             await self._notify()
 
     async def _chain_one(self, item: Item) -> None:

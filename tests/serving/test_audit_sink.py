@@ -92,7 +92,12 @@ async def test_a_write_returns_once_its_record_is_journaled_and_is_chained_after
     store.release.set()
     assert await sink.flushed(timeout=5)
     assert [row["request_id"] for row, _ in store.items] == ["r0", "r1", "r2"]
-    assert journal.size() == 0  # all chained: emptied
+    # All chained: emptied, by a worker thread right after (flushed() does not wait for that).
+    async def emptied() -> None:
+        while journal.size():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(emptied(), 5)
     await sink.aclose()
     assert not journal.path.exists()
 
@@ -142,7 +147,7 @@ async def test_when_the_journal_cannot_take_a_record_it_is_chained_before_the_an
     store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
     store.release.set()
 
-    def full(lines: list[str]) -> None:
+    def full(lines: list[str], empty_first: bool = False) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(journal, "append", full)
@@ -220,16 +225,30 @@ def test_a_failed_append_leaves_no_torn_line(tmp_path, monkeypatch):
     assert journal.path.read_text() == '{"id": "a"}\n'
 
 
-def test_the_journal_is_truncated_only_after_an_append(tmp_path, monkeypatch):
-    """The sink asks for a truncate before each batch, on the event loop: an empty journal costs no system call."""
+def test_the_journal_is_truncated_only_when_it_holds_something_and_no_batch_came_since(tmp_path, monkeypatch):
+    """The sink hands a truncate to a thread once all is chained: an empty journal costs no system call,
+    and a batch appended meanwhile (not chained yet) is never cut."""
     journal = Journal.open(tmp_path / "audit-journal")
     calls: list[int] = []
     real = audit_journal.os.ftruncate
     monkeypatch.setattr(audit_journal.os, "ftruncate", lambda fd, size: calls.append(size) or real(fd, size))
     journal.truncate()
     journal.append(['{"id": "a"}\n'])
+    counted = journal.appends
+    journal.append(['{"id": "b"}\n'])
+    journal.truncate(counted)  # "b" came after the count: kept
+    assert calls == [] and _journal_lines(journal.path) == [{"id": "a"}, {"id": "b"}]
+    journal.truncate(journal.appends)
     journal.truncate()
-    journal.truncate()
-    assert calls == [0] and journal.size() == 0
+    assert calls == [0] and journal.size() == 0 and journal.path.read_text() == ""
     journal.close()
     assert not journal.path.exists()
+
+
+def test_an_append_can_empty_the_chained_journal_first(tmp_path):
+    journal = Journal.open(tmp_path / "audit-journal")
+    journal.append(['{"id": "a"}\n'])
+    journal.append(['{"id": "b"}\n'], empty_first=True)
+    assert _journal_lines(journal.path) == [{"id": "b"}] and journal.size() == len('{"id": "b"}\n')
+    journal.close()
+    assert journal.path.exists()  # "b" is not chained: the next start replays it
