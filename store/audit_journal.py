@@ -85,6 +85,8 @@ class Journal:
             except OSError:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, start)
+                with contextlib.suppress(OSError):  # where the cut failed, what the file really holds
+                    self._size = os.fstat(self._fd).st_size
                 raise
             self._size = start + len(data)
             self._appends += 1

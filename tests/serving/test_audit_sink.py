@@ -94,12 +94,26 @@ async def test_a_write_returns_once_its_record_is_journaled_and_is_chained_after
     assert [row["request_id"] for row, _ in store.items] == ["r0", "r1", "r2"]
     # All chained: emptied, by a worker thread right after (flushed() does not wait for that).
     async def emptied() -> None:
-        while journal.size():
+        while journal.path.stat().st_size:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(emptied(), 5)
     await sink.aclose()
     assert not journal.path.exists()
+
+
+async def test_a_batch_journaled_while_the_last_is_being_chained_keeps_it_in_the_file(tmp_path):
+    """The next batch empties the journal first only when everything in it is chained."""
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    await sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"})
+    await sink.write({"request_id": "r1", "pipeline": "chat", "status": "ok"})  # r0 is not chained yet
+    assert [line["request_id"] for line in _journal_lines(journal.path)] == ["r0", "r1"]
+    store.release.set()
+    assert await sink.flushed(timeout=5)
+    await sink.write({"request_id": "r2", "pipeline": "chat", "status": "ok"})  # all chained: emptied first
+    assert [line["request_id"] for line in _journal_lines(journal.path)] == ["r2"]
+    await sink.aclose()
 
 
 async def test_records_the_store_refuses_stay_journaled_and_a_restart_chains_them_once(tmp_path, monkeypatch):
@@ -223,6 +237,25 @@ def test_a_failed_append_leaves_no_torn_line(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output"):
         journal.append(['{"id": "b"}\n'])
     assert journal.path.read_text() == '{"id": "a"}\n'
+
+
+def test_where_cutting_a_failed_append_back_fails_the_journal_knows_its_real_size(tmp_path, monkeypatch):
+    """A later failed append cuts back to the true end, never into an answered batch; a truncate empties it."""
+    journal = Journal.open(tmp_path / "audit-journal")
+    journal.append(['{"id": "a"}\n'])
+
+    def fail(*args: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(audit_journal.os, "fdatasync", fail)
+        patched.setattr(audit_journal.os, "ftruncate", fail)
+        with pytest.raises(OSError):
+            journal.append(['{"id": "b"}\n'])
+    assert journal.size() == journal.path.stat().st_size == len('{"id": "a"}\n{"id": "b"}\n')
+    journal.truncate()
+    assert journal.path.read_text() == ""
+    journal.close()
 
 
 def test_the_journal_is_truncated_only_when_it_holds_something_and_no_batch_came_since(tmp_path, monkeypatch):
