@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,12 @@ class StoreSink:
         if self.journal is None:
             return True
         target = self._journaled + len(self._pending)
+        return await self._chained_up_to(lambda: self._chained >= target or not self._busy(), timeout)
 
+    async def _chained_up_to(self, done: Callable[[], bool], timeout: float | None) -> bool:
         async def chained() -> None:
             async with self._progress:
-                await self._progress.wait_for(lambda: self._chained >= target or not self._busy())
+                await self._progress.wait_for(done)
 
         try:
             await asyncio.wait_for(chained(), timeout)
@@ -151,7 +154,9 @@ class StoreSink:
             # The journal cannot take them (a full disk): chain them before answering, as without one,
             # once the journaled records before them are chained (in order; one writer at a time).
             logger.error("audit journal %s: %s; writing to the store directly", self.journal.path, exc)
-            if not await self.flushed(DIRECT_WAIT_S):
+            # Only the records journaled before these: writes that came in meanwhile wait in _pending
+            # for this batch, and would never be chained while it waits for them.
+            if not await self._chained_up_to(lambda: self._chained >= self._journaled, DIRECT_WAIT_S):
                 raise AuditUnavailable(f"the journal failed ({exc}) and earlier records are not chained "
                                        f"yet") from exc
             await self.store.awrite_items(items)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -168,6 +169,29 @@ async def test_when_the_journal_cannot_take_a_record_it_is_chained_before_the_an
     sink = StoreSink(store, journal)  # type: ignore[arg-type]
     await sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"})
     assert [row["request_id"] for row, _ in store.items] == ["r0"]  # before write returned
+    await sink.aclose()
+
+
+async def test_writes_arriving_while_the_journal_fails_are_chained_directly_too(tmp_path, monkeypatch):
+    """The batch that found the journal full waits for the records journaled before it, not for the writes
+    that came in meanwhile (they wait for it: that was a 10 s stall, then an error for every one)."""
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+    store.release.set()
+
+    def full(lines: list[str], empty_first: bool = False) -> None:
+        time.sleep(0.05)  # the write a full disk refuses, in its worker thread
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal, "append", full)
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+
+    async def later(i: int) -> None:
+        await asyncio.sleep(0.01)  # during the first batch's failing append
+        await sink.write({"request_id": f"r{i}", "pipeline": "chat", "status": "ok"})
+
+    await asyncio.wait_for(asyncio.gather(sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"}),
+                                          later(1), later(2)), 5)
+    assert [row["request_id"] for row, _ in store.items] == ["r0", "r1", "r2"]
     await sink.aclose()
 
 
