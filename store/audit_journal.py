@@ -37,8 +37,9 @@ SUFFIX = ".jsonl"
 class Journal:
     """An append-only file of this process's records that are not yet in the chain.
 
-    The sink calls :meth:`append` and :meth:`truncate` from worker threads, never on the event loop
-    (an ``ftruncate`` took 0.5-0.7 ms on ext4 here, once per batch); a lock orders them.
+    While the server runs, the sink calls :meth:`append` and :meth:`truncate` from worker threads, not
+    on the event loop (an ``ftruncate`` took 0.5-0.7 ms on ext4 here, once per batch); only its shutdown
+    truncates and closes on the loop, after the last request. A lock orders them.
     """
 
     def __init__(self, path: Path, fd: int) -> None:
