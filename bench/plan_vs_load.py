@@ -44,7 +44,14 @@ machine's load average before and after is included: other work on the same core
 after it was profiled, which the plan cannot know. Per rate,
 ``decode_steps`` sets the server's own decode steps during the load (``inferline_decode_step_seconds``
 in /metrics) against the profile's step at the same mean batch (``served_vs_profile`` > 1: the server
-stepped slower than its profile said).
+stepped slower than its profile said), and ``steps`` sets both kinds of step the server ran (``prefill``:
+steps that computed prompt tokens, decodes riding along; ``decode``) against those the plan simulated for
+the same requests: their counts, mean times and mean decode rows (``served_vs_plan`` > 1: the server's
+steps of that kind took longer than the plan's). A plan pessimistic through TTFT with its decode steps
+matching shows here whether its prefill steps are the ones too long, or too many. ``profiles`` holds each
+profile's prefill, decode and mixed steps and the small-batch kernel's row limits its process measured
+(``small_rows``, ``head_small_rows``), beside ``server_small_rows``, the server's own (from its log): a step's
+time jumps where its rows cross the limit, and two processes can measure it apart near the crossover.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,12 +79,18 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 EXE = Path(sys.executable).with_name("inferline")
+#: The system text makes the template's shared part exactly one KV block (16 tokens with SmolLM2's template),
+#: so that the user's text starts a block of its own. With "You are a helpful AI assistant." (15 tokens) the
+#: first block held the template and the user's first word, one of the load's ~100 common words: after a few
+#: dozen requests most prompts found that block in the server's prefix cache, which the plan (whole blocks of
+#: the template only) did not count: the served prefill steps took 0.82-0.91x the planned (runs 24-25,
+#: docs/capacity.md), and the plan was pessimistic through TTFT.
 PIPELINE = """
 name: loadtest
 description: Chat with answers of exactly max_tokens tokens (generate ignores EOS), for capacity checks.
 slo: {{ttft_ms_p95: {ttft}, itl_ms_p95: {itl}, e2e_ms_p95: {e2e}}}
 stages:
-  - {{id: prompt, type: prompt, with: {{system: You are a helpful AI assistant.}}}}
+  - {{id: prompt, type: prompt, with: {{system: 'You are a concise, helpful assistant.'}}}}
   - {{id: tok, type: tokenize, with: {{max_input_tokens: 4096}}}}
   - {{id: gen, type: generate, with: {{max_tokens: 256, temperature: 0, ignore_eos: true}}}}
   - {{id: out, type: stream}}
@@ -224,6 +238,21 @@ def served_steps(load: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any
             "profile_ms": round(profiled, 2), "served_vs_profile": round(decode["mean_ms"] / profiled, 3)}
 
 
+def steps_against_plan(load: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any] | None:
+    """Each kind of step, served (``engine_steps`` of the load) against planned (the simulation's)."""
+    served, simulated = load.get("engine_steps"), planned.get("steps")
+    if not served or not simulated:
+        return None
+    out = {}
+    for kind in ("prefill", "decode"):
+        ours, plan = served.get(kind) or {}, simulated.get(kind) or {}
+        ratio = None
+        if ours.get("mean_ms") and plan.get("mean_ms"):
+            ratio = round(ours["mean_ms"] / plan["mean_ms"], 3)
+        out[kind] = {"served": ours, "planned": plan, "served_vs_plan": ratio}
+    return out
+
+
 def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any],
             profiles: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
@@ -243,6 +272,7 @@ def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any
                      "requests": load["requests"], "achieved_rate_rps": load["achieved_rate_rps"],
                      "queue_depth": load.get("queue_depth"), "status": load["status"],
                      "loadavg_1m": load.get("loadavg_1m"), "decode_steps": served_steps(load, profile),
+                     "steps": steps_against_plan(load, planned["tried"][-1]),
                      "output_tokens_per_request": load["tokens"]["output_per_request"],
                      "cost_per_1k_requests_usd": {"predicted": planned["cost_per_1k_requests_usd"],
                                                   "measured": load["cost_usd"]["per_1k_requests"]}})
@@ -285,6 +315,17 @@ def measure(config: Path, args: argparse.Namespace, rates: list[float]) -> list[
         finally:
             stop_server(server)
     return loads
+
+
+def server_small_rows(log: Path) -> dict[str, int]:
+    """The small-batch kernel's row limits the server's start-up measured (its log), to set beside each
+    profile's (``engine.small_rows``, ``engine.head_small_rows``): a step's time jumps where its rows cross
+    the limit, so a profile whose process measured another limit times another engine."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if match := re.search(r"small-batch kernel up to (\d+) rows for (the layers|the \d+ x \d+ matmul)", line):
+            found["small_rows" if match.group(2) == "the layers" else "head_small_rows"] = int(match.group(1))
+    return found
 
 
 def plan_for(config: Path, profiles: list[Path], rates: list[float], args: argparse.Namespace,
@@ -371,13 +412,15 @@ def main() -> int:
         profiles = ([Path(args.profile)] * len(measured_rates) if args.profile else
                     [folder / f"profile-{i}.json" for i in range(len(measured_rates))])
         if saved:  # the loads and profiles of an earlier run
-            loads = saved["loads"]
+            loads, small_rows = saved["loads"], saved.get("server_small_rows")
             for path, profile in zip(profiles, saved["profiles"], strict=True):
                 path.write_text(json.dumps(profile))
         else:
             loads = measure(config, args, measured_rates)
+            small_rows = server_small_rows(config.parent / "server.log")
             if args.loads:
                 Path(args.loads).write_text(json.dumps({"loads": loads, "slo": slo, "rates": rates, "auto": auto,
+                                                        "server_small_rows": small_rows,
                                                         "profiles": [json.loads(path.read_text())
                                                                      for path in profiles]}))
         step_scale, calibration = args.step_scale or 1.0, None
@@ -396,7 +439,10 @@ def main() -> int:
               "step_scale": step_scale, "calibration": calibration,
               "slo": plan["slo"], "workload": plan["workload"], "overhead_ms": plan["overhead_ms"],
               "prompt_overhead_tokens": plan["prompt_overhead_tokens"],
-              "profiles": [{"prefill": p["prefill"], "decode": p["decode"]} for p in measured],
+              "profiles": [{"prefill": p["prefill"], "decode": p["decode"], "mixed": p.get("mixed"),
+                            "small_rows": {k: v for k, v in p.get("engine", {}).items() if "small_rows" in k}}
+                           for p in measured],
+              "server_small_rows": small_rows,
               "loadavg_before": [round(x, 2) for x in load_before],
               "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     for row in rows:
@@ -405,7 +451,7 @@ def main() -> int:
               f"({band.get('faster_5pct')} / {band.get('slower_5pct')} with steps 5% faster / slower), measured "
               f"{row['measured'].get('all')} ({row['diff_pp'].get('all')} pts); p95 ms predicted "
               f"{row['predicted_p95_ms']}, measured {row['measured_p95_ms']}; served decode steps "
-              f"{row['decode_steps']}", file=sys.stderr)
+              f"{row['decode_steps']}; steps served against planned {row['steps']}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

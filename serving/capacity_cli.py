@@ -194,6 +194,19 @@ def _tokenizer(folder: str | None, config: str | None) -> Any:
 # -- profile -------------------------------------------------------------------
 
 
+def small_rows_of(model: Any) -> dict[str, int]:
+    """Up to how many rows the model's linear layers (``small_rows``) and LM head (``head_small_rows``) run
+    on the small-batch kernel, as its start-up measured on this machine (none off the CPU float32 path).
+    A step's time jumps where its rows cross it, and two processes can measure it apart near the
+    crossover: a profile is the plan of an engine that chose as this one did."""
+    out = {}
+    for key, attr in (("small_rows", "linear"), ("head_small_rows", "head_linear")):
+        rows = getattr(getattr(model, attr, None), "small_rows", None)
+        if isinstance(rows, int):
+            out[key] = rows
+    return out
+
+
 def _profile(args: argparse.Namespace) -> int:
     import os as _os
 
@@ -226,7 +239,8 @@ def _profile(args: argparse.Namespace) -> int:
                "engine": {"max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs, "block_size": config.block_size,
                           "prefix_cache": config.enable_prefix_caching, "speculative": config.speculative,
-                          "speculative_max_batch": config.speculative_max_batch},
+                          "speculative_max_batch": config.speculative_max_batch,
+                          **small_rows_of(engine.model)},
                **measured}
     out = Path(args.output or f"profiles/{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

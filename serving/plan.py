@@ -84,6 +84,9 @@ class _Replica:
     busy_s: float = 0.0
     warm: bool = False
     max_waiting: int = 0
+    #: Steps run, by kind (``prefill``: computed prompt tokens, decodes may ride along; ``decode``), as
+    #: [count, total seconds, decode rows]: the engine's ``inferline_*_step_seconds`` count them the same way.
+    steps: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]})
 
     @property
     def load(self) -> int:
@@ -99,6 +102,9 @@ class Simulation:
     busy: float
     max_waiting: int
     span_s: float
+    #: The steps the replicas ran, by kind: ``{"prefill"|"decode": {"steps", "mean_ms", "mean_batch"}}``,
+    #: to set against a served engine's own step series during a load of the same requests.
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def simulate(requests: Sequence[LoadRequest], model: StepModel, shape: EngineShape, *, replicas: int = 1,
@@ -135,7 +141,18 @@ def simulate(requests: Sequence[LoadRequest], model: StepModel, shape: EngineSha
     span = max((r.done_s or 0.0 for r in done), default=0.0)
     figures = [_figures(r, shape, price) for r in sorted(done, key=lambda r: r.spec.index)]
     return Simulation(figures, fmean(r.busy_s for r in pool) / span if span else 0.0,
-                      max(r.max_waiting for r in pool), span)
+                      max(r.max_waiting for r in pool), span, _step_summary(pool))
+
+
+def _step_summary(pool: list[_Replica]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kind in ("prefill", "decode"):
+        count = sum(r.steps[kind][0] for r in pool)
+        seconds = sum(r.steps[kind][1] for r in pool)
+        rows = sum(r.steps[kind][2] for r in pool)
+        out[kind] = {"steps": int(count), "mean_ms": round(seconds / count * 1e3, 2) if count else None,
+                     "mean_batch": round(rows / count, 3) if count else None}
+    return out
 
 
 def _start(replica: _Replica, now: float, model: StepModel, shape: EngineShape) -> None:
@@ -162,6 +179,10 @@ def _start(replica: _Replica, now: float, model: StepModel, shape: EngineShape) 
     replica.batch, replica.num_decodes = batch, decodes
     replica.busy_until = now + seconds
     replica.busy_s += seconds
+    tally = replica.steps["prefill" if prefill else "decode"]
+    tally[0] += 1
+    tally[1] += seconds
+    tally[2] += decodes
 
 
 def _finish(replica: _Replica, now: float, model: StepModel) -> list[_Request]:
@@ -242,6 +263,7 @@ def _prediction(sim: Simulation, slo: SLOSpec | None, replicas: int) -> dict[str
         "e2e_ms_p95": _p95([r.e2e_ms for r in requests]),
         "itl_ms_mean": _mean([r.itl_ms for r in requests]), "e2e_ms_mean": _mean([r.e2e_ms for r in requests]),
         "throughput_rps": round(len(requests) / sim.span_s, 4) if sim.span_s else None,
+        "steps": sim.steps,
     }
 
 

@@ -102,6 +102,11 @@ def test_requests_share_steps_and_queue_behind_the_token_budget():
     assert c.ttft_ms == pytest.approx(257.5 + 22 + 0.5 * 145 - 50)
     assert a.e2e_ms == pytest.approx(352.0) and a.itl_ms == pytest.approx((352 - 110) / 2)
     assert sim.max_waiting == 2
+    # The steps by kind, as the engine's step series count them: three that computed prompt tokens (with
+    # 0, 1 and 2 decodes riding along), then two of decodes only (b and c's last tokens, then c's).
+    assert sim.steps["prefill"] == {"steps": 3, "mean_ms": pytest.approx((110 + 147.5 + 94.5) / 3, abs=0.01),
+                                    "mean_batch": 1.0}
+    assert sim.steps["decode"] == {"steps": 2, "mean_ms": pytest.approx((22 + 20) / 2), "mean_batch": 1.5}
 
 
 def test_the_prefix_cache_serves_the_shared_prompt_after_the_first_request():

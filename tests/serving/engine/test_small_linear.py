@@ -252,3 +252,15 @@ def test_the_small_batch_limit_follows_the_vector_unit(monkeypatch, flags, rows)
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
     assert llama._small_rows() == rows
+
+
+def test_a_profile_records_the_row_limits_its_engine_measured(loaded_model):
+    """`inferline profile` writes the limits beside the step times: a plan is of an engine that chose so."""
+    from serving.capacity_cli import small_rows_of
+
+    model = loaded_model.model
+    if not isinstance(model.linear, llama.CpuLinear):
+        pytest.skip("the model does not run on oneDNN here")
+    assert small_rows_of(model) == {"small_rows": model.linear.small_rows,
+                                    "head_small_rows": model.head_linear.small_rows}
+    assert small_rows_of(object()) == {}  # another path (cuda, bfloat16): nothing to record
