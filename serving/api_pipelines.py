@@ -21,7 +21,7 @@ from pipeline.context import ChatMessage, RequestContext, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
 from serving.api_docs import JsonOrEventStream, problems
-from serving.execution import chain, event_stream, prime, sse_event
+from serving.execution import event_stream, prime, sse_event
 from serving.problems import Problem, from_final, limit_headers
 from serving.state import AppState
 
@@ -128,7 +128,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
         head = await prime(events)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
-        return event_stream(_sse(chain(head, events)), response_headers(ctx))
+        return event_stream(_sse(head, events), response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
@@ -148,11 +148,16 @@ def failure(final: Error, ctx: RequestContext) -> Problem:
     return problem
 
 
-async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+async def _sse(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """*head* (what :func:`prime` read) as one chunk, then each later event as it comes. One chunk is
+    one write to the socket: the head's six or so stage events in one saved 5-6 writes of ~17 us each
+    per request, on the event loop, right after a burst's first prefill step."""
     # A client disconnect stops this generator; closing ``events`` cancels the request.
     try:
-        async for event in events:
-            yield _message(event)
+        yield b"".join(_message(event) for event in head)
+        if not isinstance(head[-1], (Done, Error)):
+            async for event in events:
+                yield _message(event)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 
