@@ -117,6 +117,30 @@ async def test_a_batch_journaled_while_the_last_is_being_chained_keeps_it_in_the
     await sink.aclose()
 
 
+async def test_a_journal_that_cannot_be_emptied_still_lets_readers_and_writers_on(tmp_path, monkeypatch):
+    """Emptying the chained journal failing (EIO) is logged; it neither stops the chaining nor leaves a
+    reader waiting in flushed() for a notice that never comes."""
+    store, journal = _Held(), Journal.open(tmp_path / "audit-journal")
+
+    def broken(appends: int | None = None) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal, "truncate", broken)
+    monkeypatch.setattr(audit_sink, "DRAIN_DELAY_S", 0.0)
+    sink = StoreSink(store, journal)  # type: ignore[arg-type]
+    await sink.write({"request_id": "r0", "pipeline": "chat", "status": "ok"})
+    reader = asyncio.create_task(sink.flushed(timeout=2))  # waiting before r0 is chained
+    await asyncio.sleep(0.01)
+    store.release.set()
+    assert await reader
+    await sink.write({"request_id": "r1", "pipeline": "chat", "status": "ok"})  # emptied first, by the append
+    assert await sink.flushed(timeout=2)
+    assert [row["request_id"] for row, _ in store.items] == ["r0", "r1"]
+    assert [line["request_id"] for line in _journal_lines(journal.path)] == ["r1"]
+    monkeypatch.undo()
+    await sink.aclose()
+
+
 async def test_records_the_store_refuses_stay_journaled_and_a_restart_chains_them_once(tmp_path, monkeypatch):
     from store.db import create_schema, make_engine
 
