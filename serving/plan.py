@@ -75,18 +75,30 @@ class _Request:
 
 
 @dataclass(slots=True)
+class _Tally:
+    """Steps of one kind a replica ran: how many, their seconds, and the decodes among their rows."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    decodes: int = 0
+
+
+@dataclass(slots=True)
 class _Replica:
     waiting: deque[_Request] = field(default_factory=deque)
     running: list[_Request] = field(default_factory=list)
     busy_until: float | None = None
     batch: list[tuple[_Request, int]] = field(default_factory=list)
     num_decodes: int = 0
-    busy_s: float = 0.0
     warm: bool = False
     max_waiting: int = 0
-    #: Steps run, by kind (``prefill``: computed prompt tokens, decodes may ride along; ``decode``), as
-    #: [count, total seconds, decode rows]: the engine's ``inferline_*_step_seconds`` count them the same way.
-    steps: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]})
+    #: Steps run, by kind (``prefill``: computed prompt tokens, decodes may ride along; ``decode``): the
+    #: engine's ``inferline_*_step_seconds`` count them the same way.
+    steps: dict[str, _Tally] = field(default_factory=lambda: {"prefill": _Tally(), "decode": _Tally()})
+
+    @property
+    def busy_s(self) -> float:
+        return sum(tally.seconds for tally in self.steps.values())
 
     @property
     def load(self) -> int:
@@ -147,11 +159,11 @@ def simulate(requests: Sequence[LoadRequest], model: StepModel, shape: EngineSha
 def _step_summary(pool: list[_Replica]) -> dict[str, dict[str, Any]]:
     out = {}
     for kind in ("prefill", "decode"):
-        count = sum(r.steps[kind][0] for r in pool)
-        seconds = sum(r.steps[kind][1] for r in pool)
-        rows = sum(r.steps[kind][2] for r in pool)
-        out[kind] = {"steps": int(count), "mean_ms": round(seconds / count * 1e3, 2) if count else None,
-                     "mean_batch": round(rows / count, 3) if count else None}
+        count = sum(r.steps[kind].steps for r in pool)
+        seconds = sum(r.steps[kind].seconds for r in pool)
+        decodes = sum(r.steps[kind].decodes for r in pool)
+        out[kind] = {"steps": count, "mean_ms": round(seconds / count * 1e3, 2) if count else None,
+                     "mean_batch": round(decodes / count, 3) if count else None}
     return out
 
 
@@ -178,11 +190,10 @@ def _start(replica: _Replica, now: float, model: StepModel, shape: EngineShape) 
     seconds = model.step_ms(prefill, decodes) * shape.step_scale / 1e3
     replica.batch, replica.num_decodes = batch, decodes
     replica.busy_until = now + seconds
-    replica.busy_s += seconds
     tally = replica.steps["prefill" if prefill else "decode"]
-    tally[0] += 1
-    tally[1] += seconds
-    tally[2] += decodes
+    tally.steps += 1
+    tally.seconds += seconds
+    tally.decodes += decodes
 
 
 def _finish(replica: _Replica, now: float, model: StepModel) -> list[_Request]:

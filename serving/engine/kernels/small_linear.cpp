@@ -204,15 +204,16 @@ constexpr int64_t PANEL_K = 64;
 // blocks of rows, every block asks for its share, spread evenly over its steps (SHARE): asked for in
 // the first block only, the next k-block came in a burst that the memory system did not finish while
 // the rest of the rows computed, and a step's time was the weights' streaming time plus the compute
-// (SmolLM2-135M's 120 layer matmuls, Sapphire Rapids, 2 threads, best of 7: 32 rows 37.8 against 30.2
-// ms, 64 rows 64.2 against 51.6, 1 row 14.4 either way).
+// (SmolLM2-135M's 120 layer matmuls, an AVX-512 + AMX Intel, 2 threads, best of 7, separate runs: 32 rows
+// 37.8 -> 32.0 ms, 64 rows 64.2 -> 55.2; 1 row 14.4 -> 15.0, noise). Shares at one block too cost the
+// bookkeeping there (1 row 17.2 ms), so one block keeps ALL.
 enum class Ahead { NONE, ALL, SHARE };
 
 // The SHARE of the next k-block (cache lines from *next*) that a block of rows asks for: the k-block's
 // *lines* spread over *steps* steps (the blocks of rows times kc), continuing where the last block left off.
 struct Share {
   const char* next;
-  int64_t lines, steps, issued = 0, acc = 0;
+  int64_t lines, steps, issued = 0, owed = 0;
 };
 
 // acc (R rows x a panel, at c, PANEL apart) += x[r, :kc] (xs apart) times the k-block wp ([kc, PANEL]),
@@ -227,7 +228,7 @@ inline void panel_block(const float* x, int64_t xs, const float* wp, int64_t kc,
   [[maybe_unused]] int64_t issued = 0, owed = 0, lines = 0, steps = 1;
   if constexpr (AHEAD == Ahead::SHARE) {
     ahead = share->next;
-    issued = share->issued, owed = share->acc, lines = share->lines, steps = share->steps;
+    issued = share->issued, owed = share->owed, lines = share->lines, steps = share->steps;
   }
   for (int64_t i = 0; i < kc; i++) {
     if constexpr (AHEAD == Ahead::ALL)
@@ -245,7 +246,7 @@ inline void panel_block(const float* x, int64_t xs, const float* wp, int64_t kc,
       for (int v = 0; v < PANEL_VECS; v++) acc[r][v] += b * w[v];
     }
   }
-  if constexpr (AHEAD == Ahead::SHARE) share->issued = issued, share->acc = owed;
+  if constexpr (AHEAD == Ahead::SHARE) share->issued = issued, share->owed = owed;
   for (int r = 0; r < R; r++)
     for (int v = 0; v < PANEL_VECS; v++) store(c + r * PANEL + v * NW, acc[r][v]);
 }
