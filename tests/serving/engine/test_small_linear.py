@@ -215,15 +215,36 @@ def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
             return (1.0, 2.0) if rows <= win_up_to else (2.0, 1.0)
         return time_both
 
-    assert llama.scan_rows(timings(24), 512, 3) == 24 and asked == [4, 6, 8, 12, 16, 20, 24, 28]
+    # A loss is timed twice before it ends the scan.
+    assert llama.scan_rows(timings(24), 512, 3) == 24 and asked == [4, 6, 8, 12, 16, 20, 24, 28, 28]
     asked.clear()
-    assert llama.scan_rows(timings(0), 512, 3) == 3 and asked == [4]  # oneDNN already wins at 4 rows
+    assert llama.scan_rows(timings(0), 512, 3) == 3 and asked == [4, 4]  # oneDNN already wins at 4 rows
     asked.clear()
     assert llama.scan_rows(timings(1000), 16, 3) == 16 and asked[-1] == 16  # never past the step's rows
     asked.clear()
     assert llama.scan_rows(timings(1000), 512, 8) == 128 and asked[0] == 12  # starts above the default
     tie = llama.scan_rows(lambda rows: (1.0, 1.0), 512, 3)
-    assert tie == 3  # a tie keeps oneDNN
+    assert tie == 3  # ties keep oneDNN
+
+
+def test_a_burst_on_one_pass_or_a_tie_does_not_end_the_scan():
+    asked: list[int] = []
+    burst = iter([True])
+
+    def time_both(rows: int) -> tuple[float, float]:
+        asked.append(rows)
+        if rows == 6:
+            return 1.03, 1.0  # a tie: passed over, not kept
+        if rows == 12 and next(burst, False):
+            return 3.0, 1.0  # other work on the machine during this pass: timed again, ours wins
+        return (1.0, 2.0) if rows <= 40 else (1.2, 1.0)
+
+    assert llama.scan_rows(time_both, 512, 4) == 40
+    assert asked == [6, 8, 12, 12, 16, 20, 24, 28, 32, 40, 48, 48]
+    asked.clear()
+    # A tie at the end is not kept either: the last clear win is the limit.
+    assert llama.scan_rows(lambda rows: (asked.append(rows), (1.0, 2.0) if rows <= 8 else (1.04, 1.0))[1],
+                           16, 3) == 8 and asked == [4, 6, 8, 12, 16]
 
 
 def test_the_limit_can_be_set(loaded_model, monkeypatch):
