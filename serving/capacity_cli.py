@@ -63,7 +63,9 @@ def add_capacity_parsers(sub: Any) -> None:
         "profile", help="measure a model's engine: prefill and decode step times at each batch size",
         description="Load MODEL's engine as `inferline serve` would (same dtype, threads, KV cache, speculative "
                     "decoding) and time single steps: prefills of 16..512 new tokens, and decode steps of 1, 2, 4 "
-                    "... sequences. Writes the profile JSON that `inferline plan` reads.",
+                    "... sequences, and steps mixing both; where the engine's small-batch kernel stops (its row "
+                    "limit, measured at start-up), prefills and mixed steps just below and above it too. Writes the "
+                    "profile JSON that `inferline plan` reads.",
         epilog="Example: inferline profile smol --output profiles/smol.json")
     profile.add_argument("model", metavar="MODEL", help="a local model of the config (models: in inferline.yaml)")
     profile.add_argument("--output", "-o", metavar="FILE", help="where to write it (default profiles/MODEL.json)")
@@ -229,9 +231,10 @@ def _profile(args: argparse.Namespace) -> int:
     prefill_sizes = [int(x) for x in args.prefill_sizes.split(",")]
     print(f"profiling {args.model} ({config.device}, {config.dtype}, speculative {config.speculative})...",
           file=sys.stderr)
+    limits = small_rows_of(engine.model)
     measured = profile_engine(engine, synthetic_prompt_maker(engine.tokenizer, engine.model.shape.vocab_size),
                               SamplingParams, batch_sizes=sizes, prefill_sizes=prefill_sizes, repeats=args.repeats,
-                              decode_steps=args.decode_steps, passes=args.passes)
+                              decode_steps=args.decode_steps, passes=args.passes, small_rows=limits.get("small_rows"))
     import torch
 
     profile = {"model": args.model, "source": spec.source, "device": config.device, "dtype": config.dtype,
@@ -240,7 +243,7 @@ def _profile(args: argparse.Namespace) -> int:
                           "max_num_seqs": config.max_num_seqs, "block_size": config.block_size,
                           "prefix_cache": config.enable_prefix_caching, "speculative": config.speculative,
                           "speculative_max_batch": config.speculative_max_batch,
-                          **small_rows_of(engine.model)},
+                          **limits},
                **measured}
     out = Path(args.output or f"profiles/{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

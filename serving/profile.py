@@ -10,8 +10,13 @@ KV cache, speculative decoding), one step at a time:
 * **mixed**: 1 and 4 sequences decoding while a new prompt of 32 or 128 tokens is prefilled in the same
   step: what a prompt chunk costs beside decodes, which is not simply its cost alone.
 
+A step's time jumps where its rows (prompt tokens plus decodes) pass the engine's small-batch kernel
+limit (``small_rows``: on the CPU, start-up measures up to where our kernel beats oneDNN, and stops
+measuring at 128 rows): given that limit, prefill and mixed steps are also measured just below and just
+above it, and the step model keeps the two sides apart (:class:`StepModel`).
+
 The profile (JSON) is what ``inferline plan`` builds its step-time model from (:class:`StepModel`):
-a step that decodes b sequences and prefills n prompt tokens takes ``decode_ms(b) + mixed_extra_ms(n)``
+a step that decodes b sequences and prefills n prompt tokens takes ``decode_ms(b) + mixed_extra_ms(n, b)``
 (``prefill_ms(n)`` with no decodes), each interpolated between the measured sizes.
 Prompts are chat requests of synthetic text (:func:`synthetic_prompt_maker`), as ``inferline load`` sends them.
 """
@@ -48,7 +53,7 @@ def profile_engine(engine: SteppingEngine, make_prompt: Callable[[int, int], lis
                    sampling: Callable[..., Any], *, batch_sizes: Sequence[int] = BATCH_SIZES,
                    prefill_sizes: Sequence[int] = PREFILL_SIZES, repeats: int = 3, context_tokens: int = 64,
                    decode_steps: int = 24, passes: int = 2, mixed_batches: Sequence[int] = MIXED_BATCHES,
-                   mixed_sizes: Sequence[int] = MIXED_SIZES,
+                   mixed_sizes: Sequence[int] = MIXED_SIZES, small_rows: int | None = None,
                    clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Measure *engine*; *make_prompt(n, seed)* gives n prompt token ids, *sampling(**kw)* sampling params.
 
@@ -65,9 +70,13 @@ def profile_engine(engine: SteppingEngine, make_prompt: Callable[[int, int], lis
     batches 1-8 was 0.6% above to 9% below their mean (4% below on average, 12 sizes, AVX2 Zen 3),
     and near an objective's edge a few percent of step time move the predicted attainment by tens of
     points (docs/capacity.md).
+
+    *small_rows*, the engine's small-batch kernel limit, adds sizes on both sides of it
+    (:func:`sizes_around_limit`); ``inferline profile`` records it as ``engine.small_rows``.
     """
     budget = engine.config.max_num_batched_tokens
     salt = iter(range(1 << 30))
+    prefill_sizes, mixed_sizes = sizes_around_limit(prefill_sizes, mixed_sizes, mixed_batches, small_rows)
     sizes = [n for n in prefill_sizes if n <= budget]
     batches = [b for b in batch_sizes if b <= min(engine.config.max_num_seqs, budget)]
     prefill_ms: dict[int, list[float]] = {n: [] for n in sizes}
@@ -104,6 +113,24 @@ def profile_engine(engine: SteppingEngine, make_prompt: Callable[[int, int], lis
                       for (b, n), times in mixed_ms.items() if times],
             "context_tokens": context_tokens, "passes": passes,
             "measured_at": datetime.now(UTC).isoformat()}
+
+
+def sizes_around_limit(prefill_sizes: Sequence[int], mixed_sizes: Sequence[int], mixed_batches: Sequence[int],
+                       small_rows: int | None) -> tuple[list[int], list[int]]:
+    """The prefill and mixed prompt sizes, with the sizes on both sides of a small-batch limit added.
+
+    A step of r rows runs on the small-batch kernel while r <= *small_rows*, on oneDNN above; where
+    start-up's scan stopped at its last row count while our kernel was still ahead, the step past it is
+    25-30 ms dearer (an Intel Sapphire Rapids, 129-132 rows: docs/capacity.md run 27). A prefill alone of
+    ``small_rows`` and ``small_rows + 1`` tokens; beside b decodes, ``small_rows - max(b)`` tokens (every
+    batch measured stays on the kernel) and ``small_rows`` (every batch is past it).
+    """
+    prefill, mixed = sorted(set(prefill_sizes)), sorted(set(mixed_sizes))
+    if small_rows and small_rows > 0:
+        prefill = sorted({*prefill, small_rows, small_rows + 1})
+        below = small_rows - max(mixed_batches, default=0)
+        mixed = sorted({*mixed, *([below] if below > 0 else []), small_rows})
+    return prefill, mixed
 
 
 def _decode(engine: SteppingEngine, batch: int, make_prompt: Callable[[int, int], list[int]],
@@ -179,10 +206,13 @@ class StepModel:
 
     A prefill of n tokens alone takes ``prefill_ms(n)``: piecewise linear through the measured points
     (attention makes long prompts dearer per token than short ones), or ``base_ms + per_token_ms * n``
-    when the profile has no points. Beside decodes, a prefill of n tokens adds ``mixed_extra_ms(n)``:
+    when the profile has no points. Beside b decodes, a prefill of n tokens adds ``mixed_extra_ms(n, b)``:
     what the profile's mixed steps measured beyond a plain decode step of the same batch (averaged over
     the batches measured, linear in n through those sizes); without mixed measurements, its time less a
-    step's fixed cost ``base_ms``, which the decodes' step already pays.
+    step's fixed cost ``base_ms``, which the decodes' step already pays. Where the profile records the
+    engine's small-batch limit (``engine.small_rows``), a step's extra comes from the mixed points on its
+    own side of the limit (n + b rows at most ``small_rows``, or more), the other side's only where its
+    own has none: across the limit the matmuls change kernels and the time jumps.
     """
 
     def __init__(self, profile: dict[str, Any]):
@@ -201,18 +231,28 @@ class StepModel:
         self._batches = [int(d["batch"]) for d in decode]
         self._step_ms = [float(d["step_ms"]) for d in decode]
         self._tokens = [float(d["tokens_per_step"]) for d in decode]
-        extra: dict[int, list[float]] = {}
+        limit = (profile.get("engine") or {}).get("small_rows")
+        self.small_rows: int | None = int(limit) if isinstance(limit, int) and limit > 0 else None
+        # Mixed points by side of the small-batch limit (True: on the small-batch kernel; one side only
+        # without a limit), each side's extras averaged over the batches measured at a size.
+        extra: dict[bool, dict[int, list[float]]] = {}
         for m in profile.get("mixed") or ():
-            extra.setdefault(int(m["prefill_tokens"]), []).append(float(m["step_ms"]) - self.decode_ms(int(m["batch"])))
-        self._mixed_n = sorted(extra)
-        self._mixed_ms = [max(0.0, statistics.fmean(extra[n])) for n in self._mixed_n]
+            n, b = int(m["prefill_tokens"]), int(m["batch"])
+            extra.setdefault(self._small(n + b), {}).setdefault(n, []).append(float(m["step_ms"]) - self.decode_ms(b))
+        self._mixed = {side: (sorted(points), [max(0.0, statistics.fmean(points[n])) for n in sorted(points)])
+                       for side, points in extra.items()}
 
-    def mixed_extra_ms(self, tokens: int) -> float:
-        """What prefilling *tokens* adds to a step that also decodes."""
-        if len(self._mixed_n) >= 2:
-            return max(0.0, _interpolate(self._mixed_n, self._mixed_ms, tokens))
-        if len(self._mixed_n) == 1:
-            return self._mixed_ms[0] * tokens / self._mixed_n[0]
+    def _small(self, rows: int) -> bool:
+        return self.small_rows is None or rows <= self.small_rows
+
+    def mixed_extra_ms(self, tokens: int, decodes: int = 1) -> float:
+        """What prefilling *tokens* adds to a step that also decodes *decodes* sequences."""
+        side = self._small(tokens + decodes)
+        ns, ms = self._mixed.get(side) or self._mixed.get(not side) or ([], [])
+        if len(ns) >= 2:
+            return max(0.0, _interpolate(ns, ms, tokens))
+        if len(ns) == 1:
+            return ms[0] * tokens / ns[0]
         return max(0.0, self.prefill_ms(tokens) - self.base_ms)
 
     def prefill_ms(self, tokens: int) -> float:
@@ -230,7 +270,8 @@ class StepModel:
     def step_ms(self, prefill_tokens: int, num_decodes: int) -> float:
         if num_decodes == 0:
             return self.prefill_ms(prefill_tokens) if prefill_tokens else 0.0
-        return self.decode_ms(num_decodes) + (self.mixed_extra_ms(prefill_tokens) if prefill_tokens else 0.0)
+        extra = self.mixed_extra_ms(prefill_tokens, num_decodes) if prefill_tokens else 0.0
+        return self.decode_ms(num_decodes) + extra
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float, *, extrapolate: bool = True) -> float:

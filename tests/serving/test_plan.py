@@ -44,6 +44,31 @@ def test_profile_recovers_the_step_times_of_an_engine():
     assert not engine.has_unfinished
 
 
+def test_the_profile_measures_both_sides_of_the_small_batch_limit_and_the_model_keeps_them_apart():
+    # Past 48 rows the matmuls leave the small-batch kernel: every such step costs 20 ms more.
+    def jumpy(prefill: int, decodes: int) -> float:
+        return formula(prefill, decodes) + (20.0 if prefill + decodes > 48 else 0.0)
+
+    clock = VirtualClock()
+    engine = ModelledEngine(jumpy, EngineConfig(model="m", num_blocks=2048), clock)
+    profile = profile_engine(engine, lambda n, seed: [1 + (seed + i) % 200 for i in range(n)], SamplingParams,
+                             batch_sizes=(1, 2, 4, 8), prefill_sizes=(16, 64, 256), repeats=2, decode_steps=5,
+                             clock=clock, small_rows=48)
+    assert profile["prefill"]["points"] == [[16, 18.0], [48, 34.0], [49, 54.5], [64, 62.0], [256, 158.0]]
+    assert [(m["batch"], m["prefill_tokens"], m["step_ms"]) for m in profile["mixed"]] == [
+        (1, 32, 36.0), (1, 44, 42.0), (1, 48, 64.0), (1, 128, 104.0),
+        (4, 32, 42.0), (4, 44, 48.0), (4, 48, 70.0), (4, 128, 110.0)]
+    model = StepModel({**profile, "engine": {"small_rows": 48}})
+    for prefill, decodes in ((40, 3), (40, 10), (44, 4), (45, 4), (100, 2), (20, 8)):
+        assert model.step_ms(prefill, decodes) == pytest.approx(jumpy(prefill, decodes)), (prefill, decodes)
+    assert model.step_ms(48, 0) == 34.0 and model.step_ms(64, 0) == 62.0
+    # Without the limit, the default sizes' line from 32 tokens (kernel) to 128 (oneDNN) misses the jump.
+    blind = profile_engine(engine, lambda n, seed: [1 + (seed + i) % 200 for i in range(n)], SamplingParams,
+                           batch_sizes=(1, 2, 4, 8), prefill_sizes=(16, 64, 256), repeats=2, decode_steps=5,
+                           clock=clock)
+    assert StepModel(blind).step_ms(49, 1) < jumpy(49, 1) - 15
+
+
 def test_profile_step_times_are_means_because_the_plan_adds_them_up():
     # One decode step in four takes 40 ms more (it verifies speculative guesses, or the machine is
     # busy): a request's decode time is the sum of its steps, so each step counts 10 ms more on
