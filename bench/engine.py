@@ -38,8 +38,12 @@ Uniform: 32 requests (16), 128-token prompts, 128 new tokens (64), all at once.
 
 Decode: one request alone, a 32-token prompt and 128 new tokens; best of 3 (2) runs per side.
   decode_vs_hf = ours tok/s / HF tok/s.
-  decode_vs_bound = ours tok/s / (read bandwidth / weight bytes read per step). Read bandwidth: best of 5
-  ``x.sum()`` over a 1 GiB float32 tensor, in this run. Bytes per step: every parameter once; the tied
+  decode_vs_bound = ours tok/s / (read bandwidth / weight bytes read per step). Read bandwidth: the median
+  of several measurements in this run (``read_bandwidth_gb_s_samples``), each the best of 5 ``x.sum()``
+  over a 1 GiB float32 tensor: one before HF's runs, one before each of ours and one after the last. A
+  shared machine's bandwidth drifts by more than the margin of this ratio (one measurement on an AMD
+  Zen 4 said 54 GB/s, the next twenty 31-36), so the bound is the machine's while ours ran, not one
+  moment's. Bytes per step: every parameter once; the tied
   embedding / lm_head matrix counts once (the lm_head matmul reads all of it, the embedding lookup one row).
   The KV cache is not counted.
 
@@ -231,7 +235,8 @@ class Report:
             log.exception("%s failed", name)
             self.notes.append(f"{name}: {type(exc).__name__}: {exc}")
         finally:
-            self.timings_s[name] = round(time.perf_counter() - start, 1)
+            # a part run more than once (the decode's bandwidth, between runs) counts its total
+            self.timings_s[name] = round(self.timings_s.get(name, 0.0) + time.perf_counter() - start, 1)
             log.info("%s took %.1f s", name, self.timings_s[name])
 
     def table(self, title: str, keys: Sequence[str]) -> None:
@@ -513,18 +518,32 @@ def uniform_workload(b: Bench) -> None:
 def decode_workload(b: Bench) -> None:
     request = Request(_slice(b.pool, random.Random(b.seed + 2), DECODE_PROMPT_LEN), DECODE_NEW_TOKENS)
     repeats, f = b.sizes.num_decode_repeats, b.report.figures
-    if DEVICE == "cpu":  # the bound is the CPU's: on a GPU, decode_vs_bound stays null
-        with b.report.part("decode/bandwidth"):
-            f["read_bandwidth_gb_s"] = read_bandwidth_gb_s()
-            f["weight_bytes_per_step"] = weight_bytes(b.model)
-            f["decode_bound_tok_s"] = f["read_bandwidth_gb_s"] * 1e9 / f["weight_bytes_per_step"]
+    bandwidth: list[float] = []  # the bound is the CPU's: on a GPU, decode_vs_bound stays null
+
+    def measure_bandwidth() -> None:
+        if DEVICE == "cpu":
+            with b.report.part("decode/bandwidth"):
+                bandwidth.append(round(read_bandwidth_gb_s(), 2))
+
+    measure_bandwidth()
     if b.run_hf:
         with b.report.part("decode/hf"):
             pad_id = b.tokenizer.pad_token_id
             f["decode_hf_tok_s"] = max(hf_sequential(b.model, [request], pad_id).tok_s for _ in range(repeats))
     if b.engine is not None:
-        with b.report.part("decode/ours"):
-            f["decode_ours_tok_s"] = max(ours_run(b.engine, [request]).tok_s for _ in range(repeats))
+        runs = []
+        for _ in range(repeats):
+            measure_bandwidth()
+            with b.report.part("decode/ours"):
+                runs.append(ours_run(b.engine, [request]).tok_s)
+        measure_bandwidth()
+        if runs:
+            f["decode_ours_tok_s"] = max(runs)
+    if bandwidth:
+        f["read_bandwidth_gb_s"] = statistics.median(bandwidth)
+        f["read_bandwidth_gb_s_samples"] = bandwidth
+        f["weight_bytes_per_step"] = weight_bytes(b.model)
+        f["decode_bound_tok_s"] = f["read_bandwidth_gb_s"] * 1e9 / f["weight_bytes_per_step"]
     b.report.table(f"Decode: one request, {DECODE_PROMPT_LEN}-token prompt, {DECODE_NEW_TOKENS} new", DECODE_KEYS)
 
 
