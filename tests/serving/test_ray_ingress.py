@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -245,7 +246,11 @@ def test_two_ingress_replicas_write_one_audit_chain(app, postgres_url):
     assert [r.status_code for r in answers] == [200] * 12
     writers = Counter(r.headers[REPLICA] for r in answers)
     request_ids = {r.json()["request_id"] for r in answers}
-    records = _records(postgres_url)
+    # An answer waits for its record in the journal; the chain in the database follows within moments
+    # (the API's audit reads wait for it; this reads the table straight).
+    deadline = time.monotonic() + 15
+    while len(records := _records(postgres_url)) < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert len(records) == before + 12
     assert request_ids <= {record["request_id"] for record in records}
     assert [record["seq"] for record in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
