@@ -206,7 +206,9 @@ constexpr int64_t PANEL_K = 64;
 // the rest of the rows computed, and a step's time was the weights' streaming time plus the compute
 // (SmolLM2-135M's 120 layer matmuls, an AVX-512 + AMX Intel, 2 threads, best of 7, separate runs: 32 rows
 // 37.8 -> 32.0 ms, 64 rows 64.2 -> 55.2; 1 row 14.4 -> 15.0, noise). Shares at one block too cost the
-// bookkeeping there (1 row 17.2 ms), so one block keeps ALL.
+// bookkeeping there (1 row 17.2 ms), so one block keeps ALL. Where the hardware prefetchers alone stream
+// faster (an AMD Zen 4: 1 row about 7% faster without), the caller passes burst=false and one block asks for
+// nothing (start-up measures which: llama.calibrate_burst).
 enum class Ahead { NONE, ALL, SHARE };
 
 // The SHARE of the next k-block (cache lines from *next*) that a block of rows asks for: the k-block's
@@ -267,6 +269,7 @@ struct PanelJob {
   int64_t k, n;
   const float* bias;
   float* y;
+  bool burst;  // one block of rows asks for the next k-block (Ahead::ALL), else leaves it to the hardware
 };
 
 // Panel p of the job: all rows of x against outputs [p * PANEL, (p + 1) * PANEL), accumulated in a
@@ -286,8 +289,10 @@ void panel_item(const void* arg, int64_t p) {
       for (int64_t m = 0; m < job.rows; m += PANEL_ROWS)
         panel_rows<Ahead::NONE>(static_cast<int>(std::min<int64_t>(PANEL_ROWS, job.rows - m)),
                                 job.x + m * job.x_stride + k0, job.x_stride, w, kc, c + m * PANEL, k0 == 0, nullptr);
-    } else if (blocks == 1) {
+    } else if (blocks == 1 && job.burst) {
       panel_rows<Ahead::ALL>(static_cast<int>(job.rows), job.x + k0, job.x_stride, w, kc, c, k0 == 0, nullptr);
+    } else if (blocks == 1) {
+      panel_rows<Ahead::NONE>(static_cast<int>(job.rows), job.x + k0, job.x_stride, w, kc, c, k0 == 0, nullptr);
     } else {
       Share share{reinterpret_cast<const char*>(w + kc * PANEL),
                   (next_kc * PANEL * static_cast<int64_t>(sizeof(float)) + 63) / 64, blocks * kc};
@@ -337,7 +342,7 @@ void pack_panels(at::Tensor out, const at::Tensor& weight) {
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, bool burst) {
   check_x(x, "panel_linear");
   check_panels(panels, "panel_linear");
   TORCH_CHECK(panels.size(1) == x.size(1), "panel_linear: panels hold k = ", panels.size(1), ", x has ", x.size(1));
@@ -346,7 +351,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   const PanelJob job{x.data_ptr<float>(), x.stride(0), x.size(0), panels.data_ptr<float>(), x.size(1), n,
-                     checked_bias(bias, n, "panel_linear"), y.data_ptr<float>()};
+                     checked_bias(bias, n, "panel_linear"), y.data_ptr<float>(), burst};
   pool().run(&panel_item, &job, panels.size(0));
   return y;
 }
@@ -360,7 +365,7 @@ int64_t small_linear_threads() { return pool().threads(); }
 TORCH_LIBRARY_FRAGMENT(inferline, m) {
   m.def("pack_panels(Tensor(a!) out, Tensor weight) -> ()");
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
-  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool burst=True) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.def("panel_width() -> int", &panel_width);
   m.def("small_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");

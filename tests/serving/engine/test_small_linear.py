@@ -57,6 +57,43 @@ def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_b
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_leaving_the_prefetch_to_the_hardware_changes_no_result(ops, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 576, generator=generator), torch.randn(1000, 576, generator=generator)
+    panels = panels_of(ops, weight)
+    assert torch.equal(ops.panel_linear(x, panels, 1000, None, False), ops.panel_linear(x, panels, 1000, None))
+
+
+def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(loaded_model, monkeypatch):
+    model = loaded_model.model
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
+        pytest.skip("the model keeps no panels here")
+    monkeypatch.delenv("INFERLINE_PANEL_BURST", raising=False)
+    monkeypatch.setattr(llama, "_burst_calibrated", {})
+    weights = llama.layer_linears(model.layers)
+    asked: list[bool] = []
+    real = torch.ops.inferline.panel_linear
+
+    class Ops:  # counts the passes each way, runs the real kernel
+        @staticmethod
+        def panel_linear(x, panels, n, bias, burst=True):
+            asked.append(burst)
+            return real(x, panels, n, bias, burst)
+
+    monkeypatch.setattr(torch.ops, "inferline", Ops)
+    chosen = llama.calibrate_burst(weights)
+    assert isinstance(chosen, bool) and asked.count(True) == asked.count(False) == 5 * len(weights)
+    asked.clear()
+    assert llama.calibrate_burst(weights) == chosen and not asked  # once per process and shape
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("INFERLINE_PANEL_BURST", value)
+        assert llama.calibrate_burst(weights) is expected
+    monkeypatch.setenv("INFERLINE_PANEL_BURST", "yes")
+    with pytest.raises(EngineError, match=r"INFERLINE_PANEL_BURST must be 1 .* got 'yes'"):
+        llama.calibrate_burst(weights)
+
+
 def test_rows_may_be_a_slice_of_a_wider_tensor(ops):
     wide = torch.randn(2, 3, 64)[:, 1]  # rows 192 floats apart, each contiguous
     weight = torch.randn(40, 64)
