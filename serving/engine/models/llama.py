@@ -206,7 +206,7 @@ def layer_linears(layers: Sequence[LayerWeights]) -> list[Weight]:
     return [getattr(layer, name) for layer in layers for name in LINEARS]
 
 
-def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
+def calibrate_small_rows(weights: Sequence[Weight], max_rows: int, burst: bool = True) -> int:
     """The most rows for which our small-batch kernel beat oneDNN here, timed on *weights* (the layers'
     matmuls, :func:`layer_linears`; or the LM head alone, whose crossover is its own).
 
@@ -218,6 +218,7 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
     138, 128 rows 136 against 127), the LM head included (32 rows: 42.6 against 45.7 ms for 4 heads).
     Each candidate is a pass over *weights* (cold, as in a step), both paths interleaved, best of two;
     the scan starts above ``SMALL_ROWS`` and stops where ours is clearly slower (:func:`scan_rows`).
+    Our kernel is timed with *burst* as the engine will run it (:func:`calibrate_burst`, measured first).
     Measured once per process and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
     override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
@@ -226,26 +227,34 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int) -> int:
             raise EngineError(f"INFERLINE_SMALL_ROWS must be a whole number of rows (0: oneDNN only), "
                               f"got {override!r}")
         return int(override)
-    key = (tuple(w.shape for w in weights), torch.get_num_threads(), min(max_rows, CALIBRATION_ROWS[-1]))
+    key = (tuple(w.shape for w in weights), torch.get_num_threads(), min(max_rows, CALIBRATION_ROWS[-1]), burst)
     if key not in _calibrated:
-        _calibrated[key] = _scan_small_rows(weights, max_rows, SMALL_ROWS)
+        _calibrated[key] = _scan_small_rows(weights, max_rows, SMALL_ROWS, burst)
     return _calibrated[key]
 
 
-def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int) -> int:
+def _timed_pass(weights: Sequence[Any], inputs: dict[int, torch.Tensor], rows: int,
+                linear: Callable[[torch.Tensor, Any], Any]) -> float:
+    """Seconds for ``linear(x, w)`` over *weights* in order, x the first *rows* rows of *inputs* for w's width:
+    a pass over the weights from memory (cold, as in a step), as the start-up calibrations time it."""
+    start = time.perf_counter()
+    for w in weights:
+        linear(inputs[w.shape[1]][:rows], w)
+    return time.perf_counter() - start
+
+
+def _panels(burst: bool) -> Callable[[torch.Tensor, Any], Any]:
+    return lambda x, w: torch.ops.inferline.panel_linear(x, w.panels, w.shape[0], None, burst)
+
+
+def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int, burst: bool = True) -> int:
     if any(not isinstance(w, CpuWeight) or w.panels is None for w in weights):
         return default
     inputs = {w.shape[1]: torch.randn(CALIBRATION_ROWS[-1], w.shape[1]) for w in weights}
+    ours_linear, onednn = _panels(burst), (lambda x, w: _onednn_linear(x, w.packed, None))
 
     def one_pass(rows: int, ours: bool) -> float:
-        start = time.perf_counter()
-        for w in weights:
-            x = inputs[w.shape[1]][:rows]
-            if ours:
-                torch.ops.inferline.panel_linear(x, w.panels, w.shape[0], None)
-            else:
-                _onednn_linear(x, w.packed, None)
-        return time.perf_counter() - start
+        return _timed_pass(weights, inputs, rows, ours_linear if ours else onednn)
 
     def time_both(rows: int) -> tuple[float, float]:
         for w in {w.shape: w for w in weights}.values():  # oneDNN builds its kernel for a row count on first use
@@ -291,17 +300,11 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
     key = (tuple(w.shape for w in weights), torch.get_num_threads())
     if key not in _burst_calibrated:
         inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
-
-        def one_pass(burst: bool) -> float:
-            start = time.perf_counter()
-            for w in weights:
-                torch.ops.inferline.panel_linear(inputs[w.shape[1]], w.panels, w.shape[0], None, burst)
-            return time.perf_counter() - start
-
         with torch.inference_mode():
             with_burst = without = float("inf")
             for _ in range(5):
-                with_burst, without = min(with_burst, one_pass(True)), min(without, one_pass(False))
+                with_burst = min(with_burst, _timed_pass(weights, inputs, 1, _panels(True)))
+                without = min(without, _timed_pass(weights, inputs, 1, _panels(False)))
         _burst_calibrated[key] = not without * (1 + BURST_MARGIN) < with_burst
         log.info("decode matmuls: %s (a pass over the weights at 1 row: %.1f ms with the kernel's prefetch, "
                  "%.1f ms without)", "the kernel prefetches" if _burst_calibrated[key] else "hardware prefetch",
@@ -422,9 +425,10 @@ class LlamaModel:
         if self.linear is not _onednn_linear and not isinstance(self.linear, CpuLinear):
             return
         if isinstance(self.linear, CpuLinear) and isinstance(self.head_linear, CpuLinear):
-            self.linear.small_rows = calibrate_small_rows(layer_linears(self.layers), max_rows)
-            self.head_linear.small_rows = calibrate_small_rows([self.lm_head], max_logits_rows)
-            self.linear.burst = self.head_linear.burst = calibrate_burst([*layer_linears(self.layers), self.lm_head])
+            burst = calibrate_burst([*layer_linears(self.layers), self.lm_head])
+            self.linear.burst = self.head_linear.burst = burst
+            self.linear.small_rows = calibrate_small_rows(layer_linears(self.layers), max_rows, burst)
+            self.head_linear.small_rows = calibrate_small_rows([self.lm_head], max_logits_rows, burst)
         layer = self.layers[0]
         weights = [(layer.qkv, layer.qkv_bias, max_rows, self.linear), (layer.o, None, max_rows, self.linear),
                    (layer.gate_up, None, max_rows, self.linear), (layer.down, None, max_rows, self.linear),

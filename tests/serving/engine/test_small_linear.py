@@ -57,6 +57,15 @@ def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_b
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture
+def panel_model(loaded_model):
+    """The test model, where its linear layers keep panels for the small-batch kernel (else skipped)."""
+    model = loaded_model.model
+    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
+        pytest.skip("the model keeps no panels here")
+    return model
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_leaving_the_prefetch_to_the_hardware_changes_no_result(ops, rows):
     generator = torch.Generator().manual_seed(rows)
@@ -65,10 +74,8 @@ def test_leaving_the_prefetch_to_the_hardware_changes_no_result(ops, rows):
     assert torch.equal(ops.panel_linear(x, panels, 1000, None, False), ops.panel_linear(x, panels, 1000, None))
 
 
-def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(loaded_model, monkeypatch):
-    model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
-        pytest.skip("the model keeps no panels here")
+def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(panel_model, monkeypatch):
+    model = panel_model
     monkeypatch.delenv("INFERLINE_PANEL_BURST", raising=False)
     monkeypatch.setattr(llama, "_burst_calibrated", {})
     weights = llama.layer_linears(model.layers)
@@ -180,25 +187,23 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
     assert model._onednn_rows(17) == llama.bucket_rows(17) == 18
 
 
-def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(loaded_model, monkeypatch):
-    model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
-        pytest.skip("the model keeps no panels here")
+def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(panel_model, monkeypatch):
+    model = panel_model
     seen: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "6")  # the limit as set, not measured
-    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)  # restored after prepare sets it
+    for linear in (model.linear, model.head_linear):  # restored after prepare sets them
+        monkeypatch.setattr(linear, "small_rows", linear.small_rows)
+        monkeypatch.setattr(linear, "burst", linear.burst)
     model.prepare(40, 8)
     assert model.linear.small_rows == 6
     assert min(seen) == 7
     assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(7, 41)})
 
 
-def test_start_up_measures_the_small_batch_limit_on_the_model(loaded_model, monkeypatch):
-    model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
-        pytest.skip("the model keeps no panels here")
+def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monkeypatch):
+    model = panel_model
     monkeypatch.delenv("INFERLINE_SMALL_ROWS", raising=False)
     monkeypatch.setattr(llama, "_calibrated", {})
     timed: list[int] = []
@@ -222,13 +227,14 @@ def test_the_lm_head_has_a_limit_of_its_own(loaded_model, monkeypatch):
         pytest.skip("the model keeps no panels here")
     asked: list[tuple[int, int]] = []
 
-    def calibrate(weights, max_rows):
+    def calibrate(weights, max_rows, burst):
         asked.append((len(weights), max_rows))
         return 2 if len(weights) == 1 else 40
 
     monkeypatch.setattr(llama, "calibrate_small_rows", calibrate)
-    monkeypatch.setattr(model.linear, "small_rows", model.linear.small_rows)  # restored after prepare sets it
-    monkeypatch.setattr(model.head_linear, "small_rows", model.head_linear.small_rows)
+    for linear in (model.linear, model.head_linear):  # restored after prepare sets them
+        monkeypatch.setattr(linear, "small_rows", linear.small_rows)
+        monkeypatch.setattr(linear, "burst", linear.burst)
     model.prepare(40, 8)
     assert asked == [(len(llama.layer_linears(model.layers)), 40), (1, 8)]
     assert (model.linear.small_rows, model.head_linear.small_rows) == (40, 2)
