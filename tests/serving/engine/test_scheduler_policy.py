@@ -280,3 +280,66 @@ def test_the_engine_ends_a_dropped_request_with_its_reason_and_counts_it(loaded_
     while engine.has_unfinished:
         engine.step()
     assert running.finish_reason in ("stop", "length") and running.num_output_tokens >= 1
+
+
+# -- the engine's async front: the first step after an idle spell waits for the loop's queued arrivals --
+
+
+class RecordingEngine(StubEngine):
+    """The stub, noting each step's sequences and when it began."""
+
+    def __init__(self, scheduler: Scheduler):
+        super().__init__(scheduler)
+        self.steps: list[tuple[float, list[int]]] = []
+
+    def step(self):
+        started = time.perf_counter()
+        outputs = super().step()
+        self.steps.append((started, sorted(out.seq_id for out in outputs)))
+        return outputs
+
+
+def busy(seconds: float) -> None:
+    """Hold the CPU and the GIL, as an HTTP handler parsing a request does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_a_burst_queued_on_the_loop_joins_the_first_step():
+    from serving.engine.async_engine import AsyncEngine
+
+    stub = RecordingEngine(make_scheduler(max_num_seqs=8, max_waiting=64))
+    engine = AsyncEngine(engine=stub)  # type: ignore[arg-type]
+    await engine.start()
+
+    async def handler(n: int) -> list[int]:
+        busy(0.003)  # parsing: the first submission wakes the engine while the others still wait for the loop
+        stream = await engine.submit([n + 1, n + 2], SamplingParams(max_tokens=2))
+        return [event.token_id async for event in stream]
+
+    try:
+        answers = await asyncio.gather(*(handler(n) for n in range(4)))
+    finally:
+        await engine.shutdown()
+    assert answers == [[7, 7]] * 4
+    assert stub.steps[0][1] == [0, 1, 2, 3]  # one prefill for the burst, not the first alone
+
+
+async def test_the_first_step_waits_for_a_busy_loop_only_so_long(monkeypatch):
+    from serving.engine import async_engine
+    from serving.engine.async_engine import AsyncEngine
+
+    monkeypatch.setattr(async_engine, "GATHER_MAX_S", 0.01)
+    stub = RecordingEngine(make_scheduler(max_num_seqs=8, max_waiting=64))
+    engine = AsyncEngine(engine=stub)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        stream = await engine.submit([1, 2], SamplingParams(max_tokens=1))
+        submitted = time.perf_counter()
+        busy(0.5)  # the loop does not come back for half a second
+        blocked_until = time.perf_counter()
+        assert [event.token_id async for event in stream] == [7]
+    finally:
+        await engine.shutdown()
+    assert submitted < stub.steps[0][0] < blocked_until  # it stepped without the loop
