@@ -120,7 +120,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[int, RequestStream] = {}
         self._num_pending = 0
-        self._submitted = 0  # requests submitted so far (written on the loop only)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -182,7 +181,6 @@ class AsyncEngine:
         stream = RequestStream(seq.seq_id, self._abort)
         self._streams[seq.seq_id] = stream
         self._num_pending += 1
-        self._submitted += 1
         self._send("add", seq)
         return stream
 
@@ -225,28 +223,27 @@ class AsyncEngine:
         """Wait until the event loop has run what was ready on it when the first request of a busy
         spell arrived (more requests of the same burst, being parsed), so that the first step takes
         them all; for at most :data:`GATHER_MAX_S`. Each round posts a marker behind the loop's ready
-        callbacks; another round follows while the last one saw new submissions."""
+        callbacks; another round follows while the last one brought new requests."""
         loop = self._loop
         deadline = time.monotonic() + GATHER_MAX_S
         while loop is not None and not self._stopping:
-            submitted = self._submitted
             caught_up = threading.Event()
             try:
                 loop.call_soon_threadsafe(caught_up.set)
             except RuntimeError:  # the loop is closed
                 return
-            if not caught_up.wait(max(0.0, deadline - time.monotonic())):
-                return
-            self._drain(engine)
-            if self._submitted == submitted:
+            if not caught_up.wait(max(0.0, deadline - time.monotonic())) or not self._drain(engine):
                 return
 
-    def _drain(self, engine: LLMEngine) -> None:
+    def _drain(self, engine: LLMEngine) -> bool:
+        """Take the queued commands; whether there were any."""
+        took = False
         while True:
             try:
                 command, payload = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return took
+            took = True
             if command == "add":
                 self._add(engine, payload)  # type: ignore[arg-type]
             else:

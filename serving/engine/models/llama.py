@@ -247,8 +247,13 @@ def _panels(burst: bool) -> Callable[[torch.Tensor, Any], Any]:
     return lambda x, w: torch.ops.inferline.panel_linear(x, w.panels, w.shape[0], None, burst)
 
 
+def has_panels(weights: Sequence[Weight]) -> bool:
+    """Whether every one of *weights* keeps the panel copy the small-batch kernel reads."""
+    return all(isinstance(w, CpuWeight) and w.panels is not None for w in weights)
+
+
 def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int, burst: bool = True) -> int:
-    if any(not isinstance(w, CpuWeight) or w.panels is None for w in weights):
+    if not has_panels(weights):
         return default
     inputs = {w.shape[1]: torch.randn(CALIBRATION_ROWS[-1], w.shape[1]) for w in weights}
     ours_linear, onednn = _panels(burst), (lambda x, w: _onednn_linear(x, w.packed, None))
@@ -295,7 +300,7 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
         if override not in ("0", "1"):
             raise EngineError(f"INFERLINE_PANEL_BURST must be 1 (prefetch) or 0 (the hardware's), got {override!r}")
         return override == "1"
-    if any(not isinstance(w, CpuWeight) or w.panels is None for w in weights):
+    if not has_panels(weights):
         return True
     key = (tuple(w.shape for w in weights), torch.get_num_threads())
     if key not in _burst_calibrated:
@@ -425,9 +430,10 @@ class LlamaModel:
         if self.linear is not _onednn_linear and not isinstance(self.linear, CpuLinear):
             return
         if isinstance(self.linear, CpuLinear) and isinstance(self.head_linear, CpuLinear):
-            burst = calibrate_burst([*layer_linears(self.layers), self.lm_head])
+            linears = layer_linears(self.layers)
+            burst = calibrate_burst([*linears, self.lm_head])
             self.linear.burst = self.head_linear.burst = burst
-            self.linear.small_rows = calibrate_small_rows(layer_linears(self.layers), max_rows, burst)
+            self.linear.small_rows = calibrate_small_rows(linears, max_rows, burst)
             self.head_linear.small_rows = calibrate_small_rows([self.lm_head], max_logits_rows, burst)
         layer = self.layers[0]
         weights = [(layer.qkv, layer.qkv_bias, max_rows, self.linear), (layer.o, None, max_rows, self.linear),

@@ -61,7 +61,7 @@ def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_b
 def panel_model(loaded_model):
     """The test model, where its linear layers keep panels for the small-batch kernel (else skipped)."""
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.layers[0].qkv.panels is None:
+    if not isinstance(model.linear, llama.CpuLinear) or not llama.has_panels([model.layers[0].qkv, model.lm_head]):
         pytest.skip("the model keeps no panels here")
     return model
 
@@ -219,12 +219,10 @@ def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monke
     assert llama.calibrate_small_rows(weights, 40) == limit and not timed  # once per process and shape
 
 
-def test_the_lm_head_has_a_limit_of_its_own(loaded_model, monkeypatch):
+def test_the_lm_head_has_a_limit_of_its_own(panel_model, monkeypatch):
     """The LM head (49152 x 576 for SmolLM2) crosses over to oneDNN at its own row count, not the
     layers': start-up measures it alone, and a step's logits go by that limit."""
-    model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or model.lm_head.panels is None:
-        pytest.skip("the model keeps no panels here")
+    model = panel_model
     asked: list[tuple[int, int]] = []
 
     def calibrate(weights, max_rows, burst):
