@@ -2,7 +2,9 @@
 
 #include "pool.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -36,4 +38,39 @@ Pool& pool() {
   return *pool;
 }
 
+namespace {
+
+// For the tests: runs a job of *chunks* chunks on the pool (each spins for *spin* iterations) and
+// returns [2, chunks]: how many times each chunk ran, and whether the calling thread ran it (1) or a
+// helper (0).
+at::Tensor pool_trace(int64_t chunks, bool contiguous, int64_t spin) {
+  TORCH_CHECK(chunks >= 0, "pool_trace: chunks must not be negative");
+  struct Trace {
+    std::vector<std::atomic<int64_t>> runs, by_caller;
+    std::thread::id caller;
+    int64_t spin;
+  } trace{std::vector<std::atomic<int64_t>>(chunks), std::vector<std::atomic<int64_t>>(chunks),
+          std::this_thread::get_id(), spin};
+  pool().run(
+      [](const void* arg, int64_t chunk) {
+        Trace& t = *static_cast<Trace*>(const_cast<void*>(arg));
+        for (int64_t i = 0; i < t.spin; i++) cpu_relax();
+        t.runs[chunk].fetch_add(1);
+        if (std::this_thread::get_id() == t.caller) t.by_caller[chunk].store(1);
+      },
+      &trace, chunks, contiguous);
+  at::Tensor out = at::empty({2, chunks}, at::kLong);
+  for (int64_t c = 0; c < chunks; c++) {
+    out[0][c] = trace.runs[c].load();
+    out[1][c] = trace.by_caller[c].load();
+  }
+  return out;
+}
+
+}  // namespace
+
 }  // namespace inferline
+
+TORCH_LIBRARY_FRAGMENT(inferline, m) {
+  m.def("pool_trace(int chunks, bool contiguous, int spin) -> Tensor", &inferline::pool_trace);
+}
