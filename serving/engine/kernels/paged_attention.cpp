@@ -400,10 +400,14 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t num_groups = group_token.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
   const int64_t* sizes = group_size.data_ptr<int64_t>();
   const int64_t* lens = group_len.data_ptr<int64_t>();
-  // Items differ in cost (a decode against a chunk of sixteen tokens), so they are handed out
-  // costliest first, one at a time, from the pool's ticket (pool.h), rather than in equal runs of
-  // the item list. The pool rather than OpenMP: at batch 1 a layer's attention is a few microseconds
-  // of work, and OpenMP's sleeping worker took 30-40 us to wake for it, every layer.
+  // Items differ in cost (a decode against a chunk of sixteen tokens), so they are sorted costliest
+  // first and handed out one at a time in the pool's contiguous shares (pool.h): a thread takes its
+  // share front to back, so one sequence's KV heads, whose K and V rows interleave in the cache, run
+  // one after another on one core, and a thread done early takes the others' cheapest items from
+  // their backs. 32 decodes at 192 tokens, the 30 layers' attention, each layer its own cache (AVX-512
+  // Zen 4, both ways alternating in one process, best of 15): 18.7-18.9 against 19.2-22.1 ms; 48 mixed
+  // decodes unchanged. The pool rather than OpenMP: at batch 1 a layer's attention is a few
+  // microseconds of work, and OpenMP's sleeping worker took 30-40 us to wake for it, every layer.
   std::vector<int64_t> order(num_groups);
   for (int64_t i = 0; i < num_groups; i++) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -414,7 +418,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
                    group_seq.data_ptr<int64_t>(), lens, order.data(), out.data_ptr<float>(), q.stride(0),
                    out.stride(0), num_kv_heads * D, num_kv_heads, num_heads / num_kv_heads, block_tables.size(1),
                    block_size, static_cast<float>(scale)};
-  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads);
+  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads, /*contiguous=*/true);
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
