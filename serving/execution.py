@@ -54,7 +54,7 @@ class Executor:
         if final is not None:
             self.metrics.observe(final.summary, "ok" if isinstance(final, Done) else final.status)
         else:
-            self.metrics.requests.labels(pipeline.name, "disconnected").inc()
+            self.metrics.observe_disconnected(pipeline.name)
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
         return await final_event(self.stream(pipeline, ctx))

@@ -100,6 +100,10 @@ class HttpMetrics:
             result = "hit" if cache.get("hit") else "skipped" if cache.get("skipped") else "miss"
             self._child(self.cache, pipeline, result).inc()
 
+    def observe_disconnected(self, pipeline: str) -> None:
+        """A request whose client left before its final event."""
+        self._child(self.requests, pipeline, "disconnected").inc()
+
     def observe(self, summary: Summary, status: str) -> None:
         name = summary.pipeline
         self._child(self.requests, name, status).inc()
