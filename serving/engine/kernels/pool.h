@@ -26,9 +26,9 @@
 //   * A job may ask for contiguous shares (run's *contiguous*): thread i (the caller is 0) starts
 //     with the i-th of threads() consecutive runs of chunks and takes them front to back, then
 //     takes what is left of the others' from their backs. The matmuls ask for it: each thread
-//     then streams one long run of weights rather than every other panel, and on an AMD Zen 4 at
-//     moments when x.sum() read 58-65 GB/s, a batch-1 pass over SmolLM2-135M's weights read 53-56
-//     GB/s that way against 41-46 (31-36 GB/s at other moments, both ways alike).
+//     then streams one long run of weights rather than every other panel. On an AMD Zen 4 a
+//     batch-1 pass over SmolLM2-135M's weights read 53.2 against 44.0 GB/s on average at moments
+//     when x.sum() read 55-65 GB/s, and 36.2 against 33.4 at moments when it read 31-36.
 //
 // One pool per process (pool.cpp), shared by every kernel: the attention call that follows a
 // matmul finds the helpers still spinning from it.
