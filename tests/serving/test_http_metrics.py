@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from pipeline.context import Usage
@@ -34,7 +35,7 @@ def test_each_series_counts_its_own_requests_however_often_it_is_recorded():
     assert value(registry, "inferline_stage_runs_total", **stage, status="failed") == 1
     assert value(registry, "inferline_stage_errors_total", **stage) == 1
     assert value(registry, "inferline_stage_duration_seconds_count", **stage) == 4
-    assert value(registry, "inferline_pipeline_cost_usd_total", pipeline="chat") == 0.004
+    assert value(registry, "inferline_pipeline_cost_usd_total", pipeline="chat") == pytest.approx(0.004)
 
 
 def test_two_registries_keep_their_own_series():

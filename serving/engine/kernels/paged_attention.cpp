@@ -418,7 +418,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
                    group_seq.data_ptr<int64_t>(), lens, order.data(), out.data_ptr<float>(), q.stride(0),
                    out.stride(0), num_kv_heads * D, num_kv_heads, num_heads / num_kv_heads, block_tables.size(1),
                    block_size, static_cast<float>(scale)};
-  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads, /*contiguous=*/true);
+  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads);
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

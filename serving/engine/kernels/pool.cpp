@@ -43,7 +43,7 @@ namespace {
 // For the tests: runs a job of *chunks* chunks on the pool (each spins for *spin* iterations) and
 // returns [2, chunks]: how many times each chunk ran, and whether the calling thread ran it (1) or a
 // helper (0).
-at::Tensor pool_trace(int64_t chunks, bool contiguous, int64_t spin) {
+at::Tensor pool_trace(int64_t chunks, int64_t spin) {
   TORCH_CHECK(chunks >= 0, "pool_trace: chunks must not be negative");
   struct Trace {
     std::vector<std::atomic<int64_t>> runs, by_caller;
@@ -58,7 +58,7 @@ at::Tensor pool_trace(int64_t chunks, bool contiguous, int64_t spin) {
         t.runs[chunk].fetch_add(1);
         if (std::this_thread::get_id() == t.caller) t.by_caller[chunk].store(1);
       },
-      &trace, chunks, contiguous);
+      &trace, chunks);
   at::Tensor out = at::empty({2, chunks}, at::kLong);
   for (int64_t c = 0; c < chunks; c++) {
     out[0][c] = trace.runs[c].load();
@@ -72,5 +72,5 @@ at::Tensor pool_trace(int64_t chunks, bool contiguous, int64_t spin) {
 }  // namespace inferline
 
 TORCH_LIBRARY_FRAGMENT(inferline, m) {
-  m.def("pool_trace(int chunks, bool contiguous, int spin) -> Tensor", &inferline::pool_trace);
+  m.def("pool_trace(int chunks, int spin) -> Tensor", &inferline::pool_trace);
 }

@@ -1,6 +1,6 @@
 // The thread pool our CPU kernels share (small_linear.cpp's matmuls, paged_attention.cpp's
 // attention): a job is a number of chunks, fn(arg, chunk) each, that the calling thread and the
-// pool's helpers claim one by one.
+// pool's helpers claim one by one, each thread from a contiguous share of its own first.
 //
 // Through torch, each small matmul or attention call of a decode step is an OpenMP parallel region,
 // and with OMP_WAIT_POLICY=PASSIVE (which the engine sets; see docs/engine.md) OpenMP's worker
@@ -12,10 +12,16 @@
 //     default 100 us: longer than the gaps between the matmuls of one step, far shorter
 //     than the gap between steps), yielding their core every few dozen spins in case
 //     anyone else waits for it, then sleep on a condition variable.
-//   * Work is handed out in chunks through one atomic ticket, and the caller
-//     takes chunks too: a helper that is asleep only means the caller does more of the
-//     job itself. The caller waits only for chunks a helper has already claimed, and
-//     yields its core while it does.
+//   * Work is handed out in contiguous shares: thread i (the caller is 0) starts with the i-th
+//     of threads() consecutive runs of chunks and claims them front to back, then claims what
+//     is left of the others' from their backs. A helper that is asleep only means the caller
+//     does more of the job itself. The caller waits only for chunks a helper has already
+//     claimed, and yields its core while it does. In a matmul each thread thus streams one long
+//     run of weights; the chunks went out one at a time from one ticket before, and the threads
+//     took every other panel: on an AMD Zen 4 a batch-1 pass over SmolLM2-135M's weights read
+//     53.2 against 44.0 GB/s on average at moments when x.sum() read 55-65 GB/s, and 36.2
+//     against 33.4 at moments when it read 31-36. A job of more chunks than a share's 16-bit
+//     bounds hold still goes out from the ticket.
 //   * A helper that holds a claimed chunk for over a millisecond has lost its core to
 //     another process, and the scheduler, which favours threads that sleep, may keep a
 //     spinning one off it for a whole time slice: the next 50 ms of jobs then run on the
@@ -23,12 +29,6 @@
 //     decode: 48-51 tokens/s here against 43-47 through oneDNN; batch 2: 80-82 against
 //     88-89 (idle: 65-85 against 44-46, and 118-125 against 82-87).
 //   * A call that finds the pool busy (another engine's thread) runs on its own thread.
-//   * A job may ask for contiguous shares (run's *contiguous*): thread i (the caller is 0) starts
-//     with the i-th of threads() consecutive runs of chunks and takes them front to back, then
-//     takes what is left of the others' from their backs. The matmuls ask for it: each thread
-//     then streams one long run of weights rather than every other panel. On an AMD Zen 4 a
-//     batch-1 pass over SmolLM2-135M's weights read 53.2 against 44.0 GB/s on average at moments
-//     when x.sum() read 55-65 GB/s, and 36.2 against 33.4 at moments when it read 31-36.
 //
 // One pool per process (pool.cpp), shared by every kernel: the attention call that follows a
 // matmul finds the helpers still spinning from it.
@@ -69,8 +69,8 @@ class Pool {
 
   int threads() const { return static_cast<int>(threads_.size()) + 1; }
 
-  // fn(arg, c) for every c in [0, chunks), on the pool; *contiguous*: in contiguous shares (above).
-  void run(Fn fn, const void* arg, int64_t chunks, bool contiguous = false) {
+  // fn(arg, c) for every c in [0, chunks), on the pool.
+  void run(Fn fn, const void* arg, int64_t chunks) {
     std::unique_lock<std::mutex> mine(run_mutex_, std::try_to_lock);
     if (!mine.owns_lock() || threads_.empty() || Clock::now() < solo_until_) {
       // Busy with another caller's job, or helpers recently stalled: do it all on this thread.
@@ -83,7 +83,7 @@ class Pool {
     slot.arg.store(arg, std::memory_order_relaxed);
     slot.chunks.store(chunks, std::memory_order_relaxed);
     slot.done.store(0, std::memory_order_relaxed);
-    const int shares = contiguous && chunks <= MAX_SHARE_CHUNKS ? static_cast<int>(std::min<int64_t>(threads(), chunks)) : 0;
+    const int shares = chunks <= MAX_SHARE_CHUNKS ? static_cast<int>(std::min<int64_t>(threads(), chunks)) : 0;
     slot.shares.store(shares, std::memory_order_relaxed);
     for (int i = 0; i < shares; i++)
       slot.share[i].store(pack_share(gen, i * chunks / shares, (i + 1) * chunks / shares), std::memory_order_relaxed);
@@ -120,7 +120,7 @@ class Pool {
     std::atomic<const void*> arg{nullptr};
     std::atomic<int64_t> chunks{0};
     std::atomic<int64_t> done{0};
-    std::atomic<int> shares{0};  // 0: chunks are claimed through ticket_ in order
+    std::atomic<int> shares{0};  // 0: chunks are claimed through ticket_ in order (too many for shares)
     // Contiguous shares: the job's generation (high 32 bits), the share's next chunk from the front
     // and its end (16 bits each). A claim is a compare-and-swap that fails once the job is over.
     std::atomic<uint64_t> share[MAX_SHARES];

@@ -164,7 +164,7 @@ at::Tensor run_linear(const at::Tensor& x, const int8_t* w, const float* scale, 
   const int64_t chunk_rows = std::max<int64_t>(8, ((CHUNK_BYTES / k) + 7) / 8 * 8);  // k bytes a row
   const LinearJob job{x.data_ptr<float>(), x.stride(0), x.size(0), w, scale, k, n, bias, y.data_ptr<float>(),
                          chunk_rows};
-  pool().run(&linear_chunk, &job, (n + chunk_rows - 1) / chunk_rows, /*contiguous=*/true);
+  pool().run(&linear_chunk, &job, (n + chunk_rows - 1) / chunk_rows);
   return y;
 }
 
@@ -352,7 +352,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   if (x.size(0) == 0) return y;
   const PanelJob job{x.data_ptr<float>(), x.stride(0), x.size(0), panels.data_ptr<float>(), x.size(1), n,
                      checked_bias(bias, n, "panel_linear"), y.data_ptr<float>(), burst};
-  pool().run(&panel_item, &job, panels.size(0), /*contiguous=*/true);
+  pool().run(&panel_item, &job, panels.size(0));
   return y;
 }
 

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-# 70,000 chunks is past what contiguous shares take (16-bit bounds): that job falls back to tickets.
+# 70,000 chunks is past what a contiguous share's 16-bit bounds hold: that job goes out from the ticket.
 CHUNKS = [0, 1, 2, 3, 7, 64, 1000, 70_000]
 
 
-@pytest.mark.parametrize("contiguous", [False, True])
 @pytest.mark.parametrize("chunks", CHUNKS)
-def test_every_chunk_runs_exactly_once(ops, chunks, contiguous):
+def test_every_chunk_runs_exactly_once(ops, chunks):
     for _ in range(20 if chunks < 10_000 else 2):
-        runs, _by_caller = ops.pool_trace(chunks, contiguous, 200).tolist() if chunks else ([], [])
+        runs, _by_caller = ops.pool_trace(chunks, 200).tolist()
         assert runs == [1] * chunks
 
 
 @pytest.mark.parametrize("chunks", [2, 5, 64, 121, 1024])
-def test_in_contiguous_shares_the_caller_takes_the_first_share_from_its_front(ops, chunks):
+def test_the_caller_takes_the_first_share_from_its_front(ops, chunks):
     threads = ops.small_linear_threads()
-    shares = min(threads, chunks)
-    first_end = chunks // shares  # share i is [i * chunks // shares, (i + 1) * chunks // shares)
+    first_end = chunks // min(threads, chunks)  # share i is [i * chunks // shares, (i + 1) * chunks // shares)
     for _ in range(30):
-        runs, by_caller = ops.pool_trace(chunks, True, 2000).tolist()
+        runs, by_caller = ops.pool_trace(chunks, 2000).tolist()
         assert runs == [1] * chunks
         first = by_caller[:first_end]
         # The caller ran a prefix of its share; helpers may have taken its tail from the back.
@@ -30,10 +28,3 @@ def test_in_contiguous_shares_the_caller_takes_the_first_share_from_its_front(op
         assert taken >= 1 and first[taken:] == [0] * (first_end - taken)
         if threads == 1:
             assert by_caller == [1] * chunks
-
-
-def test_a_job_on_one_share_per_thread_still_balances(ops):
-    # Fewer chunks than threads: one share each, and every chunk still runs once.
-    threads = ops.small_linear_threads()
-    runs, _ = ops.pool_trace(max(1, threads - 1), True, 5000).tolist()
-    assert runs == [1] * max(1, threads - 1)
