@@ -326,3 +326,26 @@ def test_encode_chat_is_the_chat_templates_own_tokenization(smol_tokenizer, mess
     tokenizer = HFTokenizer(smol_tokenizer)
     assert tokenizer._backend is not None  # the fast path is the one under test
     assert tokenizer.encode_chat(messages) == expected
+
+
+def test_decode_is_the_tokenizers_own(smol_tokenizer):
+    """The fast path (the Rust tokenizer's decode, as the stream stage's detokenizer calls it on every
+    token) gives transformers' decode, special tokens skipped, on text of every kind."""
+    from serving.model_pool import HFTokenizer
+
+    tokenizer = HFTokenizer(smol_tokenizer)
+    assert tokenizer._decode_backend is not None  # the fast path is the one under test
+    text = "<|im_start|>assistant\nHéllo, naïve café 東京 🙂  spaces\n\nand lines , . ! 42<|im_end|>"
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    for start in range(len(ids)):  # every window, as the detokenizer takes them: split characters included
+        for end in (start + 1, start + 2, start + 5, len(ids)):
+            window = ids[start:end]
+            assert tokenizer.decode(window) == smol_tokenizer.decode(window, skip_special_tokens=True)
+    assert tokenizer.decode(()) == ""
+
+
+def test_decode_keeps_transformers_clean_up_where_a_tokenizer_asks_for_it(smol_tokenizer, monkeypatch):
+    from serving.model_pool import HFTokenizer
+
+    monkeypatch.setattr(smol_tokenizer, "clean_up_tokenization_spaces", True)
+    assert HFTokenizer(smol_tokenizer)._decode_backend is None
