@@ -18,12 +18,14 @@ may stop before max_tokens. Throughput counts the output tokens each side actual
 event's ``num_output_tokens``; http: ``usage.output_tokens`` of ``done``) over the wall time from the first
 submit to the last answer. One untimed warm-up round per side (same prompts, 4 tokens) loads the kernels, fills
 both prefix caches identically and uses the client's keep-alive connections (TCP connect is not timed). Then
-the sides run R (2) times interleaved, direct, http, direct, http, and the best round of each (highest tok/s)
-is kept, because this machine is noisy. The client shares the CPUs with the server, as a local client would.
+the sides run R (3) times interleaved, direct, http, direct, http, ...; throughput is each side's best round
+(highest tok/s), because this machine is noisy, and the per-request figures (added, TTFT, e2e, stages) are
+over the requests of every round: one burst's median moves by several ms from burst to burst (14-20 ms over
+servers of the same code). The client shares the CPUs with the server, as a local client would.
 
 Figures (the last line of stdout is one JSON object with them all):
   http_vs_direct   http tok/s / direct tok/s (target >= 0.9).
-  added_ms_p50/95  per request of the best http round: client end-to-end time (request sent to ``done``
+  added_ms_p50/95  per request, over every http round: client end-to-end time (request sent to ``done``
                    received) minus model time. Model time is the sum of the ``generate`` and ``stream`` stage
                    durations that the server reports in ``done``: from submitting the prompt to the engine to
                    the last token detokenized and queued for the client, the same span a direct caller waits
@@ -36,6 +38,7 @@ Figures (the last line of stdout is one JSON object with them all):
                    in it; they show in http_vs_direct instead. Target p50 <= 5 ms. With N requests arriving
                    at once this includes queueing: each waits for the server to parse and set up the ones ahead
                    of it, on CPUs the engine is already using for the first arrivals.
+  added_ms_p50_rounds  each round's own median, to show the spread.
   added_ms_p50_sequential  the same for S (4) requests sent one at a time after the rounds (8 tokens each):
                    the fixed cost per request, without the queueing.
   server_other_ms_p50  of those, the part inside the runner: the other stages and the runner between them
@@ -339,8 +342,8 @@ def stop_server(server: subprocess.Popen[bytes]) -> int | None:
 
 
 async def measure(engine: AsyncEngine, conns: list[Connection], prompts: list[list[int]],
-                  questions: list[str], args: argparse.Namespace) -> tuple[Round, Round, Round]:
-    """Warm both sides up, interleave (the best round of each side), then a few requests one at a time."""
+                  questions: list[str], args: argparse.Namespace) -> tuple[list[Round], list[Round], Round]:
+    """Warm both sides up, interleave their rounds, then a few requests one at a time."""
     await direct_round(engine, prompts, WARMUP_TOKENS)
     await http_round(conns, questions, WARMUP_TOKENS)
     direct, http = [], []
@@ -351,7 +354,7 @@ async def measure(engine: AsyncEngine, conns: list[Connection], prompts: list[li
               f"{direct[-1].wall_s:.2f} s)   http {http[-1].tok_s:7.1f} tok/s ({http[-1].num_output_tokens} "
               f"tokens, {http[-1].wall_s:.2f} s)", flush=True)
     sequential = await http_sequential(conns[0], questions[:args.sequential], SEQUENTIAL_TOKENS)
-    return max(direct, key=lambda r: r.tok_s), max(http, key=lambda r: r.tok_s), sequential
+    return direct, http, sequential
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -399,14 +402,19 @@ def added_ms(samples: Sequence[Sample]) -> list[float]:
     return [(s.e2e_s - (s.model_s or 0.0)) * 1e3 for s in samples]
 
 
-def summary(direct: Round, http: Round, sequential: Round, exit_code: int | None,
+def summary(direct_rounds: list[Round], http_rounds: list[Round], sequential: Round, exit_code: int | None,
             args: argparse.Namespace) -> dict[str, Any]:
-    samples = http.samples
+    """Throughput from each side's best round; per-request figures over the requests of every round."""
+    direct, http = (max(rounds, key=lambda r: r.tok_s) for rounds in (direct_rounds, http_rounds))
+    samples = [s for r in http_rounds for s in r.samples]
+    direct_samples = [s for r in direct_rounds for s in r.samples]
+    direct_prompt_tokens = [s.num_prompt_tokens for s in direct.samples]
     added = added_ms(samples)
     return {
         "http_vs_direct": round(http.tok_s / direct.tok_s, 3),
         "added_ms_p50": round(percentile(added, 50), 2),
         "added_ms_p95": round(percentile(added, 95), 2),
+        "added_ms_p50_rounds": [round(percentile(added_ms(r.samples), 50), 2) for r in http_rounds],
         "added_ms_p50_sequential": round(percentile(added_ms(sequential.samples), 50), 2)
         if sequential.samples else None,
         "server_other_ms_p50": p50_ms([(s.server_s or 0.0) - (s.model_s or 0.0) for s in samples]),
@@ -414,14 +422,15 @@ def summary(direct: Round, http: Round, sequential: Round, exit_code: int | None
         "stage_ms_p50": {id_: p50_ms([s.stage_s.get(id_) for s in samples]) for id_ in samples[0].stage_s},
         "direct_tok_s": round(direct.tok_s, 1),
         "http_tok_s": round(http.tok_s, 1),
-        "direct_ttft_ms_p50": p50_ms([s.ttft_s for s in direct.samples]),
+        "direct_ttft_ms_p50": p50_ms([s.ttft_s for s in direct_samples]),
         "http_ttft_ms_p50": p50_ms([s.ttft_s for s in samples]),
         "server_ttft_ms_p50": p50_ms([s.server_ttft_s for s in samples]),
-        "direct_e2e_ms_p50": p50_ms([s.e2e_s for s in direct.samples]),
+        "direct_e2e_ms_p50": p50_ms([s.e2e_s for s in direct_samples]),
         "http_e2e_ms_p50": p50_ms([s.e2e_s for s in samples]),
         "direct_output_tokens": direct.num_output_tokens,
         "http_output_tokens": http.num_output_tokens,
-        "prompt_tokens_match": [s.num_prompt_tokens for s in direct.samples] == [s.num_prompt_tokens for s in samples],
+        "prompt_tokens_match": all([s.num_prompt_tokens for s in r.samples] == direct_prompt_tokens
+                                   for r in http_rounds),
         "server_exit_code": exit_code,
         "clients": args.clients,
         "max_tokens": args.max_tokens,
@@ -435,7 +444,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, help="concurrent requests per round (default 32; --quick 8)")
     p.add_argument("--max-tokens", type=int, help="max_tokens per request, at most the pipeline's 256 "
                                                   "(default 64; --quick 16)")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per side; the best is kept (default 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds per side: the best's throughput, every round's requests (default 3)")
     p.add_argument("--sequential", type=int, default=4,
                    help="requests sent one at a time after the rounds, for added_ms_p50_sequential (default 4)")
     p.add_argument("--config", default="inferline.yaml", help="server config (default inferline.yaml)")
