@@ -19,12 +19,17 @@ def test_every_chunk_runs_exactly_once(ops, chunks):
 def test_the_caller_takes_the_first_share_from_its_front(ops, chunks):
     threads = ops.small_linear_threads()
     first_end = chunks // min(threads, chunks)  # share i is [i * chunks // shares, (i + 1) * chunks // shares)
+    prefixes = []
     for _ in range(30):
         runs, by_caller = ops.pool_trace(chunks, 2000).tolist()
         assert runs == [1] * chunks
         first = by_caller[:first_end]
         # The caller ran a prefix of its share; helpers may have taken its tail from the back.
         taken = first.index(0) if 0 in first else first_end
-        assert taken >= 1 and first[taken:] == [0] * (first_end - taken)
+        assert first[taken:] == [0] * (first_end - taken)
+        prefixes.append(taken)
         if threads == 1:
             assert by_caller == [1] * chunks
+    # A caller descheduled right after posting the job can find its whole share taken (an empty prefix,
+    # which the check above allows); it cannot be so every time.
+    assert max(prefixes) >= 1
