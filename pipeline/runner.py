@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,7 @@ class Runner:
             ctx.pipeline_version, ctx.spec_sha256 = pipeline.spec.version, pipeline.loaded.sha256
             for bound in pipeline.stages:
                 try:
-                    await self._stage(bound, ctx, emit, clock)
+                    await self._stage(bound, ctx, emit, clock, span)
                 except asyncio.CancelledError:
                     cancelled = True
                     if ctx.status == "ok":
@@ -161,7 +162,8 @@ class Runner:
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _stage(self, bound: BoundStage, ctx: RequestContext, emit: Emit, clock: _Clock) -> None:
+    async def _stage(self, bound: BoundStage, ctx: RequestContext, emit: Emit, clock: _Clock,
+                     request_span: Span) -> None:
         spec = bound.plan.spec
         try:
             runs = (ctx.status == "ok" or spec.always) and (
@@ -175,9 +177,7 @@ class Runner:
             _record(ctx, emit, spec, status, time.perf_counter() - clock.start, 0.0, error)
             return
         emit(StageStarted(spec.id, spec.type))
-        attrs = {attr.STAGE_ID: spec.id, attr.STAGE_TYPE: spec.type}
-        with self.tracer.start_as_current_span(f"stage {spec.id}", attributes=attrs,
-                                               record_exception=False, set_status_on_exception=False) as span:
+        with self._stage_span(spec, request_span) as span:
             started = time.perf_counter()
             status, error = "ok", ""
             try:
@@ -192,6 +192,17 @@ class Runner:
                 span.set_attribute(attr.STAGE_STATUS, status)
                 span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
                 _record(ctx, emit, spec, status, started - clock.start, duration, error)
+
+
+    def _stage_span(self, spec: StageSpec, request_span: Span) -> AbstractContextManager[Span]:
+        """The stage's span, current while it runs. Under a request span that records nothing (no
+        exporter), the request's own no-op span: a stage span would record nothing either, and cost
+        ~7 us of the event loop's time to make."""
+        if not request_span.is_recording():
+            return nullcontext(request_span)
+        return self.tracer.start_as_current_span(f"stage {spec.id}",
+                                                 attributes={attr.STAGE_ID: spec.id, attr.STAGE_TYPE: spec.type},
+                                                 record_exception=False, set_status_on_exception=False)
 
 
 async def _finalize(ctx: RequestContext) -> bool:

@@ -92,3 +92,28 @@ async def test_without_an_exporter_spans_are_not_recorded_but_every_request_has_
     provider.add_span_processor(SimpleSpanProcessor(exporter))  # from now on spans go somewhere: recorded
     await runner.run(pipeline, RequestContext.from_text("t", "x"))
     assert {span.name for span in exporter.get_finished_spans()} == {"pipeline t", "stage a"}
+
+
+async def test_stage_spans_are_made_only_when_the_request_span_records(registry):
+    class Counting:
+        """The tracer, counting the spans asked of it."""
+
+        def __init__(self, tracer):
+            self.tracer, self.names = tracer, []
+
+        def start_as_current_span(self, name, **kwargs):
+            self.names.append(name)
+            return self.tracer.start_as_current_span(name, **kwargs)
+
+    provider = tracing.make_tracer_provider("none")
+    tracer = Counting(provider.get_tracer("test"))
+    pipeline = Pipeline(load_pipeline_text("name: t\nstages: [{id: a, type: record}, {id: b, type: echo}]\n",
+                                           "t.yaml", registry))
+    runner = Runner(tracer)
+    final = await runner.run(pipeline, RequestContext.from_text("t", "x"))
+    assert tracer.names == ["pipeline t"]  # nothing records: no stage spans
+    assert [s.status for s in final.summary.stages] == ["ok", "ok"]
+    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    tracer.names.clear()
+    await runner.run(pipeline, RequestContext.from_text("t", "x"))
+    assert tracer.names == ["pipeline t", "stage a", "stage b"]
