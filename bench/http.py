@@ -17,7 +17,9 @@ The HTTP pipeline cannot set ``ignore_eos``, so neither side does: both run the 
 may stop before max_tokens. Throughput counts the output tokens each side actually produced (direct: the last
 event's ``num_output_tokens``; http: ``usage.output_tokens`` of ``done``) over the wall time from the first
 submit to the last answer. One untimed warm-up round per side (same prompts, 4 tokens) loads the kernels, fills
-both prefix caches identically and uses the client's keep-alive connections (TCP connect is not timed). Then
+both prefix caches identically and uses the client's keep-alive connections (TCP connect is not timed); on the
+http side it also fills the tokenizer's piece cache (serving/piece_cache.py), so ``tokenize`` encodes no new text
+(about 40 us a request less than a new question takes in the server). Then
 the sides run R (3) times interleaved, direct, http, direct, http, ...; throughput is each side's best round
 (highest tok/s), because this machine is noisy, and the per-request figures (added, TTFT, e2e, stages) are
 over the requests of every round: one burst's median moves by several ms from burst to burst (14-20 ms over

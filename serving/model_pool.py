@@ -35,6 +35,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOverloaded, InvalidRequest
 from serving.engine.models import load_model
 from serving.engine.sampling_params import SamplingParams as EngineSampling
+from serving.piece_cache import piece_encoder
 from serving.placement import Placement, ReplicaLoad, ewma
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class HFTokenizer:
         #: (1.0 against 2.9 us a call for six tokens) unless transformers would clean the text up after it.
         self._decode_backend = self._backend if self._backend is not None and not getattr(
             tokenizer, "clean_up_tokenization_spaces", True) else None
+        #: The rendered template piece by piece between its special tokens, the pieces every prompt repeats
+        #: (system prompt, role headers) remembered (serving/piece_cache.py), where that gives the same ids.
+        self._pieces = piece_encoder(self._backend) if self._backend is not None else None
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         if self._backend is None:  # no Rust side: the template's own tokenization
@@ -70,6 +74,8 @@ class HFTokenizer:
 
     def _encode(self, text: str) -> list[int]:
         """A rendered chat template's ids: its special tokens are in the text already."""
+        if self._pieces is not None:
+            return self._pieces.encode(text)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
