@@ -31,7 +31,7 @@ from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.api_docs import JsonOrEventStream, openai_errors
 from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
-from serving.execution import chain, event_stream, prime
+from serving.execution import chain, encode_json, event_stream, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
 from stages import tools
@@ -387,7 +387,8 @@ class _HeldReply:
 
 
 def _data(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    """One chunk of a stream, as OpenAI sends it: compact JSON on one line."""
+    return b"data: " + encode_json(body) + b"\n\n"
 
 
 def error_body(problem: Problem) -> dict[str, Any]:

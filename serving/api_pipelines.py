@@ -8,7 +8,6 @@ stages start and finish, ``delta`` events with text, and one final ``done``
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -164,19 +163,19 @@ async def _sse(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator
 
 def _message(event: Event) -> bytes:
     if isinstance(event, TextDelta):
-        return sse_event("delta", json.dumps({"text": event.text}))
+        return sse_event("delta", {"text": event.text})
     if isinstance(event, StageStarted):
         payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
-        return sse_event("stage", json.dumps(payload))
+        return sse_event("stage", payload)
     if isinstance(event, StageFinished):
         payload = {"id": event.stage_id, "type": event.type, "status": event.status,
                    "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd}
-        return sse_event("stage", json.dumps(payload))
+        return sse_event("stage", payload)
     if isinstance(event, Done):
-        return sse_event("done", json.dumps(summary_json(event.summary)))
+        return sse_event("done", summary_json(event.summary))
     problem = from_final(event.kind, event.message, None)
     payload = {**problem.body(), "request_id": event.summary.request_id, "trace_id": event.summary.trace_id}
-    return sse_event("error", json.dumps(payload))
+    return sse_event("error", payload)
 
 
 @get("/pipelines", summary="List the served pipelines", responses=problems(401, 403, 503))

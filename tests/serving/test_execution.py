@@ -46,3 +46,16 @@ async def test_a_client_that_leaves_is_counted_as_disconnected():
     await stream.aclose()
     assert requests(registry, "disconnected") == 1.0 and requests(registry, "ok") == 0.0
     assert executor.in_flight == 0
+
+
+def test_an_events_data_is_one_line_of_json_whatever_the_text():
+    import json
+
+    from serving.execution import sse_event
+
+    text = "line one\nline two\r\nthird\u2028, naïve 東京 🙂, a \"quote\", a tab\t, a nul \x00"
+    raw = sse_event("delta", {"text": text, "n": [1, 2.5, None, True]})
+    head, data, end = raw.split(b"\r\n", 2)
+    assert head == b"event: delta" and data.startswith(b"data: ") and end == b"\r\n"
+    assert b"\n" not in data and b"\r" not in data
+    assert json.loads(data[len(b"data: "):]) == {"text": text, "n": [1, 2.5, None, True]}
