@@ -193,7 +193,6 @@ class Runner:
                 span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
                 _record(ctx, emit, spec, status, started - clock.start, duration, error)
 
-
     def _stage_span(self, spec: StageSpec, request_span: Span) -> AbstractContextManager[Span]:
         """The stage's span, current while it runs. Under a request span that records nothing (no
         exporter), the request's own no-op span: a stage span would record nothing either, and cost
