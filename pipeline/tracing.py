@@ -2,7 +2,9 @@
 
 One span per request (``pipeline NAME``) with one child span per stage
 (``stage ID``). Stages add GenAI semantic-convention attributes to their own
-span through ``scope.set_attribute`` with the names below.
+span through ``scope.set_attribute`` with the names below. Without an exporter
+nothing is recorded, and the stages write to the request's no-op span (the
+runner makes no stage spans then; see ``Runner._stage_span``).
 """
 
 from __future__ import annotations

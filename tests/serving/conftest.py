@@ -84,3 +84,12 @@ def auth_client(tmp_path, monkeypatch, fake_engines):
 @pytest.fixture
 def keys(tmp_path) -> KeyStore:
     return KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}"))
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The bundled model's transformers tokenizer, loaded once (tests/serving/test_model_pool.py,
+    test_piece_cache.py)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "models/smollm2-135m-instruct")

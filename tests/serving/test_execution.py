@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
 from pipeline.context import ChatMessage, RequestContext, Usage
 from pipeline.events import Done, Summary, TextDelta
-from serving.execution import Executor
+from serving.execution import Executor, sse_event
 from serving.http_metrics import HttpMetrics
 
 
@@ -49,10 +50,6 @@ async def test_a_client_that_leaves_is_counted_as_disconnected():
 
 
 def test_an_events_data_is_one_line_of_json_whatever_the_text():
-    import json
-
-    from serving.execution import sse_event
-
     text = "line one\nline two\r\nthird\u2028, naïve 東京 🙂, a \"quote\", a tab\t, a nul \x00"
     raw = sse_event("delta", {"text": text, "n": [1, 2.5, None, True]})
     head, data, end = raw.split(b"\r\n", 2)

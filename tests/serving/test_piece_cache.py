@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from serving import piece_cache
 from serving.piece_cache import CACHE_MAX_CHARS, piece_encoder
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ROOT / "models/smollm2-135m-instruct")
 
 
 def chats():
@@ -31,12 +20,12 @@ def chats():
     yield [{"role": "user", "content": "a long one: " + "the quick brown fox, " * (CACHE_MAX_CHARS // 10)}]
 
 
-def test_a_rendered_prompt_gets_the_tokenizers_own_ids(smol):
-    backend = smol.backend_tokenizer
+def test_a_rendered_prompt_gets_the_tokenizers_own_ids(smol_tokenizer):
+    backend = smol_tokenizer.backend_tokenizer
     encoder = piece_encoder(backend)
     assert encoder is not None  # the bundled tokenizer qualifies
     specials = "".join(t.content for t in backend.get_added_tokens_decoder().values())
-    texts = [smol.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chats()]
+    texts = [smol_tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chats()]
     texts += [specials, specials + "tail", "head" + specials, "no special token at all", "", "\n", " ",
               "<|im_start|>" * 3 + "x" + "<|im_end|>" * 2]
     for _ in range(2):  # the second time from the cache
@@ -45,9 +34,9 @@ def test_a_rendered_prompt_gets_the_tokenizers_own_ids(smol):
     assert encoder.cache_info().hits > 0
 
 
-def test_the_repeated_pieces_come_from_the_cache(smol):
-    encoder = piece_encoder(smol.backend_tokenizer)
-    first = smol.apply_chat_template([{"role": "system", "content": "You are terse."},
+def test_the_repeated_pieces_come_from_the_cache(smol_tokenizer):
+    encoder = piece_encoder(smol_tokenizer.backend_tokenizer)
+    first = smol_tokenizer.apply_chat_template([{"role": "system", "content": "You are terse."},
                                       {"role": "user", "content": "one"}], add_generation_prompt=True, tokenize=False)
     second = first.replace("one", "two")
     encoder.encode(first)
@@ -56,11 +45,11 @@ def test_the_repeated_pieces_come_from_the_cache(smol):
     assert encoder.cache_info().misses == misses + 1  # only the new question was encoded
 
 
-def test_a_piece_too_long_to_remember_is_encoded_each_time(smol, monkeypatch):
-    encoder = piece_encoder(smol.backend_tokenizer)
+def test_a_piece_too_long_to_remember_is_encoded_each_time(smol_tokenizer, monkeypatch):
+    encoder = piece_encoder(smol_tokenizer.backend_tokenizer)
     monkeypatch.setattr(piece_cache, "CACHE_MAX_CHARS", 4)
     text = "<|im_start|>user\nlonger than four<|im_end|>"
-    assert encoder.encode(text) == smol.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text) == smol_tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
     assert encoder.cache_info().currsize == 0
 
 
@@ -87,10 +76,32 @@ def test_tokens_matched_on_the_raw_text_go_first_as_in_the_tokenizer():
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, text
 
 
+def with_added(tokenizer: Tokenizer, **flags) -> Tokenizer:
+    tokenizer.add_special_tokens([AddedToken("<s>", **flags)])
+    return tokenizer
+
+
+def with_dropout(tokenizer: Tokenizer) -> Tokenizer:
+    tokenizer.model.dropout = 0.1
+    return tokenizer
+
+
+def with_special_tokens_as_text(tokenizer: Tokenizer) -> Tokenizer:
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def test_a_plain_tokenizer_qualifies():
+    """The control for the refusals below: each differs from this one in one respect."""
+    assert piece_encoder(with_added(small_bpe())) is not None
+
+
 @pytest.mark.parametrize("why, tokenizer", [
-    ("a normalizer", lambda: small_bpe(normalizers.Lowercase())),
-    ("a pre-tokenizer that may treat the first piece apart", lambda: small_bpe(
-        pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme="first"))),
+    ("a normalizer", lambda: with_added(small_bpe(normalizers.Lowercase()))),
+    ("a pre-tokenizer that may treat the first piece apart", lambda: with_added(small_bpe(
+        pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme="first")))),
+    ("BPE dropout", lambda: with_dropout(with_added(small_bpe()))),
+    ("special tokens encoded as text", lambda: with_special_tokens_as_text(with_added(small_bpe()))),
     ("an added token that takes the spaces before it", lambda: with_added(small_bpe(), lstrip=True)),
     ("an added token that takes the spaces after it", lambda: with_added(small_bpe(), rstrip=True)),
     ("an added token matched on whole words only", lambda: with_added(small_bpe(), single_word=True)),
@@ -99,19 +110,3 @@ def test_tokens_matched_on_the_raw_text_go_first_as_in_the_tokenizer():
 ])
 def test_refused_where_a_pieces_ids_could_depend_on_its_neighbours(why, tokenizer):
     assert piece_encoder(tokenizer()) is None, why
-
-
-def with_added(tokenizer: Tokenizer, **flags) -> Tokenizer:
-    tokenizer.add_special_tokens([AddedToken("<s>", **flags)])
-    return tokenizer
-
-
-def test_the_server_tokenizer_uses_it(smol):
-    from serving.model_pool import HFTokenizer
-
-    tokenizer = HFTokenizer(smol)
-    assert tokenizer._pieces is not None
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi <|im_end|> there"}]
-    expected = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
-    assert tokenizer.encode_chat(messages) == expected
