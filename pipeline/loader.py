@@ -48,6 +48,16 @@ class LoadedPipeline:
     file: str
     sha256: str
     plans: tuple[StagePlan, ...]
+    #: Line and column of its ``name:`` value, for errors that involve several files (two of one name).
+    name_at: tuple[int, int] = (1, 1)
+
+
+def name_clash(pipeline: LoadedPipeline, earlier: LoadedPipeline) -> SpecIssue:
+    """The error of a pipeline named as an *earlier* one: a server serves one pipeline per name, its endpoint."""
+    line, col = pipeline.name_at
+    return SpecIssue(pipeline.file, line, col, "name", f"pipeline name {pipeline.spec.name!r} is already used by "
+                     f"{earlier.file}:{earlier.name_at[0]}:{earlier.name_at[1]}; give each pipeline its own name "
+                     f"(it is its endpoint, /pipelines/{pipeline.spec.name})")
 
 
 def load_server(path: str | Path) -> ServerSpec:
@@ -103,7 +113,7 @@ def load_pipeline_text(text: str, file: str, registry: StageRegistry,
     if checker.issues or spec is None:
         raise SpecError(sorted(checker.issues, key=lambda i: (i.line, i.col)))
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return LoadedPipeline(spec, file, digest, tuple(plans))
+    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)))
 
 
 def dump_pipeline(spec: PipelineSpec) -> str:

@@ -26,7 +26,7 @@ from pipeline import __version__
 from pipeline.context import RequestContext
 from pipeline.errors import InferlineError, SpecError
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
-from pipeline.loader import LoadedPipeline
+from pipeline.loader import LoadedPipeline, name_clash
 from serving.audit_cli import add_audit_parser
 from serving.capacity_cli import add_capacity_parsers
 from serving.evals.calls import check_calls
@@ -181,9 +181,13 @@ def _validate(args: argparse.Namespace) -> int:
         print("inferline: no .yaml files found in " + " ".join(args.paths), file=sys.stderr)
         return EXIT_FAILED
     failed = 0
+    by_name: dict[str, LoadedPipeline] = {}  # serve refuses two pipelines of one name: so does validate
     for path in files:
         try:
             loaded = workspace.load(path)
+            earlier = by_name.setdefault(loaded.spec.name, loaded)
+            if Path(earlier.file).resolve() != Path(loaded.file).resolve():  # not the same file named twice
+                raise SpecError([name_clash(loaded, earlier)])
         except SpecError as exc:
             failed += 1
             for issue in exc.issues:
