@@ -84,7 +84,12 @@ def parse(source: str, fields: Mapping[str, str] | None = None) -> Expression:
             TypeChecker(text, fields).check(tree)
     except ExpressionError as exc:
         raise ExpressionError(str(exc), col=exc.col + lead if exc.col > 0 else exc.col) from None
+    except RecursionError:  # "not not not ... x": Python's parser and our walk both recurse
+        raise ExpressionError(_TOO_DEEP, col=lead + 1) from None
     return Expression(source, tree, frozenset(names))
+
+
+_TOO_DEEP = "the expression nests too deeply; write it flatter"
 
 
 #: Operators of other languages, and what to write instead.
@@ -107,6 +112,8 @@ def _syntax_error(text: str, exc: SyntaxError) -> ExpressionError:
         if kind == tokenize.NAME and string.lower() in _KEYWORDS and string not in _KEYWORDS:
             return ExpressionError(f"write {string.lower()} in lowercase", col=col + 1)
     message = exc.msg.split(" (detected at", 1)[0]
+    if message.startswith("too many nested"):
+        return ExpressionError(_TOO_DEEP, col=exc.offset or 1)
     if message.startswith("unterminated string"):
         return ExpressionError("a string is not closed: end it with the quote it starts with",
                                col=exc.offset or len(text) + 1)

@@ -75,6 +75,8 @@ def test_refuses(source, message):
     ("(role == 'a'", r"'\(' is never closed", 1),
     ("role == gold member", r"expected and, or or a comparison before 'member'; quote text that has spaces", 14),
     ("  role = 'x'", "use == to compare instead of =", 8),  # columns count from the start of the text as written
+    ("not " * 3000 + "documents", "the expression nests too deeply", 1),
+    ("(" * 300 + "documents" + ")" * 300, "the expression nests too deeply", 201),
 ])
 def test_syntax_errors_say_what_to_write(source, message, col):
     with pytest.raises(ExpressionError, match=message) as info:
