@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     deploy.set_defaults(handler=_deploy)
 
     validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
-                              description="Validate pipeline YAML files against the server config. "
+                              description="Validate pipeline YAML files against the server config, as serve "
+                                          "loads them: every key, stage options, when: expressions, roles, "
+                                          "output: constraints (compiled), and no two files of one name:. "
                                           "Prints 'ok' per valid file on stdout and every error on "
                                           "stderr as FILE:LINE:COL: LOC: MESSAGE; exits 1 if any is invalid.")
     validate.add_argument("paths", nargs="+", metavar="PATH", help="a pipeline file, or a folder of them")
