@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -121,6 +121,13 @@ FIELDS: dict[str, FieldInfo] = {
     "output_text": FieldInfo("str", "the text sent to the client"),
     "output_ids": FieldInfo("list[int]", "the generated token ids, as streamed"),
     "finish_reason": FieldInfo("str", "why generation stopped"),
+}
+
+#: What a ``when:`` expression may name, with its type: every flow field, and, dotted, the fields of the
+#: records among them (``principal.tenant``). A mapping's keys (``tags.tier``) are the client's: untyped.
+EXPRESSION_FIELDS: dict[str, str] = {name: info.type for name, info in FIELDS.items()} | {
+    f"{name}.{member.name}": str(member.type)
+    for name, record in (("principal", Principal), ("route_plan", RoutePlan)) for member in fields(record)
 }
 
 

@@ -66,6 +66,8 @@ def validation_issues(src: YamlSource, exc: ValidationError, model: type[BaseMod
 
 def _message(error: dict[str, Any]) -> str:
     kind, value = error["type"], error.get("input")
+    if kind == "spec_hint":  # pipeline.spec.hint: written to be shown as it is
+        return error["msg"]
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {_show(value)}"
     if kind == "literal_error":

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.context import FIELDS
+from pipeline.context import EXPRESSION_FIELDS, FIELDS
 from pipeline.diagnostics import suggest, validation_issues
 from pipeline.errors import ExpressionError, SpecError, SpecIssue
 from pipeline.expr import Expression
@@ -48,6 +48,16 @@ class LoadedPipeline:
     file: str
     sha256: str
     plans: tuple[StagePlan, ...]
+    #: Line and column of its ``name:`` value, for errors that involve several files (two of one name).
+    name_at: tuple[int, int] = (1, 1)
+
+
+def name_clash(pipeline: LoadedPipeline, earlier: LoadedPipeline) -> SpecIssue:
+    """The error of a pipeline named as an *earlier* one: a server serves one pipeline per name, its endpoint."""
+    line, col = pipeline.name_at
+    return SpecIssue(pipeline.file, line, col, "name", f"pipeline name {pipeline.spec.name!r} is already used by "
+                     f"{earlier.file}:{earlier.name_at[0]}:{earlier.name_at[1]}; give each pipeline its own name "
+                     f"(it is its endpoint, /pipelines/{pipeline.spec.name})")
 
 
 def load_server(path: str | Path) -> ServerSpec:
@@ -103,7 +113,7 @@ def load_pipeline_text(text: str, file: str, registry: StageRegistry,
     if checker.issues or spec is None:
         raise SpecError(sorted(checker.issues, key=lambda i: (i.line, i.col)))
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return LoadedPipeline(spec, file, digest, tuple(plans))
+    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)))
 
 
 def dump_pipeline(spec: PipelineSpec) -> str:
@@ -174,10 +184,9 @@ class _PipelineChecker:
         except ValidationError as exc:
             self.issues += validation_issues(self.src, exc, cls.Config, raw, prefix)
             return None
-        problems = [(loc, msg) for loc, msg in cls.check(config, self.catalog)]
-        problems += self._refs(config)
-        for loc, message in problems:
-            self._issue((*prefix, *loc), message)
+        problems = [*cls.check(config, self.catalog), *self._refs(config)]
+        for loc, message, *col in problems:  # a check may add a column within the value (an expression's)
+            self._issue((*prefix, *loc), message, col_offset=col[0] if col else 0)
         return None if problems else config
 
     def _refs(self, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
@@ -193,15 +202,10 @@ class _PipelineChecker:
 
     def _when(self, index: int, source: str) -> Expression | None:
         try:
-            expression = parse_expression(source)
+            return parse_expression(source, EXPRESSION_FIELDS)
         except ExpressionError as exc:
             self._issue(("stages", index, "when"), f"bad expression: {exc}", col_offset=exc.col)
             return None
-        unknown = sorted(expression.names - FIELDS.keys())
-        for name in unknown:
-            self._issue(("stages", index, "when"), f"unknown field {name!r} in expression"
-                        f"{suggest(name, list(FIELDS))} (fields: {', '.join(FIELDS)})")
-        return None if unknown else expression
 
     def _duplicate_ids(self, raw_stages: list[Any]) -> None:
         first: dict[str, int] = {}

@@ -23,12 +23,20 @@ class ModelInfo:
     context_window: int | None = None
 
 
+#: Why the server's engines cannot compile a constrained-decoding ``output`` (its kind and value:
+#: ``"regex", "(?<=a)b"``), or None when they can.
+OutputCheck = Callable[[str, Any], "str | None"]
+
+
 @dataclass(frozen=True, slots=True)
 class Catalog:
-    """Names a pipeline may refer to, checked at load time."""
+    """What a pipeline may refer to, and how the server would compile it: checked at load time."""
 
     models: Mapping[str, ModelInfo] = field(default_factory=dict)
     indexes: frozenset[str] = frozenset()
+    #: The engines' own compile check of a pipeline's ``output:`` (serving wires it in); None: only what
+    #: the stages can check themselves (a JSON Schema against its metaschema).
+    check_output: OutputCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)

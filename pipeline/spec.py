@@ -10,9 +10,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from pipeline.cost import Price
+from pipeline.diagnostics import suggest
 
 _NAME = r"^[a-z][a-z0-9_-]*$"
 #: Names of pipelines, stages and indexes (an index name is also a folder name: never a path).
@@ -306,8 +318,26 @@ class StageSpec(Strict):
     timeout_s: PositiveFloat | None = None
 
 
+#: The roles an API key may have (``inferline keys create --role``; store/keys.py keeps the same list, and a
+#: test holds the two together): ``caller`` calls pipelines, ``auditor`` reads audits and metrics, ``admin`` all.
+ROLES = ("caller", "auditor", "admin")
+
+
+def hint(message: str) -> PydanticCustomError:
+    """A validation error whose message is complete as written: what is wrong and what to write instead."""
+    return PydanticCustomError("spec_hint", "{hint}", {"hint": message})
+
+
+def _known_role(role: str) -> str:
+    if role not in ROLES:  # quietly locking out the callers a typo meant to let in
+        raise hint(f"unknown role {role!r}{suggest(role, ROLES)} (roles: {', '.join(ROLES)})")
+    return role
+
+
 class AccessSpec(Strict):
-    roles: list[str] = Field(default_factory=lambda: ["caller"])
+    """Who may call the pipeline: keys with one of ``roles`` (admins always may)."""
+
+    roles: list[Annotated[str, AfterValidator(_known_role)]] = Field(default_factory=lambda: ["caller"])
 
 
 class SLOSpec(Strict):
@@ -343,6 +373,13 @@ class PipelineSpec(Strict):
     #: Objectives that serving, ``inferline load`` and ``inferline plan`` measure attainment against.
     slo: SLOSpec | None = None
     stages: list[StageSpec] = Field(min_length=1)
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _some_stages(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise hint("a pipeline needs at least one stage, e.g. stages: [{id: prompt, type: prompt}]")
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that loads back into an equal spec (used by ``dump``)."""

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.context import RequestContext
 from pipeline.protocols import Catalog, Resources
 
-#: A problem found by :meth:`Stage.check`: a path inside ``with:`` and a message.
-CheckIssue = tuple[tuple[str | int, ...], str]
+#: A problem found by :meth:`Stage.check`: a path inside ``with:`` and a message, and optionally the
+#: 1-based column within that value's text where the problem is (an error inside a ``when:`` expression).
+CheckIssue = tuple[tuple[str | int, ...], str] | tuple[tuple[str | int, ...], str, int]
 
 
 class NoConfig(BaseModel):

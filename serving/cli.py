@@ -26,7 +26,7 @@ from pipeline import __version__
 from pipeline.context import RequestContext
 from pipeline.errors import InferlineError, SpecError
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
-from pipeline.loader import LoadedPipeline
+from pipeline.loader import LoadedPipeline, name_clash
 from serving.audit_cli import add_audit_parser
 from serving.capacity_cli import add_capacity_parsers
 from serving.evals.calls import check_calls
@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     deploy.set_defaults(handler=_deploy)
 
     validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
-                              description="Validate pipeline YAML files against the server config. "
+                              description="Validate pipeline YAML files against the server config, as serve "
+                                          "loads them: every key, stage options, when: expressions, roles, "
+                                          "output: constraints (compiled), and no two files of one name:. "
                                           "Prints 'ok' per valid file on stdout and every error on "
                                           "stderr as FILE:LINE:COL: LOC: MESSAGE; exits 1 if any is invalid.")
     validate.add_argument("paths", nargs="+", metavar="PATH", help="a pipeline file, or a folder of them")
@@ -181,9 +183,13 @@ def _validate(args: argparse.Namespace) -> int:
         print("inferline: no .yaml files found in " + " ".join(args.paths), file=sys.stderr)
         return EXIT_FAILED
     failed = 0
+    by_name: dict[str, LoadedPipeline] = {}  # serve refuses two pipelines of one name: so does validate
     for path in files:
         try:
             loaded = workspace.load(path)
+            earlier = by_name.setdefault(loaded.spec.name, loaded)
+            if Path(earlier.file).resolve() != Path(loaded.file).resolve():  # not the same file named twice
+                raise SpecError([name_clash(loaded, earlier)])
         except SpecError as exc:
             failed += 1
             for issue in exc.issues:

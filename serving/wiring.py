@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.errors import SpecError, SpecIssue
-from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server
+from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server, name_clash
 from pipeline.registry import StageRegistry
 from pipeline.spec import ServerSpec
+from serving.engine.constraints import compile_error
 from serving.settings import apply_environment
 from stages import register_builtins
 
@@ -38,21 +39,26 @@ class Workspace:
         return url
 
     def load(self, path: str | Path) -> LoadedPipeline:
-        return load_pipeline(path, self.registry, catalog_of(self.server))
+        # A pipeline's own output: is compiled as the engines would, here at load, so that a broken one
+        # never reaches a request (where it would read as the caller's mistake).
+        return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=compile_error))
 
     def load_all(self) -> list[LoadedPipeline]:
         """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""
         files = sorted(p for p in self.pipelines_dir.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
-        loaded, issues = [], []
+        loaded: list[LoadedPipeline] = []
+        issues: list[SpecIssue] = []
+        by_name: dict[str, LoadedPipeline] = {}
         for path in files:
             try:
-                loaded.append(self.load(path))
+                pipeline = self.load(path)
             except SpecError as exc:
                 issues += exc.issues
-        names = [p.spec.name for p in loaded]
-        for dup in sorted({n for n in names if names.count(n) > 1}):
-            where = [p.file for p in loaded if p.spec.name == dup]
-            issues.append(SpecIssue(where[1], 1, 1, "name", f"pipeline name {dup!r} is also used by {where[0]}"))
+                continue
+            earlier = by_name.setdefault(pipeline.spec.name, pipeline)
+            if earlier is not pipeline:
+                issues.append(name_clash(pipeline, earlier))
+            loaded.append(pipeline)
         if issues:
             raise SpecError(issues)
         return loaded

@@ -38,10 +38,12 @@ its deadline.
 
 from __future__ import annotations
 
+import difflib
 import time
 from dataclasses import fields, replace
 from typing import Any, Literal, cast
 
+import jsonschema
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.context import RequestContext
@@ -119,9 +121,13 @@ class GenerateStage(Stage):
 
     @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
-        unknown = sorted(set(cast(GenerateConfig, config).client_params) - _SAMPLING_FIELDS)
-        return [(("client_params",), f"unknown sampling options {unknown}; known: {sorted(_SAMPLING_FIELDS)}")
-                ] if unknown else []
+        config = cast(GenerateConfig, config)
+        unknown = sorted(set(config.client_params) - _SAMPLING_FIELDS)
+        issues: list[CheckIssue] = [(("client_params",), f"unknown sampling options {unknown}; known: "
+                                                         f"{sorted(_SAMPLING_FIELDS)}")] if unknown else []
+        if config.output is not None:
+            issues += output_issues(config.output, catalog)
+        return issues
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(GenerateConfig, self.config)
@@ -175,3 +181,33 @@ def _sampling(config: GenerateConfig, params: dict[str, Any]) -> SamplingParams:
     data["stop_token_ids"] = tuple(data["stop_token_ids"])
     data["output"] = merged.output.as_dict() if merged.output is not None else None
     return SamplingParams(**data)
+
+
+def output_issues(output: OutputSpec, catalog: Catalog) -> list[CheckIssue]:
+    """Why a pipeline's own ``output:`` would fail every request: checked at load, never blamed on a caller.
+
+    A JSON Schema is checked against its metaschema (``$schema``, else draft 2020-12, the one ``stream``
+    validates answers with), pointing at the bad keyword; then the engines' compile check, when the server
+    wired one in, refuses what constrained decoding cannot take (a look-behind, ``uniqueItems``...).
+    """
+    (kind, value), = output.as_dict().items()
+    if kind == "json_schema":
+        validator = jsonschema.validators.validator_for(value, default=jsonschema.Draft202012Validator)
+        errors = [jsonschema.exceptions.best_match([e]) for e in validator(validator.META_SCHEMA).iter_errors(value)]
+        if errors:
+            return [(("output", "json_schema", *e.absolute_path), _schema_message(e)) for e in errors]
+    problem = catalog.check_output(kind, value) if catalog.check_output is not None else None
+    return [(("output", kind), f"constrained decoding cannot compile it: {problem}")] if problem else []
+
+
+_SCHEMA_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+
+
+def _schema_message(error: jsonschema.exceptions.ValidationError) -> str:
+    steps = list(error.absolute_schema_path)
+    is_type = any(steps[i:i + 2] == ["properties", "type"] for i in range(len(steps)))  # the metaschema's "type"
+    if is_type and isinstance(error.instance, str) and error.instance not in _SCHEMA_TYPES:
+        close = difflib.get_close_matches(error.instance, _SCHEMA_TYPES, n=1, cutoff=0.6)
+        fix = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown JSON Schema type {error.instance!r}{fix} (types: {', '.join(_SCHEMA_TYPES)})"
+    return f"not a valid JSON Schema: {error.message}"

@@ -38,7 +38,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, Field, PositiveFloat
 
-from pipeline.context import FIELDS, RequestContext, RoutePlan, chat_turns
+from pipeline.context import EXPRESSION_FIELDS, FIELDS, RequestContext, RoutePlan, chat_turns
 from pipeline.errors import ExpressionError, InvalidInput
 from pipeline.expr import Expression
 from pipeline.expr import parse as parse_expression
@@ -55,7 +55,7 @@ class Rule(NoConfig):
 
     @cached_property
     def expression(self) -> Expression:
-        return parse_expression(self.when)
+        return parse_expression(self.when, EXPRESSION_FIELDS)
 
 
 class Arm(NoConfig):
@@ -103,11 +103,9 @@ class RouteStage(Stage):
         issues: list[CheckIssue] = []
         for i, rule in enumerate(cast(RouteConfig, config).rules):
             try:
-                unknown = sorted(rule.expression.names - FIELDS.keys())
+                parse_expression(rule.when, EXPRESSION_FIELDS)  # names and types, as rule.expression parses it
             except ExpressionError as exc:
-                issues.append((("rules", i, "when"), f"bad expression: {exc}"))
-                continue
-            issues += [(("rules", i, "when"), f"unknown field {name!r} in expression") for name in unknown]
+                issues.append((("rules", i, "when"), f"bad expression: {exc}", exc.col))
         return issues
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:

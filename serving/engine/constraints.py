@@ -135,10 +135,7 @@ class ConstraintCompiler:
 
     def compile(self, constraint: Constraint) -> Grammar:
         """The grammar of ``constraint``, from the cache when an equal one was compiled before."""
-        try:
-            key = constraint.key()
-        except (TypeError, ValueError) as e:  # a value json.dumps cannot write
-            raise ConstraintError(f"{constraint.kind}: not JSON-serializable: {e}") from None
+        key = _key(constraint)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
@@ -161,6 +158,30 @@ class ConstraintCompiler:
         if matcher.is_error():
             raise ConstraintError(f"{constraint.kind}: {_clean(matcher.get_error())}")
         return matcher
+
+
+def compile_error(kind: str, value: Any) -> str | None:
+    """Why ``ConstraintCompiler.compile`` would refuse this constraint whatever the model, or None.
+
+    Needs no tokenizer, so a pipeline's own ``output:`` is checked when the pipeline loads, before any model
+    is: a schema keyword llguidance does not implement, a regex it cannot parse (Rust's syntax: no
+    look-around, no backreferences), an empty choice.
+    """
+    constraint = Constraint(kind, value)  # type: ignore[arg-type]
+    try:
+        _key(constraint)
+        grammar = _grammar_text(constraint)
+    except ConstraintError as exc:
+        return str(exc).removeprefix(f"{kind}: ")
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return _clean(messages[0]) if is_error else None
+
+
+def _key(constraint: Constraint) -> str:
+    try:
+        return constraint.key()
+    except (TypeError, ValueError) as e:  # a value json.dumps cannot write
+        raise ConstraintError(f"{constraint.kind}: not JSON-serializable: {e}") from None
 
 
 def _grammar_text(constraint: Constraint) -> str:

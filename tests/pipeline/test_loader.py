@@ -10,6 +10,8 @@ import pytest
 from pipeline.errors import SpecError
 from pipeline.loader import dump_pipeline, load_pipeline, load_pipeline_text, load_server
 from pipeline.registry import StageRegistry
+from pipeline.spec import ROLES
+from store.keys import ROLES as KEY_ROLES
 
 GOOD = """\
 name: support
@@ -190,7 +192,7 @@ BAD = {
             type: record
             when: "role == "
         """,
-        "p.yaml:5:19: stages[0].when: bad expression: invalid syntax"),
+        "p.yaml:5:19: stages[0].when: bad expression: the expression ends too early: something must follow '=='"),
     "when calls a function": (
         """\
         name: x
@@ -199,7 +201,8 @@ BAD = {
             type: record
             when: __import__('os').system('true')
         """,
-        "p.yaml:5:11: stages[0].when: bad expression: call is not allowed; use comparisons, and/or/not and 'in'"),
+        "p.yaml:5:11: stages[0].when: bad expression: calling a function is not allowed; use comparisons, "
+        "and/or/not and 'in'"),
     "when names an unknown field": (
         """\
         name: x
@@ -208,7 +211,89 @@ BAD = {
             type: record
             when: "promt_tokens > 10"
         """,
-        "p.yaml:5:11: stages[0].when: unknown field 'promt_tokens' in expression; did you mean 'prompt_tokens'?"),
+        "p.yaml:5:12: stages[0].when: bad expression: unknown field 'promt_tokens' in expression; "
+        "did you mean 'prompt_tokens'?"),
+    "when compares a number with a string": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: "prompt_tokens > '5'"
+        """,
+        "p.yaml:5:28: stages[0].when: bad expression: prompt_tokens is a number and '5' is a string: > cannot "
+        "compare them; write 5 (without quotes) to compare numbers"),
+    "when assigns with =": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: role = 'admin'
+        """,
+        "p.yaml:5:16: stages[0].when: bad expression: use == to compare instead of ="),
+    "when uses &&": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: "role == 'admin' && tags.tier == 'gold'"
+        """,
+        "p.yaml:5:28: stages[0].when: bad expression: use and instead of &&"),
+    "when uses ||": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: "role == 'admin' || tags.tier == 'gold'"
+        """,
+        "p.yaml:5:28: stages[0].when: bad expression: use or instead of ||"),
+    "when uses !": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: "!documents"
+        """,
+        "p.yaml:5:12: stages[0].when: bad expression: use not instead of !"),
+    "when compares with an unquoted word": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: role == admin
+        """,
+        "p.yaml:5:19: stages[0].when: bad expression: unknown field 'admin' in expression; quote strings: 'admin'"),
+    "when uses is": (
+        """\
+        name: x
+        stages:
+          - id: a
+            type: record
+            when: role is null
+        """,
+        "p.yaml:5:11: stages[0].when: bad expression: use == instead of is"),
+    "a route rule's when: is checked, at its column": (
+        """\
+        name: x
+        stages:
+          - id: pick
+            type: route
+            with:
+              rules: [{when: "prompt_tokens > '1500'", model: big}]
+        """,
+        "p.yaml:6:39: stages[0].with.rules[0].when: bad expression: prompt_tokens is a number and '1500' is a "
+        "string: > cannot compare them; write 1500 (without quotes) to compare numbers"),
+    "no stages": (
+        "name: x\nstages: []\n",
+        "p.yaml:2:9: stages: a pipeline needs at least one stage, e.g. stages: [{id: prompt, type: prompt}]"),
+    "unknown role": (
+        "name: x\naccess: {roles: [callers]}\nstages: [{id: a, type: record}]\n",
+        "p.yaml:2:18: access.roles[0]: unknown role 'callers'; did you mean 'caller'? (roles: caller, auditor, admin)"),
     "template names an unknown field": (
         """\
         name: x
@@ -282,3 +367,8 @@ def test_server_config_errors_are_located(tmp_path):
 def test_server_config_loads_the_repository_default():
     server = load_server(Path(__file__).parents[2] / "inferline.yaml")
     assert "smol" in server.models
+
+
+def test_pipeline_roles_are_the_key_roles():
+    # pipeline/ and store/ import nothing of ours, so each declares the roles; they must stay one list.
+    assert ROLES == KEY_ROLES

@@ -37,6 +37,9 @@ FRAGMENTS = [
     "%YAML 1.1\n", "%TAG ! tag:x,2000:\n", "---\n", "...\n", "\t", "\x00", "\x07", "\x85", "\u2028", "\ufeff",
     "\udcff", "'", '"', "[" * 50, "{" * 50, "- " * 40, "'\\u0000'", "x: \"\\ud800\"\n", "@", "`", "|\n", ">-\n",
     "key: value\nkey: again\n", ": :\n", "- - - -\n", "\r\n", "\r",
+    "    when: \"role = 'x' && !y || z\"\n", "    when: \"prompt_tokens > '5'\"\n", "access: {roles: [callers]}\n",
+    "stages: []\n", "    with: {output: {json_schema: {type: numbr, properties: 7}}}\n",
+    "    with: {output: {regex: '(?<=a)b'}}\n",
 ]
 
 SPEC_KEYS = ["name", "description", "version", "access", "roles", "stages", "id", "type", "with", "when", "always",
@@ -98,7 +101,8 @@ def laughs(levels: int, width: int = 9) -> str:
 
 
 @pytest.mark.parametrize("text", [laughs(9), "a: &a [*a]\nname: *a", "a: &a {b: *a}\nstages: [*a]",
-                                  "- " * 2000 + "x", "stages: " + "[" * 3000])
+                                  "- " * 2000 + "x", "stages: " + "[" * 3000,
+                                  "name: x\nstages: [{id: p, type: prompt, when: '" + "not " * 3000 + "input'}]\n"])
 def test_alias_bombs_and_deep_documents_are_located_errors(text):
     with pytest.raises(SpecError) as raised:
         load_pipeline_text(text, "p.yaml", registry(), None)

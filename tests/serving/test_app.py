@@ -210,7 +210,7 @@ def test_invalid_pipeline_refuses_to_start(tmp_path, monkeypatch):
         create_app(open_workspace(str(config)))
     text = str(info.value)
     assert "broken.yaml:2:24: stages[0].type: unknown stage type 'nope'" in text
-    assert "pipeline name 'chat' is also used by" in text
+    assert f"name: pipeline name 'chat' is already used by {tmp_path / 'pipelines' / 'broken2.yaml'}:1:7;" in text
 
 
 def test_the_app_leaves_logging_to_the_process(tmp_path, monkeypatch, fake_engines):

@@ -46,6 +46,33 @@ def test_validate_a_broken_copy(tmp_path, capsys):
     assert errors[-1] == "1 of 2 file(s) invalid"
 
 
+def test_validate_reports_two_files_of_one_name(tmp_path, capsys):
+    # serve refuses to start with two pipelines of one name (one endpoint each): validate must say so first.
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("name: support\nstages: [{id: p, type: prompt}]\n")
+    second.write_text("# a copy, renamed on disk only\nname:   support\nstages: [{id: p, type: prompt}]\n")
+    assert main(["validate", str(tmp_path), str(first)]) == 1  # the same file named twice is no clash
+    captured = capsys.readouterr()
+    assert captured.out.count(f"ok {first} (support, 1 stages)") == 2 and str(second) not in captured.out
+    assert captured.err.splitlines() == [
+        f"{second}:2:9: name: pipeline name 'support' is already used by {first}:1:7; give each pipeline its own "
+        "name (it is its endpoint, /pipelines/support)",
+        "1 of 3 file(s) invalid",
+    ]
+
+
+def test_validate_compiles_a_pipelines_own_output_as_the_engine_would(tmp_path, capsys):
+    # Python's re takes a look-behind; the constrained decoder (Rust's regex syntax) does not.
+    path = tmp_path / "codes.yaml"
+    path.write_text("name: codes\nstages:\n  - {id: prompt, type: prompt}\n  - {id: tok, type: tokenize}\n"
+                    "  - id: gen\n    type: generate\n    with:\n      output: {regex: '(?<=#)[0-9]+'}\n"
+                    "  - {id: out, type: stream}\n")
+    assert main(["validate", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"{path}:8:23: stages[2].with.output.regex: constrained decoding cannot compile it: invalid regex "
+        "'(?<=#)[0-9]+': look-around, including look-ahead and look-behind, is not supported")
+
+
 def test_validate_a_missing_file(capsys):
     assert main(["validate", "pipelines/nope.yaml"]) == 1
     assert "pipelines/nope.yaml: cannot read: No such file or directory" in capsys.readouterr().err

@@ -70,6 +70,66 @@ async def test_two_kinds_at_once_are_refused(registry):
         build(bad, registry, FakeEngines())
 
 
+def load_errors(yaml_text: str, registry, catalog: Catalog = CATALOG) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_pipeline_text(textwrap.dedent(yaml_text), "p.yaml", registry, catalog)
+    return [str(issue) for issue in info.value.issues]
+
+
+def test_a_broken_schema_is_a_located_load_error(registry):
+    found = load_errors("""
+        name: extract
+        stages:
+          - {id: prompt, type: prompt}
+          - {id: tok, type: tokenize}
+          - id: gen
+            type: generate
+            with:
+              output:
+                json_schema:
+                  type: object
+                  properties:
+                    age: {type: numbr}
+                  required: name
+          - {id: out, type: stream}
+        """, registry)
+    assert found == [
+        "p.yaml:13:25: stages[2].with.output.json_schema.properties.age.type: unknown JSON Schema type 'numbr'; "
+        "did you mean 'number'? (types: array, boolean, integer, null, number, object, string)",
+        "p.yaml:14:21: stages[2].with.output.json_schema.required: not a valid JSON Schema: 'name' is not of type "
+        "'array'",
+    ]
+
+
+def test_other_schema_errors_name_the_keyword(registry):
+    found = load_errors(EXTRACT.replace("required: [name]", "required: name"), registry)
+    assert found == ["p.yaml:11:90: stages[2].with.output.json_schema.required: not a valid JSON Schema: 'name' "
+                     "is not of type 'array'"]
+
+
+def refuse_look_around(kind: str, value) -> str | None:
+    """A stand-in for the engines' compile check (serving wires in serving/engine/constraints.compile_error)."""
+    return "look-around is not supported" if kind == "regex" and "(?<" in value else None
+
+
+def test_the_engines_compile_check_runs_at_load(registry):
+    catalog = Catalog(models=CATALOG.models, check_output=refuse_look_around)
+    bad = EXTRACT.replace("output: {json_schema: {type: object, properties: {name: {type: string}}, required: [name]}}",
+                          "output: {regex: '(?<=x)y'}")
+    assert load_errors(bad, registry, catalog) == [
+        "p.yaml:11:23: stages[2].with.output.regex: constrained decoding cannot compile it: look-around is not "
+        "supported"]
+    good = bad.replace("(?<=x)y", "x+y")
+    assert load_pipeline_text(textwrap.dedent(good), "p.yaml", registry, catalog).spec.name == "extract"
+
+
+def test_output_errors_come_with_the_files_other_errors(registry):
+    found = load_errors(EXTRACT.replace("name: extract", "name: extract\naccess: {roles: [callers]}")
+                        .replace("{type: string}}", "{type: strng}}"), registry)
+    assert [f.split(": ", 2)[1] for f in found] == ["access.roles[0]", "stages[2].with.output.json_schema.properties"
+                                                                        ".name.type"]
+
+
 def test_check_output():
     assert check_output('{"name": "Ada"}', {"json_schema": SCHEMA}) is None
     assert "name" in check_output("{}", {"json_schema": SCHEMA})

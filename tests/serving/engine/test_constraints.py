@@ -17,6 +17,7 @@ from serving.engine.constraints import (
     Matcher,
     _apply_bitmask_with_shifts,
     apply_bitmask,
+    compile_error,
 )
 from tests.serving.engine.conftest import MODEL
 
@@ -127,32 +128,44 @@ def test_json_object_accepts_any_object_only(compiler, tokenizer):
         grammar.start().advance(tokenizer.encode("[", add_special_tokens=False)[0])
 
 
-@pytest.mark.parametrize(
-    ("constraint", "message"),
-    [
-        (Constraint("json_schema", {"type": "array", "uniqueItems": True}), "uniqueItems"),
-        (Constraint("json_schema", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), '"not"'),
-        (Constraint("json_schema", {"type": "strin"}), "strin"),
-        (Constraint("json_schema", {"type": "string", "format": "banana"}), "banana"),
-        (Constraint("json_schema", {"type": "string", "minLength": 5, "maxLength": 2}), "minLength"),
-        (Constraint("json_schema", {"type": "string", "pattern": "(?=a)b"}), "look-around"),
-        (Constraint("json_schema", {"$ref": "#/$defs/missing"}), "missing"),
-        (Constraint("json_schema", "{not json"), "not valid JSON"),
-        (Constraint("json_schema", True), "JSON object"),
-        (Constraint("json_schema", {"enum": {1, 2}}), "not JSON-serializable"),
-        (Constraint("regex", "[a-z"), "invalid regex '\\[a-z': unclosed character class"),
-        (Constraint("regex", r"(a)\1"), "backreferences"),
-        (Constraint("choice", []), "non-empty list"),
-        (Constraint("choice", ["a", ""]), r"choice\[1\]"),
-        (Constraint("grammar", "x"), "kind"),  # type: ignore[arg-type]
-    ],
-)
+INVALID = [
+    (Constraint("json_schema", {"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (Constraint("json_schema", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), '"not"'),
+    (Constraint("json_schema", {"type": "strin"}), "strin"),
+    (Constraint("json_schema", {"type": "string", "format": "banana"}), "banana"),
+    (Constraint("json_schema", {"type": "string", "minLength": 5, "maxLength": 2}), "minLength"),
+    (Constraint("json_schema", {"type": "string", "pattern": "(?=a)b"}), "look-around"),
+    (Constraint("json_schema", {"$ref": "#/$defs/missing"}), "missing"),
+    (Constraint("json_schema", "{not json"), "not valid JSON"),
+    (Constraint("json_schema", True), "JSON object"),
+    (Constraint("json_schema", {"enum": {1, 2}}), "not JSON-serializable"),
+    (Constraint("regex", "[a-z"), "invalid regex '\\[a-z': unclosed character class"),
+    (Constraint("regex", r"(a)\1"), "backreferences"),
+    (Constraint("choice", []), "non-empty list"),
+    (Constraint("choice", ["a", ""]), r"choice\[1\]"),
+    (Constraint("grammar", "x"), "kind"),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize(("constraint", "message"), INVALID)
 def test_invalid_constraint_raises_naming_the_problem(compiler, constraint, message):
     with pytest.raises(ConstraintError, match=message) as e:
         compiler.compile(constraint)
 
     assert isinstance(e.value, ValueError)
     assert str(e.value).startswith((constraint.kind, "kind: "))
+
+
+@pytest.mark.parametrize(("constraint", "message"), INVALID)
+def test_compile_error_refuses_the_same_without_a_tokenizer(constraint, message):
+    # What a pipeline's own output: is checked with at load, before any model is loaded.
+    assert re.search(message, compile_error(constraint.kind, constraint.value) or "")
+
+
+@pytest.mark.parametrize("constraint", [Constraint("json_schema", SCHEMA), Constraint("regex", r"\d{3}-[a-z]+"),
+                                        Constraint("choice", ["yes", "no"]), Constraint.json_object()])
+def test_compile_error_passes_what_compiles(constraint):
+    assert compile_error(constraint.kind, constraint.value) is None
 
 
 def test_compile_is_cached_by_key(compiler, monkeypatch):
