@@ -20,8 +20,6 @@ from serving.problems import Problem
 from store.audit_access import AccessFilters, parse_access_filters
 from store.audit_filters import FILTER_FIELDS, RANGE_FIELDS, TIME_HELP, AuditFilters, parse_filters
 
-#: Handler opt key: query parameters a handler reads itself (from ``request.query_params``).
-QUERY_OPT = "query_params"
 
 
 # A parameter's type, its documentation: all are text, parsed by the store's one parser.
@@ -73,13 +71,13 @@ _KNOWN = "_known_query_params"  # the guard's cache, in the handler's own opt
 
 
 def refuse_unknown_query(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    """Guard: a 400 naming the first query parameter that *handler* neither declares (itself or
-    through its dependencies) nor lists in its ``opt[QUERY_OPT]``."""
+    """Guard: a 400 naming the first query parameter that *handler* does not declare (itself or through
+    its dependencies)."""
     names = handler.opt.get(_KNOWN)
     if names is None:
         model = handler.create_kwargs_model({name: None for name in connection.path_params})  # type: ignore[misc]
         declared = {param.field_alias for param in model.expected_query_params}
-        names = handler.opt[_KNOWN] = frozenset(declared | set(handler.opt.get(QUERY_OPT, ())))
+        names = handler.opt[_KNOWN] = frozenset(declared)
     unknown = [name for name in connection.query_params if name not in names]
     if unknown:
         raise Problem(400, "Bad request", f"unknown query parameter {unknown[0]!r}; this route takes: "
