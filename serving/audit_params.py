@@ -20,8 +20,6 @@ from serving.problems import Problem
 from store.audit_access import AccessFilters, parse_access_filters
 from store.audit_filters import FILTER_FIELDS, RANGE_FIELDS, TIME_HELP, AuditFilters, parse_filters
 
-
-
 # A parameter's type, its documentation: all are text, parsed by the store's one parser.
 _Time = Annotated[str | None, Parameter(required=False, description=f"ISO 8601 or relative: {TIME_HELP}")]
 _Cost = Annotated[str | None, Parameter(required=False, description=FILTER_FIELDS["min_cost_usd"])]
