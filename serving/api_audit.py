@@ -1,25 +1,29 @@
 """The reviewers' API: query, read, summarize, verify and export the audit log.
 
 Only ``auditor`` and ``admin`` keys may call these routes, and every call is
-itself written to the access log (who asked what, when).
+itself written to the access log (who asked what, when), which ``/audit/access`` reads.
+Records, summaries and exports take the same filters (serving/audit_params.py); a query
+parameter a route does not take is a 400 that names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from litestar import Request, get
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import Response, Stream
 
 from pipeline.context import Principal
 from serving.api_docs import JsonLinesOrCsv, problems
+from serving.audit_params import access_filters, audit_filters, refuse_unknown_query, time_range
 from serving.problems import Problem
 from serving.state import AppState
-from store.audit import AuditFilters, AuditStore
+from store.audit import AccessFilters, AuditFilters, AuditStore
 from store.audit_query import MAX_LIMIT, SORT_FIELDS
 
 _ROLES = ("auditor",)
@@ -42,28 +46,6 @@ async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tup
     return store, principal
 
 
-def _utc(name: str, value: datetime | None) -> datetime | None:
-    """*value* in UTC (without an offset it is taken as UTC); a 400 when it has no UTC equivalent
-    (``0001-01-01T00:00+01:00`` is in year 0 there)."""
-    if value is None:
-        return None
-    try:
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    except OverflowError:
-        raise Problem(400, "Bad request", f"{name}: {value.isoformat()} is out of range in UTC",
-                      "invalid_query") from None
-
-
-def _filters(since: datetime | None, until: datetime | None, pipeline: str | None, spec_sha256: str | None,
-             key_id: str | None, model: str | None, policy_action: str | None, policy_category: str | None,
-             status: str | None, finish_reason: str | None, min_cost_usd: float | None,
-             text: str | None) -> AuditFilters:
-    return AuditFilters(since=_utc("since", since), until=_utc("until", until), pipeline=pipeline,
-                        spec_sha256=spec_sha256, key_id=key_id,
-                        model=model, policy_action=policy_action, policy_category=policy_category, status=status,
-                        finish_reason=finish_reason, min_cost_usd=min_cost_usd, text=text)
-
-
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -71,25 +53,19 @@ async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise Problem(400, "Bad request", str(exc), "invalid_query") from exc
 
 
-@get("/audit/records", summary="Query audit records (filters, sorting, cursor pagination)", tags=["audit"],
-     responses=problems(400, 401, 403, 422, 503))
-async def records(request: Request, since: FromQuery[datetime | None] = None,
-                  until: FromQuery[datetime | None] = None, pipeline: FromQuery[str | None] = None,
-                  spec_sha256: FromQuery[str | None] = None, key_id: FromQuery[str | None] = None,
-                  model: FromQuery[str | None] = None, policy_action: FromQuery[str | None] = None,
-                  policy_category: FromQuery[str | None] = None, status: FromQuery[str | None] = None,
-                  finish_reason: FromQuery[str | None] = None, min_cost_usd: FromQuery[float | None] = None,
-                  text: FromQuery[str | None] = None, sort: _Sort = "-received_at",
+_ROUTE = {"tags": ["audit"], "guards": [refuse_unknown_query]}
+
+
+@get("/audit/records", summary="Query audit records (filters, sorting, cursor pagination)", **_ROUTE,
+     dependencies={"filters": audit_filters}, responses=problems(400, 401, 403, 422, 503))
+async def records(request: Request, filters: NamedDependency[AuditFilters], sort: _Sort = "-received_at",
                   cursor: FromQuery[str | None] = None, limit: _Limit = 50) -> dict[str, Any]:
-    filters = _filters(since, until, pipeline, spec_sha256, key_id, model, policy_action, policy_category, status,
-                       finish_reason, min_cost_usd, text)
-    logged = {f: getattr(filters, f) for f in filters.__dataclass_fields__ if getattr(filters, f) is not None}
-    store, _ = await _reviewer(request, "query", {**logged, "sort": sort, "cursor": cursor, "limit": limit})
+    store, _ = await _reviewer(request, "query", {**filters.given(), "sort": sort, "cursor": cursor, "limit": limit})
     page = await _call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
     return {"records": page.records, "next_cursor": page.next_cursor}
 
 
-@get("/audit/records/{record_id:str}", summary="One audit record with its stages", tags=["audit"],
+@get("/audit/records/{record_id:str}", summary="One audit record with its stages", **_ROUTE,
      responses=problems(400, 401, 403, 404, 503))
 async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
     store, _ = await _reviewer(request, "show", {"record_id": record_id})
@@ -99,40 +75,43 @@ async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
     return found
 
 
-@get("/audit/summary", summary="Counts, block rate, tokens and cost, grouped", tags=["audit"],
-     responses=problems(400, 401, 403, 422, 503))
-async def summary(request: Request, group_by: FromQuery[Literal["pipeline", "model", "key_id", "day"]] = "pipeline",
-                  since: FromQuery[datetime | None] = None, until: FromQuery[datetime | None] = None,
-                  pipeline: FromQuery[str | None] = None) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "summary", {"group_by": group_by, "since": since, "until": until,
-                                                    "pipeline": pipeline})
-    filters = AuditFilters(since=_utc("since", since), until=_utc("until", until), pipeline=pipeline)
+@get("/audit/summary", summary="Counts, block rate, tokens and cost, grouped", **_ROUTE,
+     dependencies={"filters": audit_filters}, responses=problems(400, 401, 403, 422, 503))
+async def summary(request: Request, filters: NamedDependency[AuditFilters],
+                  group_by: FromQuery[Literal["pipeline", "model", "key_id", "day"]] = "pipeline") -> dict[str, Any]:
+    store, _ = await _reviewer(request, "summary", {"group_by": group_by, **filters.given()})
     return {"group_by": group_by, "groups": await _call(store.summary, filters, group_by)}
 
 
-@get("/audit/verify", summary="Recompute the hash chain and report any tampering", tags=["audit"],
-     responses=problems(400, 401, 403, 422, 503))
-async def verify(request: Request, since: FromQuery[datetime | None] = None,
-                 until: FromQuery[datetime | None] = None) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "verify", {"since": since, "until": until})
-    report = await _call(store.verify, _utc("since", since), _utc("until", until))
+@get("/audit/verify", summary="Recompute the hash chain and report any tampering", **_ROUTE,
+     dependencies={"filters": time_range}, responses=problems(400, 401, 403, 422, 503))
+async def verify(request: Request, filters: NamedDependency[AuditFilters]) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "verify", filters.given())
+    report = await _call(store.verify, filters.since, filters.until)
     return {"ok": report.ok, "checked": report.checked, "head_seq": report.head_seq,
             "findings": [{"kind": f.kind, "seq": f.seq, "record_id": f.record_id, "detail": f.detail}
                          for f in report.findings]}
 
 
-@get("/audit/export", summary="Export records as JSON Lines or CSV, streamed", tags=["audit"],
-     operation_class=JsonLinesOrCsv, responses=problems(400, 401, 403, 422, 503))
-async def export(request: Request, format: FromQuery[Literal["jsonl", "csv"]] = "jsonl",
-                 since: FromQuery[datetime | None] = None, until: FromQuery[datetime | None] = None,
-                 pipeline: FromQuery[str | None] = None, status: FromQuery[str | None] = None) -> Response[Any]:
-    store, _ = await _reviewer(request, "export", {"format": format, "since": since, "until": until,
-                                                   "pipeline": pipeline, "status": status})
-    filters = AuditFilters(since=_utc("since", since), until=_utc("until", until), pipeline=pipeline, status=status)
+@get("/audit/export", summary="Export records as JSON Lines or CSV, streamed", **_ROUTE,
+     dependencies={"filters": audit_filters}, operation_class=JsonLinesOrCsv,
+     responses=problems(400, 401, 403, 422, 503))
+async def export(request: Request, filters: NamedDependency[AuditFilters],
+                 format: FromQuery[Literal["jsonl", "csv"]] = "jsonl") -> Response[Any]:
+    store, _ = await _reviewer(request, "export", {"format": format, **filters.given()})
     lines = store.export(filters, format)
     media = "application/x-ndjson" if format == "jsonl" else "text/csv"
     return Stream(_async_lines(lines), media_type=media,
                   headers={"Content-Disposition": f'attachment; filename="audit.{format}"'})
+
+
+@get("/audit/access", summary="The reviewers' access log: who read the audit log, newest first", **_ROUTE,
+     dependencies={"filters": access_filters}, responses=problems(400, 401, 403, 422, 503))
+async def access(request: Request, filters: NamedDependency[AccessFilters], cursor: FromQuery[str | None] = None,
+                 limit: _Limit = 50) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "access", {**filters.given(), "cursor": cursor, "limit": limit})
+    page = await _call(store.access, filters, cursor=cursor, limit=limit)
+    return {"entries": page.records, "next_cursor": page.next_cursor}
 
 
 async def _async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
@@ -142,4 +121,4 @@ async def _async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
         yield line.encode() if isinstance(line, str) else line
 
 
-ROUTES = [records, record, summary, verify, export]
+ROUTES = [records, record, summary, verify, export, access]

@@ -5,7 +5,7 @@
     inferline validate PATH...                  check pipeline files (or folders of them)
     inferline run PIPELINE --input TEXT         run one request in-process
     inferline keys create|list|revoke           manage API keys
-    inferline audit query|show|summary|verify|export|prune|hold   read and keep the audit log
+    inferline audit query|show|summary|verify|export|access|prune|hold   read and keep the audit log
     inferline eval PIPELINE --dataset FILE.jsonl [--baseline RUN]   evaluate quality, latency and cost
     inferline load PIPELINE --rate R --duration D ...  drive a live server with Poisson arrivals
     inferline profile MODEL                     measure the engine's prefill and decode step costs

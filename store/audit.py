@@ -33,16 +33,19 @@ from typing import Any, Literal
 import psycopg
 import sqlalchemy as sa
 
+from store.audit_access import AccessFilters, access_page
 from store.audit_append import AsyncOneTripAppender, OneTripAppender, SqliteLoopWriter
 from store.audit_chain import checkpoint_row, json_line, normalize, record_hash, row_to_dict, sign_checkpoint
+from store.audit_filters import AuditFilters
 from store.audit_models import HEAD_ID, AuditAccess, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
 from store.audit_prune import PruneReport, prune_in
-from store.audit_query import AuditFilters, Page, export_lines, query_page, stages_of, summarize
+from store.audit_query import Page, export_lines, get_record, query_page, summarize
 from store.audit_spool import Spool
 from store.audit_verify import Finding, VerifyReport, verify_chain
 from store.db import utcnow
 
-__all__ = ["AuditFilters", "AuditStore", "AuditUnavailable", "Finding", "Page", "PruneReport", "VerifyReport"]
+__all__ = ["AccessFilters", "AuditFilters", "AuditStore", "AuditUnavailable", "Finding", "Page", "PruneReport",
+           "VerifyReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,16 +319,11 @@ class AuditStore:
             return query_page(conn, filters, sort, cursor, limit)
 
     def get(self, record_id: str) -> dict[str, Any] | None:
-        """One record with its ``stages`` list; None if there is no such record."""
+        """One record with its key's ``key_name`` and its ``stages`` list; None if there is no such record."""
         if not isinstance(record_id, str):
             return None
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(_records).where(_records.c.id == record_id)).mappings().first()
-            if row is None:
-                return None
-            found = row_to_dict(dict(row))
-            found["stages"] = stages_of(conn, [record_id]).get(record_id, [])
-        return found
+            return get_record(conn, record_id)
 
     def summary(self, filters: AuditFilters,
                 group_by: Literal["pipeline", "model", "key_id", "day"]) -> list[dict[str, Any]]:
@@ -346,6 +344,11 @@ class AuditStore:
         with self.engine.begin() as conn:
             conn.execute(sa.insert(AuditAccess).values(at=utcnow(), key_id=key_id, role=role, action=action,
                                                        query=safe_query))
+
+    def access(self, filters: AccessFilters, *, cursor: str | None = None, limit: int = 50) -> Page:
+        """A page of the access log matching *filters*, newest first; ValueError for a bad cursor or limit."""
+        with self.engine.connect() as conn:
+            return access_page(conn, filters, cursor, limit)
 
     def access_log(self, limit: int = 100) -> list[dict[str, Any]]:
         """The latest accesses, newest first."""

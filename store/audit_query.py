@@ -20,36 +20,23 @@ from typing import Any, Literal
 import sqlalchemy as sa
 
 from store.audit_chain import STAGE_COLUMNS, row_to_dict
+from store.audit_filters import AuditFilters, parse_cost
 from store.audit_models import AuditRecord, AuditStage
+from store.keys import ApiKey
 
 MAX_LIMIT = 500
 EXPORT_BATCH = 1000
 _records = AuditRecord.__table__
 _stages = AuditStage.__table__
+_keys = ApiKey.__table__
+# The key's name beside its id; a deleted or unknown key has none.
+_WITH_KEY = _records.outerjoin(_keys, _keys.c.id == _records.c.key_id)
+_KEY_NAME = _keys.c.name.label("key_name")
 SORT_FIELDS = {name: _records.c[name] for name in ("received_at", "cost_usd", "duration_ms", "seq")}
 GROUPS = ("pipeline", "model", "key_id", "day")
 RECORD_COLUMNS = tuple(column.name for column in _records.columns)
-
-
-@dataclass(frozen=True, slots=True)
-class AuditFilters:
-    """What to select; every field optional, all given ones must hold. ``until`` is exclusive."""
-
-    since: datetime | None = None
-    until: datetime | None = None
-    pipeline: str | None = None
-    spec_sha256: str | None = None
-    key_id: str | None = None
-    model: str | None = None
-    policy_action: str | None = None
-    policy_category: str | None = None
-    status: str | None = None
-    finish_reason: str | None = None
-    min_cost_usd: float | None = None
-    text: str | None = None
-    """Case-insensitive substring of input_content or output_content (wildcards are literal)."""
-    kind: str | None = "record"
-    """``record`` (requests), ``prune`` (prune markers), or None for both."""
+#: An export's columns: the record's, then the name of its key (not part of the hashed record).
+EXPORT_COLUMNS = (*RECORD_COLUMNS, "key_name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +63,7 @@ def conditions(filters: AuditFilters) -> list[sa.ColumnElement[bool]]:
         categories = sa.literal(",") + c.policy_categories + sa.literal(",")
         where.append(categories.contains(f",{_text(filters.policy_category)},", autoescape=True))
     if filters.min_cost_usd is not None:
-        where.append(c.cost_usd >= float(filters.min_cost_usd))
+        where.append(c.cost_usd >= parse_cost(filters.min_cost_usd))
     if filters.text:
         text = _text(filters.text)
         where.append(sa.or_(c.input_content.icontains(text, autoescape=True),
@@ -90,7 +77,7 @@ def query_page(conn: sa.Connection, filters: AuditFilters, sort: str, cursor: st
         raise ValueError(f"limit must be between 1 and {MAX_LIMIT}")
     name, descending = parse_sort(sort)
     column, seq = SORT_FIELDS[name], _records.c.seq
-    statement = sa.select(_records).where(*conditions(filters))
+    statement = sa.select(_records, _KEY_NAME).select_from(_WITH_KEY).where(*conditions(filters))
     if cursor is not None:
         value, after_seq = _decode_cursor(cursor, sort)
         if name == "seq":
@@ -119,15 +106,18 @@ def summarize(conn: sa.Connection, filters: AuditFilters, group_by: str) -> list
         raise ValueError(f"cannot group by {group_by!r}; allowed: {', '.join(GROUPS)}")
     c = _records.c
     key = _day(conn.dialect.name) if group_by == "day" else c[group_by]
+    by_key = group_by == "key_id"
     denied = sa.func.sum(sa.case((c.status == "denied", 1), else_=0))
     statement = (sa.select(key.label("key"), sa.func.count().label("count"), denied.label("denied"),
                            sa.func.sum(c.input_tokens).label("input_tokens"),
                            sa.func.sum(c.output_tokens).label("output_tokens"),
-                           sa.func.sum(c.cost_usd).label("cost_usd"))
-                 .where(*conditions(filters)).group_by(key).order_by(key))
-    return [{group_by: row.key, "count": row.count, "denied": int(row.denied or 0),
-             "block_rate": (row.denied or 0) / row.count, "input_tokens": int(row.input_tokens or 0),
-             "output_tokens": int(row.output_tokens or 0), "cost_usd": float(row.cost_usd or 0.0)}
+                           sa.func.sum(c.cost_usd).label("cost_usd"), *([_KEY_NAME] if by_key else []))
+                 .select_from(_WITH_KEY if by_key else _records).where(*conditions(filters))
+                 .group_by(key, *([_keys.c.name] if by_key else [])).order_by(key))
+    return [{group_by: row.key, **({"key_name": row.key_name} if by_key else {}), "count": row.count,
+             "denied": int(row.denied or 0), "block_rate": (row.denied or 0) / row.count,
+             "input_tokens": int(row.input_tokens or 0), "output_tokens": int(row.output_tokens or 0),
+             "cost_usd": float(row.cost_usd or 0.0)}
             for row in conn.execute(statement)]
 
 
@@ -136,12 +126,13 @@ def export_lines(engine: sa.Engine, filters: AuditFilters, fmt: Literal["jsonl",
     if fmt not in ("jsonl", "csv"):
         raise ValueError(f"unknown export format {fmt!r}; use jsonl or csv")
     if fmt == "csv":
-        yield _csv_line([*RECORD_COLUMNS, "stages"])
+        yield _csv_line([*EXPORT_COLUMNS, "stages"])
     after = 0
     while True:
         # A connection per batch: a slow reader must not hold one for the whole export.
         with engine.connect() as conn:
-            statement = (sa.select(_records).where(*conditions(filters), _records.c.seq > after)
+            statement = (sa.select(_records, _KEY_NAME).select_from(_WITH_KEY)
+                         .where(*conditions(filters), _records.c.seq > after)
                          .order_by(_records.c.seq).limit(EXPORT_BATCH))
             rows = [row_to_dict(dict(row)) for row in conn.execute(statement).mappings()]
             stages = stages_of(conn, [row["id"] for row in rows])
@@ -151,6 +142,17 @@ def export_lines(engine: sa.Engine, filters: AuditFilters, fmt: Literal["jsonl",
             row["stages"] = stages.get(row["id"], [])
             yield json.dumps(row, separators=(",", ":")) + "\n" if fmt == "jsonl" else _csv_row(row)
         after = rows[-1]["seq"]
+
+
+def get_record(conn: sa.Connection, record_id: str) -> dict[str, Any] | None:
+    """One record with its key's name and its ``stages`` list; None if there is no such record."""
+    statement = sa.select(_records, _KEY_NAME).select_from(_WITH_KEY).where(_records.c.id == record_id)
+    row = conn.execute(statement).mappings().first()
+    if row is None:
+        return None
+    found = row_to_dict(dict(row))
+    found["stages"] = stages_of(conn, [record_id]).get(record_id, [])
+    return found
 
 
 def stages_of(conn: sa.Connection, record_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
@@ -204,7 +206,7 @@ def _decode_cursor(cursor: str, sort: str) -> tuple[Any, int]:
 
 def _csv_row(row: dict[str, Any]) -> str:
     return _csv_line(["" if row[name] is None else json.dumps(row[name]) if isinstance(row[name], dict | list)
-                      else row[name] for name in (*RECORD_COLUMNS, "stages")])
+                      else row[name] for name in (*EXPORT_COLUMNS, "stages")])
 
 
 def _csv_line(values: Sequence[Any]) -> str:

@@ -1,5 +1,5 @@
-"""The audit explorer: the audit API's filters, a paged table, a record's detail, chain verification
-and exports, for ``auditor`` and ``admin`` keys (a caller gets a 403 page).
+"""The audit explorer: the audit API's filters, a paged table, a record's detail, chain verification,
+exports and the reviewers' access log, for ``auditor`` and ``admin`` keys (a caller gets a 403 page).
 
 It reads the same store as ``/audit/*`` and, like the API, writes every read to the access log
 (with ``"via": "console"`` in the logged query). Filters come from a plain GET form, so a filtered
@@ -11,58 +11,53 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
 import sqlalchemy as sa
 from litestar import Request, get, post
-from litestar.params import FromPath
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
 from litestar.response import Response, Stream
 
+from serving.audit_params import access_filters, audit_filters, refuse_unknown_query
 from serving.console.plugin import Console
 from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, Session
 from serving.problems import Problem
-from store.audit import AuditFilters, AuditStore
+from store.audit import AccessFilters, AuditFilters, AuditStore
+from store.audit_access import ACCESS_FIELDS
+from store.audit_filters import FILTER_FIELDS
+from store.audit_filters import parse_time as store_parse_time
 from store.audit_models import STATUSES, AuditRecord
 from store.audit_query import MAX_LIMIT, SORT_FIELDS
 
 _ROLES = ("auditor",)
 _WHAT = "read the audit log"
-_TEXT_FILTERS = ("pipeline", "spec_sha256", "key_id", "model", "policy_action", "policy_category", "status",
-                 "finish_reason", "text")
-FILTER_NAMES = ("since", "until", *_TEXT_FILTERS, "min_cost_usd")
+FILTER_NAMES = tuple(FILTER_FIELDS)
 SORTS = tuple(s for name in SORT_FIELDS for s in (f"-{name}", name))
 POLICY_ACTIONS = ("allow", "flag", "redact", "block")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
+#: The pages' filters are the API's (serving/audit_params.py): the same dependency parses them, and the
+#: same guard refuses a query parameter a page does not take.
+_GUARDED = {"guards": [refuse_unknown_query]}
+
+
+def echo_of(params: Mapping[str, str], names: tuple[str, ...] = FILTER_NAMES) -> dict[str, str]:
+    """The filters as given, to put back in the form (empty fields are unset)."""
+    return {name: (params.get(name) or "").strip()[:500] for name in names}
 
 
 def parse_time(name: str, value: str | None) -> datetime | None:
-    """An ISO 8601 instant from a form: ``2026-11-01T09:30`` (a datetime-local field, taken as UTC) or
-    with an offset; empty is None; anything else is a 400."""
+    """A time from a form (ISO 8601, without an offset in UTC, or relative: 24h, 7d, yesterday); empty is
+    None; anything else is a 400."""
     if value is None or not value.strip():
         return None
     try:
-        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-        return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
-    except (ValueError, OverflowError):  # OverflowError: no UTC equivalent (0001-01-01T00:00+01:00)
-        raise Problem(400, "Bad request", f"{name}: {value!r} is not a date and time "
-                                          "(use 2026-11-01T09:30, in UTC)", "invalid_query") from None
-
-
-def parse_filters(params: Mapping[str, str]) -> tuple[AuditFilters, dict[str, str]]:
-    """The filters of a query string, and the values to put back in the form (empty fields are unset)."""
-    echo = {name: (params.get(name) or "").strip()[:500] for name in FILTER_NAMES}
-    values: dict[str, Any] = {name: echo[name] or None for name in _TEXT_FILTERS}
-    values["since"], values["until"] = parse_time("since", echo["since"]), parse_time("until", echo["until"])
-    if echo["min_cost_usd"]:
-        try:
-            values["min_cost_usd"] = float(echo["min_cost_usd"])
-        except ValueError:
-            raise Problem(400, "Bad request", f"min_cost_usd: {echo['min_cost_usd']!r} is not a number",
-                          "invalid_query") from None
-    return AuditFilters(**values), echo
+        return store_parse_time(value)
+    except ValueError as exc:
+        raise Problem(400, "Bad request", f"{name}: {exc}", "invalid_query") from None
 
 
 def parse_limit(value: str | None, default: int = 25) -> int:
@@ -96,32 +91,49 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise Problem(400, "Bad request", str(exc), "invalid_query") from exc
 
 
-@get("/audit", name="console-audit")
-async def audit_page(request: Request) -> Response[str]:
+@get("/audit", name="console-audit", dependencies={"filters": audit_filters}, **_GUARDED)
+async def audit_page(request: Request, filters: NamedDependency[AuditFilters], sort: FromQuery[str | None] = None,
+                     limit: FromQuery[str | None] = None, cursor: FromQuery[str | None] = None) -> Response[str]:
     """The filtered, sorted, paged table of audit records."""
     console = Console.of(request)
-    params = request.query_params
-    filters, echo = parse_filters(params)
-    sort = params.get("sort") or "-received_at"
+    echo = echo_of(request.query_params)
+    sort = sort or "-received_at"
     if sort not in SORTS:
         raise Problem(400, "Bad request", f"cannot sort by {sort!r}; choose one of {', '.join(SORTS)}",
                       "invalid_query")
-    limit, cursor = parse_limit(params.get("limit")), params.get("cursor") or None
+    page_size, cursor = parse_limit(limit), cursor or None
     store, session = await reviewer(console, request, "query", {**echo, "sort": sort, "cursor": cursor,
-                                                                "limit": limit})
-    page = await call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
-    kept = {k: v for k, v in {**echo, "sort": sort, "limit": str(limit)}.items() if v}
+                                                                "limit": page_size})
+    page = await call(store.query, filters, sort=sort, cursor=cursor, limit=page_size)
+    kept = {k: v for k, v in {**echo, "sort": sort, "limit": str(page_size)}.items() if v}
     exports = {fmt: "/ui/audit/export?" + urlencode({**{k: v for k, v in echo.items() if v}, "format": fmt})
                for fmt in ("jsonl", "csv")}
     return console.page(request, session, "audit.html", records=page.records, filters=echo, sort=sort,
-                        limit=limit, sorts=SORTS, statuses=STATUSES, policy_actions=POLICY_ACTIONS,
+                        limit=page_size, sorts=SORTS, statuses=STATUSES, policy_actions=POLICY_ACTIONS,
                         pipelines=sorted(console.state.executor.pipelines), is_first_page=cursor is None,
                         next_url=("/ui/audit?" + urlencode({**kept, "cursor": page.next_cursor})
                                   if page.next_cursor else None),
                         first_url="/ui/audit?" + urlencode(kept), exports=exports)
 
 
-@get("/audit/records/{record_id:str}", name="console-audit-record")
+@get("/audit/access", name="console-audit-access", dependencies={"filters": access_filters}, **_GUARDED)
+async def access_page(request: Request, filters: NamedDependency[AccessFilters], limit: FromQuery[str | None] = None,
+                      cursor: FromQuery[str | None] = None) -> Response[str]:
+    """The reviewers' access log: who read the audit log, how and when, newest first."""
+    console = Console.of(request)
+    echo = echo_of(request.query_params, tuple(ACCESS_FIELDS))
+    page_size, cursor = parse_limit(limit, 50), cursor or None
+    store, session = await reviewer(console, request, "access", {**echo, "cursor": cursor, "limit": page_size})
+    page = await call(store.access, filters, cursor=cursor, limit=page_size)
+    kept = {k: v for k, v in {**echo, "limit": str(page_size)}.items() if v}
+    return console.page(request, session, "access.html", entries=page.records, filters=echo,
+                        limit=page_size, is_first_page=cursor is None,
+                        next_url=("/ui/audit/access?" + urlencode({**kept, "cursor": page.next_cursor})
+                                  if page.next_cursor else None),
+                        first_url="/ui/audit/access?" + urlencode(kept))
+
+
+@get("/audit/records/{record_id:str}", name="console-audit-record", **_GUARDED)
 async def record_page(request: Request, record_id: FromPath[str]) -> Response[str]:
     """One record: who, what, the content as stored, each stage with its decision, the policy decisions."""
     console = Console.of(request)
@@ -147,15 +159,15 @@ async def verify_page(request: Request) -> Response[str]:
     return console.page(request, session, "verify.html", report=report, since=since_text, until=until_text)
 
 
-@get("/audit/export", name="console-audit-export")
-async def export(request: Request) -> Response[Any]:
+@get("/audit/export", name="console-audit-export", dependencies={"filters": audit_filters}, **_GUARDED)
+async def export(request: Request, filters: NamedDependency[AuditFilters],
+                 format: FromQuery[str | None] = None) -> Response[Any]:
     """The filtered records as a JSON Lines or CSV download, streamed."""
     console = Console.of(request)
-    fmt = request.query_params.get("format") or "jsonl"
+    fmt = format or "jsonl"
     if fmt not in ("jsonl", "csv"):
         raise Problem(400, "Bad request", f"format must be jsonl or csv, not {fmt!r}", "invalid_query")
-    filters, echo = parse_filters(request.query_params)
-    store, _ = await reviewer(console, request, "export", {**echo, "format": fmt})
+    store, _ = await reviewer(console, request, "export", {**echo_of(request.query_params), "format": fmt})
     lines = await call(store.export, filters, fmt)
     media = "application/x-ndjson" if fmt == "jsonl" else "text/csv"
     return Stream(async_lines(lines), media_type=media,
@@ -190,4 +202,4 @@ async def async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
         yield line.encode() if isinstance(line, str) else line
 
 
-ROUTES = [audit_page, record_page, verify_page, export]
+ROUTES = [audit_page, access_page, record_page, verify_page, export]

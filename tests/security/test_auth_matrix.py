@@ -59,6 +59,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/audit/summary"): (REVIEWERS, Call("/audit/summary")),
     ("GET", "/audit/verify"): (REVIEWERS, Call("/audit/verify")),
     ("GET", "/audit/export"): (REVIEWERS, Call("/audit/export")),
+    ("GET", "/audit/access"): (REVIEWERS, Call("/audit/access")),
     # The OpenAPI document and its viewers.
     **{("GET", path): (PUBLIC, Call(path.replace("{path:str}", "nothing")))
        for path in ("/schema", "/schema/openapi.json", "/schema/openapi.yaml", "/schema/openapi.yml",
@@ -79,6 +80,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/ui/audit/records/{record_id:str}"): (REVIEWERS, Call("/ui/audit/records/none", console=True)),
     ("POST", "/ui/audit/verify"): (REVIEWERS, Call("/ui/audit/verify", console=True, csrf="form")),
     ("GET", "/ui/audit/export"): (REVIEWERS, Call("/ui/audit/export", console=True)),
+    ("GET", "/ui/audit/access"): (REVIEWERS, Call("/ui/audit/access", console=True)),
     ("POST", "/ui/api/pipelines/{name:str}/run"): (CALLERS, Call("/ui/api/pipelines/chat/run", json=CHAT,
                                                                  console=True, csrf="header")),
     ("GET", "/ui/api/metrics"): (REVIEWERS, Call("/ui/api/metrics", console=True)),

@@ -168,7 +168,7 @@ def test_a_stream_request_with_a_bad_body_never_starts_a_stream(secured):
 
 
 @pytest.mark.parametrize("path", ["/audit/records", "/audit/summary", "/audit/verify", "/audit/export",
-                                  "/ui/audit", "/ui/audit/export"])
+                                  "/audit/access", "/ui/audit", "/ui/audit/export", "/ui/audit/access"])
 @pytest.mark.parametrize(("instant", "statuses"), [
     ("0001-01-01T00:19:01+19:58", (400,)),   # year 0 in UTC: no such datetime
     ("9999-12-31T23:59:59-10:00", (400,)),   # year 10000 in UTC

@@ -96,7 +96,7 @@ def test_cross_site_requests_are_refused_even_with_a_token(client):
 
 
 def test_bad_input_gets_friendly_pages_never_500(client):
-    cases = {"/ui/audit?since=yesterday": 400, "/ui/audit?limit=abc": 400, "/ui/audit?limit=100000": 400,
+    cases = {"/ui/audit?since=someday": 400, "/ui/audit?limit=abc": 400, "/ui/audit?limit=100000": 400,
              "/ui/audit?sort=evil": 400, "/ui/audit?cursor=garbage": 400, "/ui/audit?min_cost_usd=lots": 400,
              "/ui/audit/records/nope": 404, "/ui/pipelines/nope": 404, "/ui/traces/nope": 404,
              "/ui/audit/export?format=xml": 400, "/ui/nowhere/at/all": 404}
@@ -273,3 +273,26 @@ def _next_href(html: str) -> str:
 
 def _first_record_href(html: str) -> str:
     return html.split('class="record-link" href="')[1].split('"')[0]
+
+
+def test_the_access_log_page(auth_client, keys):
+    info, auditor = keys.create("reviewer", "auditor")
+    _, caller = keys.create("app", "caller")
+    sign_in(auth_client, auditor)
+    assert auth_client.get("/ui/audit?pipeline=chat").status_code == 200
+    assert auth_client.get("/ui/audit/export?format=csv").status_code == 200
+    page = auth_client.get("/ui/audit/access")
+    assert page.status_code == 200 and 'href="/ui/audit/access" aria-current="page"' in page.text  # in the nav
+    assert [a for a in ("access", "export", "query") if f'data-action="{a}"' in page.text] == ["access", "export",
+                                                                                                "query"]
+    assert f'<code>{info.id}</code> <span class="key-name">reviewer</span>' in page.text
+    assert '"via": "console"' in page.text  # the console's own reads are logged too
+    only = auth_client.get("/ui/audit/access?action=export&since=1h&key_id=" + info.id)
+    assert only.text.count('class="access-entry"') == 1 and 'data-action="export"' in only.text
+    assert auth_client.get("/ui/audit/access?since=someday").status_code == 400
+    assert auth_client.get("/ui/audit/access?actoin=query").status_code == 400
+    paged = auth_client.get("/ui/audit/access?limit=1")
+    assert paged.text.count('class="access-entry"') == 1 and 'id="next-page"' in paged.text
+    sign_in(auth_client, caller)
+    assert auth_client.get("/ui/audit/access").status_code == 403
+    assert 'href="/ui/audit/access"' not in auth_client.get("/ui").text
