@@ -232,6 +232,16 @@ class AuthSpec(Strict):
     enabled: bool = True
 
 
+class RefusalsSpec(Strict):
+    """How many refused requests (401, 403, 413, 429) the server records; beyond these token buckets a
+    refusal is only counted (``inferline_audit_refusals_dropped_total``), so a flood cannot fill the log."""
+
+    #: Per client address and reason: up to this many records in a burst, refilled at this rate a minute.
+    per_client_per_minute: PositiveInt = 60
+    #: All clients and reasons together.
+    per_minute: PositiveInt = 600
+
+
 class AuditSpec(Strict):
     """The tamper-evident audit log (records go to ``database:``)."""
 
@@ -247,6 +257,7 @@ class AuditSpec(Strict):
     #: HMAC key for signed checkpoints; better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
     checkpoint_key: str | None = None
     checkpoint_every: PositiveInt = 1000
+    refusals: RefusalsSpec = Field(default_factory=RefusalsSpec)
 
 
 class LimitsSpec(Strict):

@@ -22,6 +22,7 @@ from pipeline.runner import Pipeline
 from serving.api_docs import JsonOrEventStream, problems
 from serving.execution import event_stream, prime, sse_event
 from serving.problems import Problem, from_final, limit_headers
+from serving.refusals import attempt_of
 from serving.state import AppState
 
 
@@ -106,13 +107,17 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
                         stop: list[str] | None = None) -> tuple[Pipeline, RequestContext]:
     """Authorize the caller for pipeline *name* and build its request context."""
     pipeline = state.executor.get(name)
-    principal = await state.auth.authorize(request, pipeline.spec.access.roles, f"call pipeline {name!r}")
+    attempt = attempt_of(request)  # what the server's record of a refusal names (serving/refusals.py)
+    attempt.pipeline = pipeline
+    attempt.principal = principal = await state.auth.principal(request)
+    state.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
     if state.audit is not None and state.audit.mode == "required" and not state.audit.is_durable():
         raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "
                       "(audit.mode: required); retry shortly", "audit_unavailable", {"Retry-After": "5"})
     ctx = RequestContext(pipeline=name, input_messages=messages, principal=principal, tags=dict(tags or {}),
                          params=params, stop=list(stop or []),
                          client_addr=request.client.host if request.client else "")
+    attempt.ctx = ctx
     return pipeline, ctx
 
 

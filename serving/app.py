@@ -43,6 +43,7 @@ from serving.http_metrics import HttpMetrics
 from serving.indexes import IndexRegistry
 from serving.model_pool import ModelPool
 from serving.problems import Problem, from_error, title_for
+from serving.refusals import RefusalRecorder
 from serving.state import AppState
 from serving.wiring import Workspace
 from store.counters import RedisCounters, SqlCounters
@@ -76,6 +77,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     executor = Executor(pipelines, Runner(tracer_provider.get_tracer("inferline")), metrics)
     resources.pipelines = LocalPipelines(pipelines, executor.run)  # the score stages' judges
     state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), pool, registry)
+    state.refusals = refusals = RefusalRecorder(server.audit.refusals, state.auth, pipelines, registry)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -91,6 +93,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             if replayed:
                 logger.info("audit: replayed %d spooled record(s)", replayed)
             resources.audit = state.audit_sink = await asyncio.to_thread(open_sink, workspace, state.audit)
+            refusals.sink = state.audit_sink
             resources.counters = counters = await open_counters(server.limits, db)
             await asyncio.to_thread(indexes.refresh)
             watcher = asyncio.create_task(indexes.watch())
@@ -110,6 +113,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             await pool.close()
             for pipeline in pipelines.values():
                 await pipeline.aclose()
+            await refusals.settled(server.http.shutdown_grace_s)
             if isinstance(resources.audit, StoreSink):
                 await resources.audit.aclose()
             if watcher is not None:
@@ -184,9 +188,13 @@ def _log_start(workspace: Workspace) -> None:
 
 
 def _handle(request: Request, exc: Exception) -> Response[Any]:
+    problem = _problem(exc)
+    refusals = AppState.of(request).refusals
+    if refusals is not None:
+        refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
     if request.url.path.startswith("/v1/"):
-        return api_openai.error_response(_problem(exc))
-    return api_pipelines.problem_response(_problem(exc), request.url.path)
+        return api_openai.error_response(problem)
+    return api_pipelines.problem_response(problem, request.url.path)
 
 
 def _problem(exc: Exception) -> Problem:

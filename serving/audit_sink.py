@@ -68,7 +68,9 @@ class StoreSink:
         self._closed = False
 
     async def write(self, record: dict[str, Any]) -> None:
-        record["http_status"] = http_status(record.get("status", ""), record.get("error_type"))
+        # A refusal made by the server itself (serving/refusals.py) brings its own status.
+        record["http_status"] = record.get("http_status") or http_status(record.get("status", ""),
+                                                                         record.get("error_type"))
         # Normalized here, so that a malformed record fails its own request only.
         entry = record if self.journal is None else normalize(record, utcnow())
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -40,22 +40,24 @@ class Authenticator:
         """The caller, or a 401 problem; None when auth is off."""
         if not self.enabled:
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        return await self.verify(bearer_token(request.headers.get("authorization", "")))
+
+    async def verify(self, token: str | None) -> Principal:
+        """The key *token*'s holder, or a 401 (none, or a bad key) or 503 (key store away) problem."""
+        if token is None:
             raise Problem(401, "Unauthorized", "send an API key as 'Authorization: Bearer <key>'",
                           "unauthorized", {"WWW-Authenticate": "Bearer"})
         if self.keys is None:
             raise Problem(503, "Backend unavailable", "the key store is not open", "backend_error")
         try:
-            info = await asyncio.to_thread(self.keys.verify, token.strip())
+            info = await asyncio.to_thread(self.keys.verify, token)
         except SQLAlchemyError as exc:
-            info = self._remembered(token.strip())
+            info = self._remembered(token)
             if info is None:
                 raise Problem(503, "Backend unavailable", "the key store cannot be reached; retry shortly",
                               "backend_error", {"Retry-After": "5"}) from exc
         else:
-            self._remember(token.strip(), info)
+            self._remember(token, info)
         if info is None:
             raise Problem(401, "Unauthorized", "unknown or revoked API key", "unauthorized",
                           {"WWW-Authenticate": 'Bearer error="invalid_token"'})
@@ -89,3 +91,9 @@ class Authenticator:
         principal = await self.principal(request)
         self.require(principal, roles, what)
         return principal
+
+
+def bearer_token(header: str) -> str | None:
+    """The key in an ``Authorization: Bearer <key>`` header; None when there is none."""
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None

@@ -12,6 +12,7 @@ from serving.auth import Authenticator
 from serving.execution import Executor
 from serving.model_pool import ModelPool
 from serving.problems import Problem
+from serving.refusals import RefusalRecorder
 from serving.wiring import Workspace
 from store.audit import AuditStore
 
@@ -29,6 +30,8 @@ class AppState:
     audit: AuditStore | None = None
     #: The pipelines' writer to ``audit``; reads wait on its ``flushed()`` for the records not yet chained.
     audit_sink: StoreSink | None = None
+    #: Records the refused pipeline calls that no audit stage recorded (401, 403, 413, 429).
+    refusals: RefusalRecorder | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -36,7 +39,8 @@ class AppState:
         """Before an audit read: wait for the records whose requests have been answered but which are
         not chained yet, so that a reviewer sees them; a 503 when that takes over ``AUDIT_READ_WAIT_S``
         (the database is away), rather than an answer that silently lacks them."""
-        if self.audit_sink is not None and not await self.audit_sink.flushed(AUDIT_READ_WAIT_S):
+        settled = self.refusals is None or await self.refusals.settled(AUDIT_READ_WAIT_S)
+        if self.audit_sink is not None and not (settled and await self.audit_sink.flushed(AUDIT_READ_WAIT_S)):
             raise Problem(503, "Backend unavailable", "recent audit records are still being written to the "
                           "database; try again shortly", "backend_error", headers={"Retry-After": "5"})
 

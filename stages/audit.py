@@ -50,6 +50,7 @@ class AuditStage(Stage):
         if sink is None:
             raise BackendError("no audit sink is configured in this process")
         await sink.write(build_record(ctx, cast(AuditConfig, self.config)))
+        ctx.facts["audited"] = True  # the server records a refusal only if no audit stage did
 
 
 def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:

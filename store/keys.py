@@ -149,6 +149,12 @@ class KeyStore:
             return _info(row)
 
 
+def public_id(plaintext: str) -> str | None:
+    """The id of a well-formed key (``il_<id>_<secret>``), whether or not it exists; else None."""
+    match = _KEY_PATTERN.fullmatch(plaintext)
+    return match.group(1) if match else None
+
+
 def _hash_secret(secret: str) -> str:
     # A slow, salted password hash (bcrypt, argon2) defends low-entropy secrets
     # against offline guessing. These secrets are 256 random bits: guessing one
