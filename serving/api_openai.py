@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.api_docs import JsonOrEventStream, openai_errors
-from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
+from serving.api_pipelines import GenerationParams, failure, response_headers, sources_json, start_request
 from serving.execution import chain, encode_json, event_stream, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
@@ -293,7 +293,8 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
     else:
         choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
                   "logprobs": None}
-    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final)}
+    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
+            "sources": sources_json(summary)}
 
 
 def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
@@ -321,10 +322,10 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     envelope = _envelope(ctx, model, chunk_kind)
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None) -> bytes:
+    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
         choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                   if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
-        body = {**envelope, "choices": [choice]}
+        body = {**envelope, "choices": [choice], **(extra or {})}
         if include_usage:
             body["usage"] = None
         return _data(body)
@@ -346,7 +347,7 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
-                yield chunk(empty, finish)
+                yield chunk(empty, finish, {"sources": sources_json(event.summary)})
                 if include_usage:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):
