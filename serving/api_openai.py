@@ -287,6 +287,9 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
+    elif _cut_call(ctx, summary.finish_reason):
+        choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
+                  "logprobs": None}
     elif kind == "chat.completion":
         choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
                   "finish_reason": _finish(summary.finish_reason), "logprobs": None}
@@ -300,6 +303,12 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
 def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
     """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
     return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
+
+
+def _cut_call(ctx: RequestContext, finish_reason: str) -> bool:
+    """Whether the reply is a forced call that ``max_tokens`` cut short: half a call is neither a call nor
+    content, so the answer has neither, only ``finish_reason: "length"``."""
+    return finish_reason == "length" and bool(tools.forced_names(ctx.tools, ctx.tool_choice))
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -380,6 +389,8 @@ class _HeldReply:
         if self._passing:
             return [], finish
         call = _call(self._ctx, self._text)
+        if call is None and _cut_call(self._ctx, finish):
+            return [{"role": "assistant", "content": None}], finish
         if call is None:
             return [{"role": "assistant", "content": self._text}], finish
         head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
