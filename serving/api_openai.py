@@ -7,12 +7,19 @@ Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 so the official ``openai`` package raises its usual exceptions.
 
 Structured output and function calling (both need ``output`` in the pipeline's ``generate``
-``client_params``, as by default): ``response_format`` ``json_object`` or ``json_schema`` constrains the reply to
-JSON (to that schema). ``tools`` are offered to the model (see :mod:`stages.tools`); with
-``tool_choice`` ``required`` or a named function the reply is constrained to a valid call, with
-``auto`` (the default) a reply that is a call of an offered function becomes one. A call answers
-``message.tool_calls`` with ``finish_reason: "tool_calls"``; streamed, the reply is held back while
-it may still be a call. Earlier calls and ``tool`` results in ``messages`` travel as text.
+``client_params``, as by default; and, where that stage has an ``output`` of its own, its
+``caller_may_override: true``, else the request is refused with a 400 that says so):
+``response_format`` ``json_object`` or ``json_schema`` constrains the reply to JSON (to that schema).
+``tools`` are offered to the model (see :mod:`stages.tools`); with ``tool_choice`` ``required`` or a
+named function the reply is constrained to a valid call, with ``auto`` (the default) a reply that is a
+call of an offered function becomes one. A call answers ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, the reply is held back while it may still be a call. A
+forced call cut short by ``max_tokens`` answers ``finish_reason: "length"`` with neither
+``tool_calls`` nor content. Earlier calls and ``tool`` results in ``messages`` travel as text.
+
+Extension: every response (streamed, the chunk with the ``finish_reason``) carries ``sources``, the
+retrieved documents the answer was given from and the ``[n]`` each is cited by, as in the pipeline
+API (:func:`serving.api_pipelines.source_json`); an empty list when nothing was retrieved.
 """
 
 from __future__ import annotations

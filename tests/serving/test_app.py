@@ -11,6 +11,7 @@ import threading
 
 import pytest
 from litestar.testing import TestClient
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import Overloaded
@@ -201,6 +202,10 @@ def test_a_rag_answer_carries_its_sources_in_openai_responses(rag_client, path, 
     final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(final) == 1 and final[0]["sources"] == SOURCES
     assert all("sources" not in c for c in chunks if c is not final[0])  # once, on the chunk that ends the answer
+    client = OpenAI(base_url=f"{rag_client.base_url}/v1", api_key="unused", http_client=rag_client)
+    answer = (client.chat.completions.create(model="rag", **body) if "messages" in body
+              else client.completions.create(model="rag", **body))
+    assert answer.model_extra["sources"] == SOURCES  # what the README tells openai package users to read
 
 
 def test_an_answer_without_retrieval_has_no_sources(client):
