@@ -9,7 +9,7 @@ provided by the request (``initial``) or written by an earlier stage.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -49,6 +49,30 @@ class Document:
     source: str = ""
     title: str = ""
     score: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A document an answer was given from, and the number ``n`` it is cited by (``[n]``)."""
+
+    n: int
+    id: str
+    title: str
+    #: The file the passage comes from (``Document.source``).
+    path: str
+    score: float
+
+    @property
+    def citation(self) -> str:
+        return f"[{self.n}]"
+
+
+def sources_of(documents: Sequence[Document]) -> tuple[Source, ...]:
+    """*documents* numbered as the prompt cites them: ``[1]`` is the first (the best ranked), and so on.
+
+    The one numbering the ``prompt`` stage writes into the prompt and the answer's ``sources`` report.
+    """
+    return tuple(Source(n, d.id, d.title, d.source, d.score) for n, d in enumerate(documents, start=1))
 
 
 @dataclass(slots=True)

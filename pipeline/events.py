@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
-from pipeline.context import StageRecord, Usage
+from pipeline.context import Source, StageRecord, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,9 @@ class Summary:
     usage: Usage
     output_text: str
     finish_reason: str
+    #: The retrieved documents the request ended with (those its prompt placed), numbered as cited; empty
+    #: when the pipeline retrieved nothing.
+    sources: tuple[Source, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

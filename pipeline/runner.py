@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import RequestContext, StageRecord
+from pipeline.context import RequestContext, StageRecord, sources_of
 from pipeline.eager import start_eagerly
 from pipeline.errors import ExpressionError, InferlineError, PolicyDenied, StageTimeout
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta, final_event
@@ -289,7 +289,7 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: _Clock) -> Done | Err
         duration_s=now - clock.start,
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         cost_usd=ctx.ledger.total_usd, stages=tuple(ctx.stages), usage=ctx.usage,
-        output_text=ctx.output_text, finish_reason=ctx.finish_reason,
+        output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
     )
     if ctx.status == "ok":
         return Done(summary)

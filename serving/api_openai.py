@@ -7,12 +7,19 @@ Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 so the official ``openai`` package raises its usual exceptions.
 
 Structured output and function calling (both need ``output`` in the pipeline's ``generate``
-``client_params``, as by default): ``response_format`` ``json_object`` or ``json_schema`` constrains the reply to
-JSON (to that schema). ``tools`` are offered to the model (see :mod:`stages.tools`); with
-``tool_choice`` ``required`` or a named function the reply is constrained to a valid call, with
-``auto`` (the default) a reply that is a call of an offered function becomes one. A call answers
-``message.tool_calls`` with ``finish_reason: "tool_calls"``; streamed, the reply is held back while
-it may still be a call. Earlier calls and ``tool`` results in ``messages`` travel as text.
+``client_params``, as by default; and, where that stage has an ``output`` of its own, its
+``caller_may_override: true``, else the request is refused with a 400 that says so):
+``response_format`` ``json_object`` or ``json_schema`` constrains the reply to JSON (to that schema).
+``tools`` are offered to the model (see :mod:`stages.tools`); with ``tool_choice`` ``required`` or a
+named function the reply is constrained to a valid call, with ``auto`` (the default) a reply that is a
+call of an offered function becomes one. A call answers ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, the reply is held back while it may still be a call. A
+forced call cut short by ``max_tokens`` answers ``finish_reason: "length"`` with neither
+``tool_calls`` nor content. Earlier calls and ``tool`` results in ``messages`` travel as text.
+
+Extension: every response (streamed, the chunk with the ``finish_reason``) carries ``sources``, the
+retrieved documents the answer was given from and the ``[n]`` each is cited by, as in the pipeline
+API (:func:`serving.api_pipelines.source_json`); an empty list when nothing was retrieved.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.api_docs import JsonOrEventStream, openai_errors
-from serving.api_pipelines import GenerationParams, failure, response_headers, start_request
+from serving.api_pipelines import GenerationParams, failure, response_headers, sources_json, start_request
 from serving.execution import chain, encode_json, event_stream, prime
 from serving.problems import Problem, from_final
 from serving.state import AppState
@@ -287,18 +294,28 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
+    elif _cut_call(ctx, summary.finish_reason):
+        choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
+                  "logprobs": None}
     elif kind == "chat.completion":
         choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
                   "finish_reason": _finish(summary.finish_reason), "logprobs": None}
     else:
         choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
                   "logprobs": None}
-    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final)}
+    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
+            "sources": sources_json(summary)}
 
 
 def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
     """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
     return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
+
+
+def _cut_call(ctx: RequestContext, finish_reason: str) -> bool:
+    """Whether the reply is a forced call that ``max_tokens`` cut short: half a call is neither a call nor
+    content, so the answer has neither, only ``finish_reason: "length"``."""
+    return finish_reason == "length" and bool(tools.forced_names(ctx.tools, ctx.tool_choice))
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -321,10 +338,10 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     envelope = _envelope(ctx, model, chunk_kind)
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None) -> bytes:
+    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
         choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                   if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
-        body = {**envelope, "choices": [choice]}
+        body = {**envelope, "choices": [choice], **(extra or {})}
         if include_usage:
             body["usage"] = None
         return _data(body)
@@ -346,7 +363,7 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
-                yield chunk(empty, finish)
+                yield chunk(empty, finish, {"sources": sources_json(event.summary)})
                 if include_usage:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):
@@ -379,6 +396,8 @@ class _HeldReply:
         if self._passing:
             return [], finish
         call = _call(self._ctx, self._text)
+        if call is None and _cut_call(self._ctx, finish):
+            return [{"role": "assistant", "content": None}], finish
         if call is None:
             return [{"role": "assistant", "content": self._text}], finish
         head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}

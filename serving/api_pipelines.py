@@ -3,7 +3,12 @@
 Without streaming the answer is one JSON object; with ``"stream": true`` (or
 ``Accept: text/event-stream``) it is Server-Sent Events: ``stage`` events as
 stages start and finish, ``delta`` events with text, and one final ``done``
-(usage, cost, trace id, stages) or ``error`` event.
+(usage, cost, trace id, stages, sources) or ``error`` event.
+
+``sources`` (in the JSON body and the ``done`` event) lists the retrieved documents the answer was
+given from, best first: ``{"n", "citation", "id", "title", "path", "score"}``, where ``citation``
+(``[n]``) is how the prompt numbered the document and so how the answer cites it. It is always
+there: an empty list for a pipeline without a ``retrieve`` stage, or when nothing was found.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.context import ChatMessage, RequestContext, StageRecord
+from pipeline.context import ChatMessage, RequestContext, Source, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
 from serving.api_docs import JsonOrEventStream, problems
@@ -91,6 +96,17 @@ def stage_json(stage: StageRecord) -> dict[str, Any]:
             **({"error": stage.error} if stage.error else {})}
 
 
+def source_json(source: Source) -> dict[str, Any]:
+    """A document the answer was given from, and how the answer cites it (``[n]``)."""
+    return {"n": source.n, "citation": source.citation, "id": source.id, "title": source.title,
+            "path": source.path, "score": round(source.score, 4)}
+
+
+def sources_json(summary: Summary) -> list[dict[str, Any]]:
+    """The answer's sources, best first: an empty list when the pipeline retrieved nothing."""
+    return [source_json(s) for s in summary.sources]
+
+
 def summary_json(summary: Summary) -> dict[str, Any]:
     return {
         "request_id": summary.request_id, "output": summary.output_text, "finish_reason": summary.finish_reason,
@@ -98,7 +114,7 @@ def summary_json(summary: Summary) -> dict[str, Any]:
         "cost_usd": summary.cost_usd, "trace_id": summary.trace_id,
         "duration_ms": round(summary.duration_s * 1e3, 3),
         "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
-        "stages": [stage_json(s) for s in summary.stages],
+        "stages": [stage_json(s) for s in summary.stages], "sources": sources_json(summary),
     }
 
 

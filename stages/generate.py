@@ -14,6 +14,7 @@ YAML::
         speculative: false      # opt out of the model's speculative decoding (default: on where configured)
         output:                 # constrained decoding: one of json_schema, regex, choice
           json_schema: {type: object, properties: {name: {type: string}}, required: [name]}
+          caller_may_override: false   # the default: a caller's output/response_format is refused
         priority: interactive   # or batch: admitted after interactive work, never starved
         queue_timeout_ms: 2000  # still queued for the model after this long: 503 deadline_exceeded
 
@@ -24,6 +25,12 @@ and then nothing is generated. A caller's
 ``params`` may override only the options listed in ``client_params``, and
 ``max_tokens`` never above this stage's own value, nor above a policy
 stage's cap (``max_output_tokens``, or what its token budget reserved).
+
+A pipeline's own ``output`` is its owner's contract: a caller's ``output``
+(what the OpenAI API's ``response_format`` and a forced tool call become) may
+replace it only where it says ``caller_may_override: true`` (and ``output`` is
+in ``client_params``); otherwise the request is refused (400). A pipeline with
+no ``output`` of its own takes the caller's as ``client_params`` allows.
 
 Scheduling (local engines; a remote backend ignores it): ``priority`` is the
 pipeline's class. When the model is busy, waiting ``interactive`` requests are
@@ -81,6 +88,15 @@ class OutputSpec(NoConfig):
         return {name: value for name, value in self.model_dump().items() if value is not None}
 
 
+class PipelineOutput(OutputSpec):
+    """A pipeline's own ``output``, and whether a caller's may replace it."""
+
+    caller_may_override: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: value for name, value in super().as_dict().items() if name != "caller_may_override"}
+
+
 class Sampling(NoConfig):
     """Sampling options, validated both in YAML and in a caller's overrides."""
 
@@ -103,6 +119,7 @@ class Sampling(NoConfig):
 
 
 class GenerateConfig(Sampling):
+    output: PipelineOutput | None = None
     client_params: list[str] = Field(
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "logprobs", "output"])
@@ -127,7 +144,7 @@ class GenerateStage(Stage):
                                                          f"{sorted(_SAMPLING_FIELDS)}")] if unknown else []
         if config.output is not None:
             issues += output_issues(config.output, catalog)
-        return issues
+        return issues + _override_issues(config)
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(GenerateConfig, self.config)
@@ -165,11 +182,24 @@ class GenerateStage(Stage):
         scope.set_attribute(GEN_AI_REQUEST_TOP_P, sampling.top_p)
 
 
+def _override_issues(config: GenerateConfig) -> list[CheckIssue]:
+    if config.output is not None and config.output.caller_may_override and "output" not in config.client_params:
+        return [(("output", "caller_may_override"), "callers cannot set output: add 'output' to client_params, "
+                                                     "or remove caller_may_override")]
+    return []
+
+
 def _sampling(config: GenerateConfig, params: dict[str, Any]) -> SamplingParams:
-    values = config.model_dump(include=_SAMPLING_FIELDS)
+    values = config.model_dump(include=_SAMPLING_FIELDS, exclude={"output": {"caller_may_override"}})
     refused = sorted(set(params) - set(config.client_params))
     if refused:
         raise InvalidInput(f"this pipeline does not let callers set {refused}; allowed: {config.client_params}")
+    if "output" in params and config.output is not None and not config.output.caller_may_override:
+        own = next(iter(config.output.as_dict()))
+        raise InvalidInput(f"this pipeline has its own output constraint ({own}) and does not let callers replace "
+                           "it: a response_format, a forced tool call or an 'output' parameter is refused here. "
+                           "Send the request without it; the pipeline's owner can allow it with "
+                           "caller_may_override: true under the generate stage's output:")
     try:
         merged = Sampling.model_validate({**values, **params})
     except ValidationError as exc:

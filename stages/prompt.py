@@ -16,7 +16,10 @@ or that no earlier stage writes, is a load-time error.
 
 When retrieved ``documents`` are present and the system template does not
 place them itself, they are appended to the system message as numbered
-sources (``[1]``, ``[2]``...) that the answer can cite. A pipeline that sets
+sources (``[1]``, ``[2]``...) that the answer can cite; the response's
+``sources`` lists them with the same numbers (:func:`pipeline.context.sources_of`).
+A system template that places ``documents`` itself should number them the same
+way (``[{{ loop.index }}]``). A pipeline that sets
 ``system:`` drops the client's own system messages, so a caller cannot replace
 the pipeline owner's instructions.
 """
@@ -28,7 +31,7 @@ from typing import cast
 
 from pydantic import BaseModel, Field
 
-from pipeline.context import FIELDS, ChatMessage, Document, RequestContext
+from pipeline.context import FIELDS, ChatMessage, Document, RequestContext, sources_of
 from pipeline.errors import TemplateError
 from pipeline.protocols import Catalog
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
@@ -124,10 +127,10 @@ def _render(template: Template, ctx: RequestContext) -> str:
 
 def _sources(heading: str, documents: list[Document]) -> str:
     lines = [heading]
-    for number, doc in enumerate(documents, start=1):
+    for cited, doc in zip(sources_of(documents), documents, strict=True):  # the numbers answers report
         title = f" {doc.title}" if doc.title else ""
         source = f" ({doc.source})" if doc.source else ""
-        lines.append(f"[{number}]{title}{source}\n{doc.text}")
+        lines.append(f"{cited.citation}{title}{source}\n{doc.text}")
     return "\n\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Not a stage of its own: a request carries ``tools`` (OpenAI's shape, ``[{"type":
 "function": {"name", "description", "parameters"}}]``) and ``tool_choice`` (``auto`` | ``none`` |
 ``required`` | ``{"type": "function", "function": {"name": ...}}``), which the OpenAI API sets. The
 ``tokenize`` stage renders them (:func:`prompt_encoder`); a pipeline needs nothing else, as long as
-its ``generate`` stage lets callers set ``output`` (the default), which constrains a forced call::
+its ``generate`` stage lets callers set ``output`` (the default), which constrains a forced call (a
+``generate`` with an ``output`` of its own must also say ``caller_may_override: true``)::
 
     - id: gen
       type: generate

@@ -242,3 +242,29 @@ class CounterState:
     used: float
     reset_s: float
     window_start: int = 0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A search result (pipeline.protocols.SearchHit)."""
+
+    id: str
+    text: str
+    source: str
+    title: str
+    score: float
+
+
+class FakeIndex:
+    """A ``handbook`` index with two passages; records each search."""
+
+    name, version = "handbook", "v7"
+
+    def __init__(self):
+        self.calls = []
+
+    def search(self, query, top_k=4, *, min_score=None, filters=None):
+        self.calls.append((query, top_k, min_score, filters))
+        hits = [Hit("billing#3", "Plus costs $8.", "billing.md", "Billing", 0.81),
+                Hit("refunds#9", "Refunds within 21 days.", "refunds.md", "Refunds", 0.42)]
+        return [h for h in hits if min_score is None or h.score >= min_score][:top_k]

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 from litestar.testing import TestClient
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.errors import Overloaded
@@ -165,6 +166,54 @@ def test_openai_chat_json_and_stream(client):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Paris is the capital of France."
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+#: What the rag pipeline's answer reports over the fake handbook index: both passages, numbered as cited.
+SOURCES = [{"n": 1, "citation": "[1]", "id": "billing#3", "title": "Billing", "path": "billing.md", "score": 0.81},
+           {"n": 2, "citation": "[2]", "id": "refunds#9", "title": "Refunds", "path": "refunds.md", "score": 0.42}]
+
+
+def openai_chunks(text: str) -> list[dict]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_rag_answer_carries_its_sources_in_json_and_sse(rag_client, fake_engines):
+    body = rag_client.post("/pipelines/rag", json={"input": "How much is Plus?"}).json()
+    assert body["sources"] == SOURCES
+    prompt = bytes(fake_engines.engines["smol"].submitted[-1][0]).decode()
+    assert "[1] Billing (billing.md)\nPlus costs $8." in prompt and "[2] Refunds (refunds.md)" in prompt
+    streamed = rag_client.post("/pipelines/rag", json={"input": "How much is Plus?", "stream": True})
+    kind, done = sse_events(streamed.text)[-1]
+    assert kind == "done" and done["sources"] == SOURCES
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "How much is Plus?"}]}),
+    ("/v1/completions", {"prompt": "How much is Plus?"}),
+])
+def test_a_rag_answer_carries_its_sources_in_openai_responses(rag_client, path, body):
+    plain = rag_client.post(path, json={"model": "rag", **body}).json()
+    assert plain["sources"] == SOURCES
+    streamed = rag_client.post(path, json={"model": "rag", **body, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+    chunks = openai_chunks(streamed.text)
+    final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["sources"] == SOURCES
+    assert all("sources" not in c for c in chunks if c is not final[0])  # once, on the chunk that ends the answer
+    client = OpenAI(base_url=f"{rag_client.base_url}/v1", api_key="unused", http_client=rag_client)
+    answer = (client.chat.completions.create(model="rag", **body) if "messages" in body
+              else client.completions.create(model="rag", **body))
+    assert answer.model_extra["sources"] == SOURCES  # what the README tells openai package users to read
+
+
+def test_an_answer_without_retrieval_has_no_sources(client):
+    assert client.post("/pipelines/chat", json={"input": "x"}).json()["sources"] == []
+    request = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    assert client.post("/v1/chat/completions", json=request).json()["sources"] == []
+    chunks = openai_chunks(client.post("/v1/chat/completions", json={**request, "stream": True}).text)
+    assert chunks[-1]["sources"] == []
 
 
 def test_auth_matrix(auth_client, keys):

@@ -100,16 +100,20 @@ async def test_a_rebuilt_index_is_swapped_in_while_old_holders_keep_theirs(works
     assert "eight" in old.search("Plus price", 1)[0].text  # a request holding the old one finishes on it
 
 
-def test_a_rag_request_over_http_records_its_retrieval(workspace_dir):
+def test_a_rag_request_over_http_reports_and_records_its_retrieval(workspace_dir):
     assert cli(workspace_dir, "build", str(workspace_dir / "docs"), "--name", "kb") == 0
     app = create_app(open_workspace(str(workspace_dir / "inferline.yaml")),
                      engines=FakeEngines(smol=FakeEngine("It costs $8 [1].")))
     with TestClient(app) as client:
         response = client.post("/pipelines/rag", json={"input": "How much is the Plus plan?"})
         assert response.status_code == 200, response.text
+        (source,) = response.json()["sources"]  # top_k: 1
         record = client.get("/audit/records").json()["records"][0]
         detail = client.get(f"/audit/records/{record['id']}").json()
     retrieval = detail["retrieval"]
     assert retrieval["index"] == "kb" and retrieval["ids"][0].startswith("billing#")
     assert retrieval["version"] == VectorStore.current_version(workspace_dir / "idx")
     assert 0 < retrieval["scores"][0] <= 1
+    assert (source["n"], source["citation"], source["path"]) == (1, "[1]", "billing.md")
+    assert (source["id"], source["score"]) == (retrieval["ids"][0], retrieval["scores"][0])
+    assert source["title"] == "Billing"

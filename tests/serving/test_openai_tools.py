@@ -85,6 +85,45 @@ def test_a_malformed_response_format_is_openais_400(client, fake_engines, respon
     assert not fake_engines.engines["smol"].submitted
 
 
+OWN_OUTPUT = "output: {json_schema: {type: object, required: [answer]}}"
+
+
+@pytest.fixture
+def own_output_client(tmp_path, monkeypatch, fake_engines, request):
+    """The app whose chat pipeline has its own ``output`` (with ``caller_may_override: true`` where the test is
+    parametrized with True)."""
+    own = OWN_OUTPUT.replace("}}", "}, caller_may_override: true}") if getattr(request, "param", False) else OWN_OUTPUT
+    monkeypatch.setattr(serving, "CHAT", serving.CHAT.replace("temperature: 0}", f"temperature: 0, {own}}}"))
+    with serving._client(tmp_path, monkeypatch, fake_engines, auth=False) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}},
+    {"tools": [WEATHER], "tool_choice": "required"},  # a forced call would replace the pipeline's output too
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_format_does_not_replace_the_pipelines_own_output(own_output_client, fake_engines, body, stream):
+    response = chat(own_output_client, **body, stream=stream)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "this pipeline has its own output constraint (json_schema)" in error["message"]
+    assert "caller_may_override: true" in error["message"]
+    assert not fake_engines.engines["smol"].submitted
+    assert chat(own_output_client, response_format={"type": "text"}).status_code == 200  # no format: its own
+    assert sampled(fake_engines).output == {"json_schema": {"type": "object", "required": ["answer"]}}
+
+
+@pytest.mark.parametrize("own_output_client", [True], indirect=True)
+def test_a_pipeline_may_let_a_response_format_replace_its_output(own_output_client, fake_engines):
+    response = chat(own_output_client, response_format={"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": SCHEMA}})
+    assert response.status_code == 200, response.text
+    assert sampled(fake_engines).output == {"json_schema": SCHEMA}
+
+
 # -- tools, over a fake engine ---------------------------------------------------------------
 
 
@@ -168,6 +207,32 @@ def test_malformed_tools_are_openais_400(client, fake_engines, body, param, need
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param) and needle in error["message"]
+
+
+@pytest.mark.parametrize(("tool_choice", "content"), [
+    ("required", None), ({"type": "function", "function": {"name": "get_weather"}}, None),
+    ("auto", CALL[:20]),  # not forced, the text may be an answer that starts like JSON: the model's content
+])
+def test_a_forced_call_cut_by_max_tokens_is_length_and_no_call(client, fake_engines, tool_choice, content):
+    reply(fake_engines, CALL)
+    response = chat(client, tools=[WEATHER], tool_choice=tool_choice, max_tokens=20)  # CALL is 54 bytes
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"] == {"role": "assistant", "content": content}  # forced: neither half a call nor its text
+
+
+def test_a_streamed_forced_call_cut_by_max_tokens_is_length_and_no_call(client, fake_engines):
+    reply(fake_engines, CALL)
+    response = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=20, stream=True)
+    lines = [line for line in response.text.splitlines() if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": None}, {}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and lines[-1] == "data: [DONE]"
+    completion = openai_client(client).chat.completions.create(model="chat", messages=ASK, tools=[WEATHER],
+                                                               tool_choice="required", max_tokens=20)
+    result = completion.choices[0]
+    assert result.finish_reason == "length" and result.message.content is None and not result.message.tool_calls
 
 
 def test_tool_results_in_the_history(client, fake_engines):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
 
 import pytest
 
@@ -14,31 +13,9 @@ from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
 from stages.audit import AuditConfig, build_record
-from tests.fakes import FakeEngine, FakeEngines
+from tests.fakes import FakeEngine, FakeEngines, FakeIndex
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol")}, indexes=frozenset({"handbook"}))
-
-
-@dataclass(frozen=True)
-class Hit:
-    id: str
-    text: str
-    source: str
-    title: str
-    score: float
-
-
-class FakeIndex:
-    name, version = "handbook", "v7"
-
-    def __init__(self):
-        self.calls = []
-
-    def search(self, query, top_k=4, *, min_score=None, filters=None):
-        self.calls.append((query, top_k, min_score, filters))
-        hits = [Hit("billing#3", "Plus costs $8.", "billing.md", "Billing", 0.81),
-                Hit("refunds#9", "Refunds within 21 days.", "refunds.md", "Refunds", 0.42)]
-        return [h for h in hits if min_score is None or h.score >= min_score][:top_k]
 
 
 def build(registry, retrieve: str, extra: str = "", index=None):

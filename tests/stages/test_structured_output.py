@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.context import RequestContext
 from pipeline.errors import SpecError
+from pipeline.events import Done, Error
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
@@ -62,6 +63,39 @@ async def test_a_caller_may_constrain_the_output_where_client_params_allow(regis
     await run(pipeline, ctx)
     assert engines.engines["smol"].submitted[0][1].output == {"choice": ["yes", "no"]}
     assert ctx.facts["decisions"]["out"] == {"output_valid": True}
+
+
+async def test_a_callers_output_does_not_replace_the_pipelines_own(registry):
+    engines = FakeEngines(smol=FakeEngine('{"name": "Ada"}'))
+    ctx = RequestContext.from_text("extract", "Is it?", params={"output": {"choice": ["yes", "no"]}})
+    final = await Runner().run(build(EXTRACT, registry, engines), ctx)
+    assert isinstance(final, Error) and final.kind == "invalid_input" and final.stage_id == "gen"
+    assert "has its own output constraint (json_schema)" in final.message
+    assert "caller_may_override: true" in final.message
+    assert not engines.engines["smol"].submitted
+
+
+async def test_a_pipeline_may_let_callers_override_its_output(registry):
+    engines = FakeEngines(smol=FakeEngine("yes"))
+    yaml_text = EXTRACT.replace("required: [name]}}", "required: [name]}, caller_may_override: true}")
+    pipeline = build(yaml_text, registry, engines)
+    ctx = RequestContext.from_text("extract", "Is it?", params={"output": {"choice": ["yes", "no"]}})
+    assert isinstance(await Runner().run(pipeline, ctx), Done)
+    assert engines.engines["smol"].submitted[0][1].output == {"choice": ["yes", "no"]}
+    await Runner().run(pipeline, RequestContext.from_text("extract", "Ada."))  # no caller output: its own
+    assert engines.engines["smol"].submitted[1][1].output == {"json_schema": SCHEMA}
+    flagged = RequestContext.from_text("extract", "Is it?", params={  # the flag is the pipeline's, not a caller's
+        "output": {"choice": ["yes", "no"], "caller_may_override": True}})
+    final = await Runner().run(pipeline, flagged)
+    assert isinstance(final, Error) and "caller_may_override" in final.message
+
+
+def test_caller_may_override_needs_callers_to_be_allowed_output(registry):
+    yaml_text = EXTRACT.replace("required: [name]}}", "required: [name]}, caller_may_override: true}").replace(
+        "temperature: 0\n", "temperature: 0\n      client_params: [max_tokens]\n")
+    with pytest.raises(SpecError, match=r"p.yaml:\d+:\d+: stages\[2\].with.output.caller_may_override: callers "
+                                        r"cannot set output: add 'output' to client_params"):
+        build(yaml_text, registry, FakeEngines())
 
 
 async def test_two_kinds_at_once_are_refused(registry):
