@@ -14,16 +14,28 @@ that is 0 (``ge=0``, ``gt=0``), so the document would accept bodies the server r
 Errors are RFC 9457 problem details (``application/problem+json``, serving/problems.py), except on
 the OpenAI-compatible routes, which answer in OpenAI's own error shape. Bearer keys are declared as
 the document's security scheme; routes anyone may call say so with ``operation_class=Public``.
+
+The document is served as ``/schema/openapi.json`` (and ``.yaml``); ``/schema`` is Swagger UI over it,
+whose scripts, stylesheet and icon come from the ``swagger-ui-py`` package through
+``/schema/assets/...`` (:func:`render_plugins`, :data:`viewer_asset`): Litestar's own viewers load them
+from CDNs, so offline they drew a blank page.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
-from litestar import Litestar
+from litestar import Litestar, get
+from litestar.datastructures import CacheControlHeader
+from litestar.exceptions import NotFoundException
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin, SwaggerRenderPlugin, YamlRenderPlugin
 from litestar.openapi.spec import Components, OpenAPIMediaType, Operation, Schema, SecurityScheme
 from litestar.openapi.spec.enums import OpenAPIType
+from litestar.params import FromPath
+from litestar.response import File
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.problems import title_for
@@ -122,3 +134,35 @@ def use_pydantic_schemas(app: Litestar, *models: type[BaseModel]) -> None:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="validation")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+
+
+#: Where the viewer's files are served; the files themselves, with their media types.
+ASSETS_PATH = "/schema/assets"
+_ASSETS = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript",
+           "swagger-ui-standalone-preset.js": "text/javascript", "favicon-32x32.png": "image/png"}
+
+
+def _viewer_dir() -> Path:
+    # Found without importing swagger_ui (its __init__ loads handlers for other frameworks).
+    spec = importlib.util.find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the package swagger-ui-py is missing: it serves /schema's viewer (pip install -e .)")
+    return Path(next(iter(spec.submodule_search_locations))) / "static"
+
+
+def render_plugins() -> list[OpenAPIRenderPlugin]:
+    """``/schema`` (and ``/schema/swagger``): Swagger UI from :data:`viewer_asset`; the document as JSON and YAML."""
+    swagger = SwaggerRenderPlugin(
+        path=["/", "/swagger"], js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js", css_url=f"{ASSETS_PATH}/swagger-ui.css",
+        standalone_preset_js_url=f"{ASSETS_PATH}/swagger-ui-standalone-preset.js",
+        favicon=f"<link rel='icon' type='image/png' href='{ASSETS_PATH}/favicon-32x32.png'>")
+    return [swagger, JsonRenderPlugin(), YamlRenderPlugin()]
+
+
+@get(f"{ASSETS_PATH}/{{name:str}}", name="schema-assets", include_in_schema=False, sync_to_thread=False,
+     cache_control=CacheControlHeader(max_age=86400, public=True))
+def viewer_asset(name: FromPath[str]) -> File:
+    """One of the viewer's files (anyone may read them, as ``/schema`` itself)."""
+    if name not in _ASSETS:
+        raise NotFoundException(f"no viewer asset {name!r}: there are {', '.join(sorted(_ASSETS))}")
+    return File(_viewer_dir() / name, media_type=_ASSETS[name], content_disposition_type="inline")

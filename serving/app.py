@@ -127,7 +127,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
 
     app = Litestar(
         route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
-                        *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics],
+                        *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics,
+                        api_docs.viewer_asset],
         lifespan=[lifespan],
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},
@@ -139,7 +140,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
                                      description="Every pipeline an endpoint; an OpenAI-compatible API.",
-                                     components=api_docs.components(),
+                                     components=api_docs.components(), render_plugins=api_docs.render_plugins(),
                                      security=api_docs.SECURITY if server.auth.enabled else None),
     )
     api_docs.use_pydantic_schemas(app, api_pipelines.PipelineRequest, api_openai.ChatCompletionRequest,

@@ -30,6 +30,29 @@ logger = logging.getLogger(__name__)
 _PIPELINE_ROLES = ("caller", "auditor")
 
 
+def _percentiles(prefix: str) -> list[dict[str, Any]]:
+    return [{"field": f"{prefix}_{q}_ms", "label": q, "scale": 1} for q in ("p50", "p95", "p99")]
+
+
+#: The metrics page's charts: the y axis's unit, and each line's point field (metrics_sampler.point), its
+#: name in the legend and the factor to the unit. A line's place in its list picks its colour and dash.
+CHARTS: list[dict[str, Any]] = [
+    {"id": "rps", "title": "Requests per second", "unit": "req/s",
+     "series": [{"field": "rps", "label": "finished requests", "scale": 1}]},
+    {"id": "ttft", "title": "Time to first token", "unit": "ms", "series": _percentiles("ttft")},
+    {"id": "itl", "title": "Inter-token latency", "unit": "ms", "series": _percentiles("itl")},
+    {"id": "queue_depth", "title": "Requests waiting and running", "unit": "requests",
+     "series": [{"field": "queue_depth", "label": "waiting", "scale": 1},
+                {"field": "running", "label": "running", "scale": 1}]},
+    {"id": "kv_cache_usage", "title": "KV-cache usage", "unit": "%",
+     "series": [{"field": "kv_cache_usage", "label": "fullest engine", "scale": 100}]},
+    {"id": "prefix_cache_hit_rate", "title": "Prefix-cache hit rate", "unit": "%",
+     "series": [{"field": "prefix_cache_hit_rate", "label": "prompt tokens found", "scale": 100}]},
+    {"id": "cost_per_request_usd", "title": "Cost per request", "unit": "USD",
+     "series": [{"field": "cost_per_request_usd", "label": "mean per finished request", "scale": 1}]},
+]
+
+
 @get(["/", "/pipelines"], name="console-pipelines")
 async def pipelines_page(request: Request) -> Response[str]:
     """Every served pipeline with its stage chain."""
@@ -91,7 +114,7 @@ async def metrics_page(request: Request) -> Response[str]:
     console = Console.of(request)
     session = await console.session(request, ("auditor",), "read metrics")
     return console.page(request, session, "metrics.html", interval_s=console.sampler.interval_s,
-                        window_s=console.sampler.window_s)
+                        window_s=console.sampler.window_s, charts=CHARTS)
 
 
 @get("/login", name="console-login")

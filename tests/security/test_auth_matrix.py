@@ -60,11 +60,11 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/audit/verify"): (REVIEWERS, Call("/audit/verify")),
     ("GET", "/audit/export"): (REVIEWERS, Call("/audit/export")),
     ("GET", "/audit/access"): (REVIEWERS, Call("/audit/access")),
-    # The OpenAPI document and its viewers.
+    # The OpenAPI document and its viewer, with the viewer's own files (serving/api_docs.py).
     **{("GET", path): (PUBLIC, Call(path.replace("{path:str}", "nothing")))
        for path in ("/schema", "/schema/openapi.json", "/schema/openapi.yaml", "/schema/openapi.yml",
-                    "/schema/swagger", "/schema/redoc", "/schema/rapidoc", "/schema/elements",
-                    "/schema/oauth2-redirect.html", "/schema/{path:str}")},
+                    "/schema/swagger", "/schema/oauth2-redirect.html", "/schema/{path:str}")},
+    ("GET", "/schema/assets/{name:str}"): (PUBLIC, Call("/schema/assets/swagger-ui.css")),
     # The web console (serving/console/).
     ("GET", "/ui"): (("caller", "auditor"), Call("/ui", console=True)),
     ("GET", "/ui/pipelines"): (("caller", "auditor"), Call("/ui/pipelines", console=True)),

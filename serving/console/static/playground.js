@@ -87,17 +87,41 @@
     if (buffer.trim()) dispatch(buffer.replace(/\r\n?/g, "\n"));
   }
 
+  // "key=value" lines to the request's tags (values are strings, as the API takes them); a line that
+  // is not one is refused here, by its number, rather than sent and silently dropped.
+  function tags(text) {
+    const out = {};
+    text.split("\n").forEach((line, index) => {
+      if (!line.trim()) return;
+      const cut = line.indexOf("=");
+      const key = cut > 0 ? line.slice(0, cut).trim() : "";
+      if (!key) throw new Error("tags, line " + (index + 1) + ": write key=value, got " + JSON.stringify(line.trim()));
+      if (key in out) throw new Error("tags, line " + (index + 1) + ": the tag " + key + " is given twice");
+      out[key] = line.slice(cut + 1).trim();
+    });
+    return out;
+  }
+
   function body() {
     const request = { input: form.elements.input.value, stream: true };
     const maxTokens = form.elements.max_tokens.value.trim();
     const temperature = form.elements.temperature.value.trim();
+    const tagged = tags(form.elements.tags.value);
     if (maxTokens) request.max_tokens = Number(maxTokens);
     if (temperature) request.temperature = Number(temperature);
+    if (Object.keys(tagged).length) request.tags = tagged;
     return JSON.stringify(request);
   }
 
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
+    let request;
+    try {
+      request = body();
+    } catch (err) {
+      status.textContent = "Error: " + err.message;
+      return;
+    }
     output.textContent = "";
     output.dataset.deltas = "0";
     delete output.dataset.done;
@@ -109,7 +133,7 @@
     controller = new AbortController();
     try {
       const response = await fetch(form.dataset.runUrl, {
-        method: "POST", body: body(), signal: controller.signal, credentials: "same-origin",
+        method: "POST", body: request, signal: controller.signal, credentials: "same-origin",
         headers: { "content-type": "application/json", accept: "text/event-stream", "x-csrf-token": csrf },
       });
       if (!response.ok) {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +135,54 @@ def test_playground_streams_the_answer_and_links_to_its_trace(context, server, c
     shot(page, "traces")
 
 
+def test_the_playground_sends_tags_that_routing_rules_read(context, server, caller_key):
+    page = context.new_page()
+    sign_in(page, server, caller_key)
+    page.goto(f"{server.url}/ui/pipelines/routed")
+    page.get_by_label("Message").fill("Hello!")
+    tags = page.get_by_label("Tags")
+    tags.fill("tier gold")  # not key=value: refused in the page, nothing sent
+    page.get_by_role("button", name="Send").click()
+    assert page.inner_text("#play-status") == 'Error: tags, line 1: write key=value, got "tier gold"'
+    tags.fill("tier = gold\n\nregion=eu")
+    with page.expect_request(lambda r: r.url.endswith("/ui/api/pipelines/routed/run")) as sent:
+        page.get_by_role("button", name="Send").click()
+    assert json.loads(sent.value.post_data)["tags"] == {"tier": "gold", "region": "eu"}
+    page.wait_for_selector("#play-output[data-done]", timeout=120_000)
+    shot(page, "playground-tags")
+    page.get_by_role("link", name="Open the trace of this request").click()
+    page.wait_for_selector("#waterfall")
+    # The rule on tags.tier chose the model: the route stage says so (whichever backend then answered).
+    assert "gold callers get the remote backend" in page.inner_text("#waterfall")
+
+
+def test_the_api_viewer_and_the_console_load_nothing_from_another_host(context, server):
+    """Offline as on a plane: every request any page makes goes to the server; others are recorded and
+    refused, and the API viewer still draws the whole document."""
+    origin = server.url + "/"
+    requested: list[str] = []
+    context.on("request", lambda request: requested.append(request.url))
+    context.route(lambda url: not url.startswith(origin), lambda route: route.abort("internetdisconnected"))
+    page = context.new_page()
+    page.goto(f"{server.url}/schema")
+    page.wait_for_selector(".swagger-ui .info .title")
+    shot(page, "schema")
+    assert page.inner_text(".swagger-ui .info .title").startswith("Inferline")
+    # The operations, drawn from the document the page carries.
+    assert page.locator(".swagger-ui .opblock").count() >= 10
+    assert page.locator('.swagger-ui .opblock-summary-path[data-path="/pipelines/{name}"]').count() == 2  # GET, POST
+    sign_in(page, server, server.key("admin"))  # an admin sees every page
+    for path in ("/ui/pipelines/chat", "/ui/traces", "/ui/audit", "/ui/metrics"):
+        page.goto(f"{server.url}{path}")
+        page.wait_for_load_state("load")
+    page.wait_for_function("Number(document.getElementById('chart-rps').dataset.points || 0) >= 1")
+    page.get_by_role("link", name="API").click()  # the console's footer link
+    page.wait_for_selector(".swagger-ui .opblock")
+    foreign = [url for url in requested if not url.startswith((origin, "data:", "blob:"))]
+    assert foreign == [], f"requests that left the server: {foreign}"
+    assert any(url.endswith("/schema/assets/swagger-ui-bundle.js") for url in requested)
+
+
 def test_a_caller_key_cannot_open_the_audit_explorer(context, server, caller_key):
     page = context.new_page()
     sign_in(page, server, caller_key)
@@ -202,6 +251,20 @@ def test_live_metrics_draw_charts(context, server, caller_key, auditor_key):
     page.wait_for_selector("#chart-itl polyline", state="attached")
     assert "p50" in page.inner_text("#chart-ttft .chart-value")
     assert page.inner_text("#chart-kv_cache_usage .chart-value").endswith(")")
+    # Axes: value ticks in the chart's unit from 0 up, time ticks back from "now".
+    ticks = page.eval_on_selector_all("#chart-ttft text.tick-y", "ts => ts.map(t => t.textContent)")
+    assert len(ticks) >= 2 and ticks[0] == "0 ms" and all(t.endswith(" ms") for t in ticks), ticks
+    assert page.eval_on_selector_all("#chart-kv_cache_usage text.tick-y", "ts => ts.map(t => t.textContent)")[-1] \
+        == "100 %"
+    assert "now" in page.eval_on_selector_all("#chart-rps text.tick-x", "ts => ts.map(t => t.textContent)")
+    # The legend names each line, and p50, p95 and p99 are drawn each in its own colour and dash.
+    assert page.eval_on_selector_all("#chart-ttft .legend-item", "ls => ls.map(l => l.textContent.trim())") == [
+        "p50", "p95", "p99"]
+    looks = page.eval_on_selector_all("#chart-ttft .legend-item line", """ls => ls.map(l => {
+        const style = getComputedStyle(l); return style.stroke + " " + style.strokeDasharray; })""")
+    drawn = page.eval_on_selector_all("#chart-ttft polyline", """ps => ps.map(p => {
+        const style = getComputedStyle(p); return style.stroke + " " + style.strokeDasharray; })""")
+    assert len(set(looks)) == 3 and set(drawn) <= set(looks), (looks, drawn)
     shot(page, "metrics")
 
 
@@ -235,4 +298,4 @@ def test_every_control_is_labelled_and_reachable_by_keyboard(context, server):
     for _ in range(40):  # Tab through the page: every control of the playground gets focus
         page.keyboard.press("Tab")
         reached.add(page.evaluate("document.activeElement.id || document.activeElement.textContent.trim()"))
-    assert {"play-input", "play-max-tokens", "play-temperature", "play-send", "Sign out"} <= reached
+    assert {"play-input", "play-max-tokens", "play-temperature", "play-tags", "play-send", "Sign out"} <= reached

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import html
 import json
 import logging
+import re
 
 import pytest
 
@@ -162,6 +164,33 @@ def test_metrics_json_has_every_series(client):
     assert {"rps", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "queue_depth", "kv_cache_usage",
             "prefix_cache_hit_rate", "cost_per_request_usd"} <= set(point)
     assert body["interval_s"] > 0
+
+
+def _figure(page: str, chart: str) -> str:
+    start = page.index(f'id="chart-{chart}"')
+    return page[start:page.index("</figure>", start)]
+
+
+def test_metrics_charts_have_a_legend_and_axes_with_units(client):
+    page = client.get("/ui/metrics").text
+    ttft = _figure(page, "ttft")
+    # One legend entry per line, named, each drawn like its line (class line-N: its own colour and dash).
+    legend = re.findall(r'<li class="legend-item" data-field="([^"]+)">.*?class="line (line-\d)".*?</svg> ([^<]+)</li>',
+                        ttft, flags=re.S)
+    assert legend == [("ttft_p50_ms", "line-0", "p50"), ("ttft_p95_ms", "line-1", "p95"),
+                      ("ttft_p99_ms", "line-2", "p99")]
+    # The lines metrics.js draws are the legend's: same fields, same order.
+    series = json.loads(html.unescape(re.search(r'data-series="([^"]+)"', ttft).group(1)))
+    assert [(line["field"], line["label"]) for line in series] == [(f, label) for f, _, label in legend]
+    assert '<text class="axis-title" x="4" y="10">ms</text>' in ttft
+    assert 'class="axis axis-y"' in ttft and 'class="axis axis-x"' in ttft
+    for chart, unit in (("rps", "req/s"), ("itl", "ms"), ("kv_cache_usage", "%"), ("cost_per_request_usd", "USD")):
+        figure = _figure(page, chart)
+        assert f'data-unit="{unit}"' in figure and f">{unit}</text>" in figure, chart
+        assert figure.count('class="legend-item"') >= 1, chart
+    css = client.get("/ui/static/console.css").text
+    dashes = {n: re.search(rf"\.chart \.line-{n} \{{([^}}]*)\}}", css).group(1) for n in range(3)}
+    assert len({d.replace(" ", "") for d in dashes.values()}) == 3 and "dasharray" in dashes[1] + dashes[2]
 
 
 # --- auth on ------------------------------------------------------------------------------------
