@@ -237,4 +237,5 @@ def test_run_chat_streams_a_real_answer():
     assert result.stdout.strip() == "The capital of France is Paris."
     rows = {line.split()[0]: line.split() for line in result.stderr.splitlines() if line.strip()}
     assert [rows[s][2] for s in ("prompt", "tok", "gen", "out")] == ["ok"] * 4
+    assert rows["smol"][1:4] == ["load", "ok", "-"]  # the model's loading: a row of its own, before the request
     assert float(rows["out"][5]) > 0  # token and compute cost of the default model's price
