@@ -147,6 +147,10 @@ class RaySpec(Strict):
         return self
 
 
+#: ``base_url: self``: a remote model that is this server's own OpenAI-compatible API, at the address it binds.
+SELF_URL = "self"
+
+
 class ModelSpec(Strict):
     """One model the server can run or reach."""
 
@@ -184,8 +188,11 @@ class ModelSpec(Strict):
     @model_validator(mode="after")
     def _backend_needs(self) -> ModelSpec:
         urls = [self.base_url or "", *self.base_urls]
+        if self.base_url == SELF_URL:
+            urls[0] = "http://"  # this server's own /v1, resolved when the server starts (serving/remote.py)
         if self.backend == "openai" and not all(u.startswith(("http://", "https://")) for u in urls):
-            raise ValueError("backend: openai needs base_url: http(s)://host:port/v1 (and http(s) base_urls)")
+            raise ValueError(f"backend: openai needs base_url: http(s)://host:port/v1, or {SELF_URL} for this "
+                             "server's own /v1 (and http(s) base_urls)")
         if self.backend == "local" and not self.source:
             raise ValueError("a local model needs source: (an HF folder or a .gguf file)")
         if self.backend == "ray" and not self.source:
@@ -299,6 +306,14 @@ class ServerSpec(Strict):
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.
     ray_ingress: RaySpec | None = None
+
+    @model_validator(mode="after")
+    def _self_has_a_port(self) -> ServerSpec:
+        for name, model in self.models.items():
+            if model.base_url == SELF_URL and self.http.port == 0:
+                raise ValueError(f"models.{name}.base_url: {SELF_URL} needs a fixed http.port (0 lets the system "
+                                 "pick one when the server binds, after its models are configured)")
+        return self
 
     @model_validator(mode="after")
     def _drafts_exist(self) -> ServerSpec:

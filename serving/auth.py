@@ -61,7 +61,7 @@ class Authenticator:
         if info is None:
             raise Problem(401, "Unauthorized", "unknown or revoked API key", "unauthorized",
                           {"WWW-Authenticate": 'Bearer error="invalid_token"'})
-        return Principal(key_id=info.id, role=info.role, tenant=info.name)
+        return Principal(key_id=info.id, role=info.role, tenant=info.tenant)
 
     def _remember(self, token: str, info: KeyInfo | None) -> None:
         digest = hashlib.sha256(token.encode()).hexdigest()

@@ -3,7 +3,7 @@
     inferline serve [--config FILE] [--host H] [--port P] [--ray]   serve every pipeline over HTTP
     inferline deploy [--config FILE] [--output serve.yaml]  write a Ray Serve config for `serve deploy`
     inferline validate PATH...                  check pipeline files (or folders of them)
-    inferline run PIPELINE --input TEXT         run one request in-process
+    inferline run PIPELINE --input TEXT [--tag K=V] [--param K=V]   run one request in-process
     inferline keys create|list|revoke           manage API keys
     inferline audit query|show|summary|verify|export|access|prune|hold   read and keep the audit log
     inferline eval PIPELINE --dataset FILE.jsonl [--baseline RUN]   evaluate quality, latency and cost
@@ -16,16 +16,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
 
 from pipeline import __version__
-from pipeline.context import RequestContext
 from pipeline.errors import InferlineError, SpecError
-from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
 from pipeline.loader import LoadedPipeline, name_clash
 from serving.audit_cli import add_audit_parser
 from serving.capacity_cli import add_capacity_parsers
@@ -33,7 +29,8 @@ from serving.evals.calls import check_calls
 from serving.evals.cli import add_eval_parser
 from serving.index_cli import add_index_parser
 from serving.keys_cli import add_keys_parser
-from serving.wiring import Workspace, open_workspace
+from serving.run_cli import add_run_parser
+from serving.wiring import open_workspace
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -94,15 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(validate)
     validate.set_defaults(handler=_validate)
 
-    run = sub.add_parser("run", help="run one request through a pipeline, in-process",
-                         description="Run one request through PIPELINE and stream its text to stdout. "
-                                     "PIPELINE is a YAML file or the name of one in the pipelines folder.")
-    run.add_argument("pipeline", metavar="PIPELINE")
-    run.add_argument("--input", "-i", required=True, metavar="TEXT", help="the user's message")
-    run.add_argument("--trace", action="store_true",
-                     help="print each stage's status, duration and cost, and the trace id, to stderr")
-    _config_option(run)
-    run.set_defaults(handler=_run)
+    add_run_parser(sub, _config_option)
     add_keys_parser(sub)
     add_audit_parser(sub)
     add_index_parser(sub)
@@ -235,62 +224,6 @@ def _expand(paths: Sequence[str]) -> list[Path]:
         else:
             files.append(path)
     return files
-
-
-def _run(args: argparse.Namespace) -> int:
-    workspace = open_workspace(args.config)
-    loaded = workspace.load(workspace.resolve(args.pipeline))
-    return asyncio.run(_run_once(workspace, loaded, args.input, args.trace))
-
-
-async def _run_once(workspace: Workspace, loaded: LoadedPipeline, text: str, show_trace: bool) -> int:
-    from serving.evals.cli import score_judges
-    from serving.evals.runtime import open_runtime
-
-    streamed = False
-    final: Done | Error | None = None
-    async with open_runtime(workspace, [loaded, *score_judges(workspace, loaded)]) as runtime:
-        ctx = RequestContext.from_text(loaded.spec.name, text)
-        async for event in runtime.runner.stream(runtime.pipelines[loaded.spec.name], ctx):
-            if isinstance(event, TextDelta):
-                streamed = True
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, (Done, Error)):
-                final = event
-            elif isinstance(event, StageFinished) and event.status in ("failed", "timeout"):
-                print(f"stage {event.stage_id} {event.status}: {event.error}", file=sys.stderr)
-    if streamed:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    elif isinstance(final, Done):
-        _print_messages(ctx, sys.stdout)
-    if final is not None and show_trace:
-        _print_trace(final.summary, sys.stderr)
-    if isinstance(final, Error):
-        print(f"inferline: request {final.status} ({final.kind}): {final.message}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
-
-
-def _print_messages(ctx: RequestContext, out: TextIO) -> None:
-    # A pipeline without a streaming stage (prompt only, say) has no text for
-    # the client; show what it built instead of printing nothing.
-    print("(no stage streamed text; the messages the pipeline built:)", file=sys.stderr)
-    for message in ctx.messages:
-        print(f"[{message.role}] {message.content}", file=out)
-
-
-def _print_trace(summary: Summary, out: TextIO) -> None:
-    rows = [("stage", "type", "status", "start ms", "ms", "cost usd")]
-    rows += [(s.id, s.type, s.status, f"{s.started_s * 1e3:.2f}", f"{s.duration_s * 1e3:.2f}",
-              f"{s.cost_usd:.6f}") for s in summary.stages]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)
-    ttft = "-" if summary.ttft_s is None else f"{summary.ttft_s * 1e3:.2f} ms"
-    print(f"total {summary.duration_s * 1e3:.2f} ms, ttft {ttft}, cost {summary.cost_usd:.6f} usd, "
-          f"trace {summary.trace_id}", file=out)
 
 
 if __name__ == "__main__":

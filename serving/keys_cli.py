@@ -1,6 +1,6 @@
 """``inferline keys``: create, list and revoke the API keys of the HTTP API.
 
-    inferline keys create --role caller --name "support bot"   # prints the key, once
+    inferline keys create --role caller --name "support bot" [--tenant acme]   # prints the key, once
     inferline keys list
     inferline keys revoke KEY_ID
 
@@ -52,11 +52,15 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     create.add_argument("--role", required=True, choices=ROLES,
                         help="caller: call pipelines; auditor: read audits and metrics; admin: everything")
     create.add_argument("--name", required=True, metavar="NAME", help="who or what holds the key, e.g. 'support bot'")
+    create.add_argument("--tenant", metavar="TENANT",
+                        help="whose requests the key makes: rate limits and budgets with per: tenant, fair "
+                             "share in the engine's queue and isolate_tenants count by it, and several keys "
+                             "may share one (default: NAME)")
     create.set_defaults(handler=_create)
 
     listing = actions.add_parser("list", parents=[common], help="list keys (never their secrets)",
-                                 description="List every key, revoked ones included: id, name, role, "
-                                             "created, status, last used (times in UTC).")
+                                 description="List every key, revoked ones included: id, name, tenant, "
+                                             "role, created, status, last used (times in UTC).")
     listing.set_defaults(handler=_list)
 
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a key by its id",
@@ -78,9 +82,10 @@ def database_url(args: argparse.Namespace) -> str:
 
 def _create(args: argparse.Namespace) -> int:
     def run(keys: KeyStore) -> int:
-        info, plaintext = keys.create(args.name, args.role)
+        info, plaintext = keys.create(args.name, args.role, args.tenant)
         print(plaintext, flush=True)
-        print(f"created key {info.id} ({info.role}) for {info.name!r}; it will not be shown again, "
+        print(f"created key {info.id} ({info.role}) for {info.name!r}, tenant {info.tenant!r}; "
+              "it will not be shown again, "
               "store it now", file=sys.stderr)
         return EXIT_OK
     return _with_store(args, run)
@@ -92,8 +97,9 @@ def _list(args: argparse.Namespace) -> int:
         if not infos:
             print("no API keys", file=sys.stderr)
             return EXIT_OK
-        rows = [("id", "name", "role", "created", "status", "last used")]
-        rows += [(k.id, k.name, k.role, _when(k.created_at), _status(k), _when(k.last_used_at)) for k in infos]
+        rows = [("id", "name", "tenant", "role", "created", "status", "last used")]
+        rows += [(k.id, k.name, k.tenant, k.role, _when(k.created_at), _status(k), _when(k.last_used_at))
+                 for k in infos]
         _print_table(rows)
         return EXIT_OK
     return _with_store(args, run)

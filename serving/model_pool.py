@@ -213,6 +213,8 @@ class ModelPool:
     def __init__(self, server: ServerSpec, root: Path = Path("."), registry: CollectorRegistry | None = None):
         self._specs = server.models
         self._root = root
+        #: Where the server listens: what a remote model with ``base_url: self`` calls.
+        self._http = server.http
         self._registry = registry
         #: Started models: LocalEngine, or a remote engine (from serving.remote) for other backends.
         self._engines: dict[str, Any] = {}
@@ -245,8 +247,8 @@ class ModelPool:
     def _open_remote(self, name: str, spec: ModelSpec) -> Any:
         from serving.remote import open_remote  # httpx's client: only remote models need it
 
-        engine = open_remote(name, spec, self._root)
-        logger.info("model %s: remote backend %s", name, spec.base_url)
+        engine = open_remote(name, spec, self._root, served=self._http)
+        logger.info("model %s: remote backend %s", name, engine.base_url)
         return engine
 
     async def _open_ray(self, name: str, spec: ModelSpec) -> Any:

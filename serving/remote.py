@@ -5,7 +5,7 @@ Selected per model in ``inferline.yaml`` with ``backend: openai``::
     models:
       big:
         backend: openai
-        base_url: http://gpu-box:8000/v1
+        base_url: http://gpu-box:8000/v1   # or self: this server's own /v1, wherever it listens
         api_key_env: BIG_API_KEY      # the name of the variable holding the key, never the key
         remote_model: meta-llama/Llama-3.1-8B-Instruct   # the id the server expects; default: big
         timeout_s: 60                 # connect, and longest wait for any byte of the reply
@@ -38,7 +38,7 @@ import httpx
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import ModelLoad, SamplingParams, SchedulingHints, TokenEvent, Tokenizer
-from pipeline.spec import ModelSpec
+from pipeline.spec import SELF_URL, HttpSpec, ModelSpec
 from serving.placement import Placement, ReplicaLoad, ewma
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,27 @@ _PREFIX_BLOCK_CHARS = 64
 _NOT_THE_REQUEST = frozenset({401, 403, 404, 408})
 
 
-def open_remote(name: str, spec: ModelSpec, root: Path, *,
+def open_remote(name: str, spec: ModelSpec, root: Path, *, served: HttpSpec | None = None,
                 transport: httpx.AsyncBaseTransport | None = None) -> RemoteEngine:
-    """The engine of model *name* (``backend: openai``); does no I/O until the first request."""
+    """The engine of model *name* (``backend: openai``); does no I/O until the first request.
+
+    ``base_url: self`` is the ``/v1`` API of the server that *served* says where it listens.
+    """
+    if spec.base_url == SELF_URL:
+        if served is None or served.port == 0:
+            raise BackendError(f"model {name!r}: base_url: {SELF_URL} needs the port this server listens on "
+                               "(http.port, INFERLINE_PORT or serve --port; not 0)")
+        spec = spec.model_copy(update={"base_url": own_url(served)})
     return RemoteEngine(name, spec, root, transport=transport)
+
+
+def own_url(served: HttpSpec) -> str:
+    """The ``/v1`` URL at which a server listening as *served* reaches itself: a wildcard address
+    (0.0.0.0, ::) is reached on loopback."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(served.host, served.host)
+    if ":" in host and not host.startswith("["):  # an IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{served.port}/v1"
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.errors import SpecError, SpecIssue
+import yaml
+
+from pipeline.errors import InvalidInput, SpecError, SpecIssue
 from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server, name_clash
 from pipeline.registry import StageRegistry
 from pipeline.spec import ServerSpec
@@ -64,16 +66,35 @@ class Workspace:
         return loaded
 
     def resolve(self, pipeline: str) -> Path:
-        """A pipeline given as a file path, or by name in the pipelines folder."""
+        """A pipeline given as a file path, or one of the pipelines folder by its file name or its ``name:``."""
         candidate = Path(pipeline)
         if candidate.suffix in (".yaml", ".yml") or candidate.exists():
             return candidate
-        for suffix in (".yaml", ".yml"):
-            named = self.pipelines_dir / f"{pipeline}{suffix}"
-            if named.exists():
-                return named
-        raise FileNotFoundError(f"no pipeline {pipeline!r}: not a file, and no {pipeline}.yaml "
-                                f"in {self.pipelines_dir}")
+        declared = _declared_names(self.pipelines_dir)
+        matches = [path for path, name in declared.items() if pipeline in (path.stem, name)]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(f"{name} ({path.name})" if name != path.stem else name
+                          for path, name in declared.items()) or "none"
+        if matches:
+            raise InvalidInput(f"pipeline {pipeline!r} is ambiguous in {self.pipelines_dir}: "
+                               + " and ".join(f"{path.name} (name: {declared[path]})" for path in matches)
+                               + "; give the file's path instead")
+        raise FileNotFoundError(f"no pipeline {pipeline!r}: not a file, and no pipeline of {self.pipelines_dir} "
+                                f"has that file name or name: (there: {known})")
+
+
+def _declared_names(folder: Path) -> dict[Path, str]:
+    """Each pipeline file of *folder* with its ``name:`` (its file name when it has none it can read)."""
+    files = sorted(p for p in folder.glob("*.y*ml") if p.suffix in (".yaml", ".yml")) if folder.is_dir() else []
+    names = {}
+    for path in files:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            data = None
+        names[path] = data["name"] if isinstance(data, dict) and isinstance(data.get("name"), str) else path.stem
+    return names
 
 
 def build_registry(server: ServerSpec) -> StageRegistry:

@@ -6,6 +6,7 @@ its SHA-256 is stored.
 
     keys = KeyStore(make_engine("sqlite:///inferline.db"))
     info, plaintext = keys.create("support bot", "caller")   # hand plaintext over, then forget it
+    keys.create("support bot", "caller", tenant="acme")       # tenant: default, the key's name
     keys.verify(plaintext)        # KeyInfo, or None for a bad, unknown or revoked key
     keys.revoke(info.id)
 """
@@ -54,6 +55,10 @@ class ApiKey(Base):
     """The public part of the key (``il_<id>_...``): safe to show, log and audit."""
     name: Mapped[str] = mapped_column(sa.String(MAX_NAME_LENGTH))
     """Who or what holds the key, for people reading lists and audits; need not be unique."""
+    tenant: Mapped[str | None] = mapped_column(sa.String(MAX_NAME_LENGTH))
+    """Whose requests these are (limits ``per: tenant``, fair share, cache isolation); several keys may
+    share one. Set on every create (default: the name); None only in a row written by a version that
+    predates the column and never backfilled, which reads as its name."""
     role: Mapped[str] = mapped_column(sa.String(16))
     """One of ROLES; a check constraint keeps other values out of the table."""
     secret_hash: Mapped[str] = mapped_column(sa.String(64))
@@ -75,6 +80,7 @@ class KeyInfo:
     created_at: datetime
     revoked_at: datetime | None = None
     last_used_at: datetime | None = None
+    tenant: str = ""
 
     @property
     def is_active(self) -> bool:
@@ -91,21 +97,20 @@ class KeyStore:
     def __init__(self, engine: sa.Engine) -> None:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
-    def create(self, name: str, role: str) -> tuple[KeyInfo, str]:
-        """A new key for *name* with *role*, and its plaintext: the only time it is available."""
+    def create(self, name: str, role: str, tenant: str | None = None) -> tuple[KeyInfo, str]:
+        """A new key for *name* with *role* and *tenant* (default: *name*), and its plaintext: the only
+        time it is available."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; allowed roles: {', '.join(ROLES)}")
-        name = name.strip()
-        if not name:
-            raise ValueError("a key needs a name: who or what will hold it")
-        if len(name) > MAX_NAME_LENGTH:
-            raise ValueError(f"key name is {len(name)} characters; at most {MAX_NAME_LENGTH} allowed")
+        name = _checked("name", name, "who or what will hold it")
+        tenant = name if tenant is None else _checked("tenant", tenant, "whose requests it makes")
         key_id = "".join(secrets.choice(_ID_ALPHABET) for _ in range(ID_LENGTH))
         secret = secrets.token_urlsafe(_SECRET_BYTES)
-        row = ApiKey(id=key_id, name=name, role=role, secret_hash=_hash_secret(secret), created_at=utcnow())
+        row = ApiKey(id=key_id, name=name, tenant=tenant, role=role, secret_hash=_hash_secret(secret),
+                     created_at=utcnow())
         with self._sessions.begin() as session:
             session.add(row)
-        logger.info("created API key %s with role %s", key_id, role)
+        logger.info("created API key %s with role %s for tenant %s", key_id, role, tenant)
         return _info(row), f"{KEY_PREFIX}_{key_id}_{secret}"
 
     def list(self) -> list[KeyInfo]:
@@ -155,6 +160,15 @@ def public_id(plaintext: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _checked(what: str, value: str, meaning: str) -> str:
+    value = value.strip()
+    if not value:
+        raise ValueError(f"a key needs a {what}: {meaning}")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"key {what} is {len(value)} characters; at most {MAX_NAME_LENGTH} allowed")
+    return value
+
+
 def _hash_secret(secret: str) -> str:
     # A slow, salted password hash (bcrypt, argon2) defends low-entropy secrets
     # against offline guessing. These secrets are 256 random bits: guessing one
@@ -164,4 +178,5 @@ def _hash_secret(secret: str) -> str:
 
 
 def _info(row: ApiKey) -> KeyInfo:
-    return KeyInfo(row.id, row.name, row.role, row.created_at, row.revoked_at, row.last_used_at)
+    return KeyInfo(row.id, row.name, row.role, row.created_at, row.revoked_at, row.last_used_at,
+                   row.tenant or row.name)

@@ -108,7 +108,7 @@ class SessionManager:
         except SQLAlchemyError as exc:
             raise Problem(503, "Backend unavailable", "the key store cannot be reached; retry shortly",
                           "backend_error", {"Retry-After": "5"}) from exc
-        return None if info is None else Principal(key_id=info.id, role=info.role, tenant=info.name)
+        return None if info is None else Principal(key_id=info.id, role=info.role, tenant=info.tenant)
 
     def require(self, session: Session, roles: tuple[str, ...], what: str) -> None:
         """403 unless the session's role is one of *roles* (the API's own rule and wording)."""

@@ -32,6 +32,8 @@ class Runtime:
     pipelines: dict[str, Pipeline]
     calls: LocalPipelines
     db: sa.Engine
+    #: The pipelines' models (the pool, or what replaced it): ``inferline run`` starts them before its request.
+    engines: EngineProvider
 
 
 @asynccontextmanager
@@ -62,11 +64,12 @@ async def open_runtime(workspace: Workspace, loaded: Sequence[LoadedPipeline], *
                 if kind == "index"}
         if used:  # only the indexes these pipelines read: loading the embedding model takes seconds
             await asyncio.to_thread(indexes.refresh, used)
-        resources = Resources(catalog_of(workspace.server), engines=engines or pool, audit=sink, counters=counters,
+        engines = engines or pool
+        resources = Resources(catalog_of(workspace.server), engines=engines, audit=sink, counters=counters,
                               indexes=indexes, caches=StoreCaches())
         pipelines = {item.spec.name: Pipeline(item, resources) for item in loaded}
         resources.pipelines = calls = LocalPipelines(pipelines, runner.run)
-        yield Runtime(runner, pipelines, calls, db)
+        yield Runtime(runner, pipelines, calls, db, engines)
     finally:
         await pool.close()
         for pipeline in pipelines.values():

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from pipeline import __version__
 from serving.cli import main
+from serving.model_pool import ModelPool
+from tests.fakes import CALLS, FakeEngine
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "pipelines").glob("*.yaml"))
@@ -116,6 +119,121 @@ def test_run_unknown_pipeline(capsys):
     assert "no pipeline 'nope'" in capsys.readouterr().err
 
 
+# --- run: by name, tags, messages, params and the trace, over fake models -----------------------
+
+ROUTED = """
+name: support-answer
+stages:
+  - {id: first, type: record}
+  - {id: prompt, type: prompt}
+  - id: pick
+    type: route
+    with: {rules: [{when: "tags.tier == 'gold'", model: big}], default: smol}
+  - {id: tok, type: tokenize}
+  - {id: gen, type: generate, with: {max_tokens: 64, temperature: 0, client_params: [max_tokens, temperature]}}
+  - {id: out, type: stream}
+"""
+
+
+class ClosingFake(FakeEngine):
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_models(monkeypatch) -> dict[str, tuple[ClosingFake, list[str]]]:
+    """Each model the pool starts: a fake that answers with its name, and the stages run before it started."""
+    started: dict[str, tuple[ClosingFake, list[str]]] = {}
+
+    async def start(pool, name):
+        started[name] = (ClosingFake(f"reply from {name}."), list(CALLS))
+        return started[name][0]
+
+    monkeypatch.setattr(ModelPool, "_start", start)
+    CALLS.clear()
+    return started
+
+
+@pytest.fixture
+def routed_config(tmp_path) -> str:
+    """A server with two models, and support-answer in answers.yaml: its name is not its file name."""
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "answers.yaml").write_text(textwrap.dedent(ROUTED))
+    (tmp_path / "inferline.yaml").write_text(
+        "plugins: ['tests.fakes:RecordStage']\npipelines: pipelines/\n"
+        f"database: sqlite:///{tmp_path / 'run.db'}\n"
+        "models:\n  smol: {source: models/none}\n  big: {source: models/none}\n")
+    return str(tmp_path / "inferline.yaml")
+
+
+@pytest.mark.parametrize("pipeline", ["support-answer", "answers"])
+def test_run_finds_a_pipeline_by_its_name_or_its_file_name(pipeline, routed_config, fake_models, capsys):
+    assert main(["run", pipeline, "--input", "Hi", "--config", routed_config]) == 0
+    assert capsys.readouterr().out == "reply from smol.\n"
+
+
+def test_run_by_an_ambiguous_or_unknown_name_says_what_exists(routed_config, fake_models, capsys):
+    folder = Path(routed_config).parent / "pipelines"
+    (folder / "support-answer.yaml").write_text(textwrap.dedent(ROUTED).replace("support-answer", "other"))
+    assert main(["run", "support-answer", "--input", "Hi", "--config", routed_config]) == 1
+    err = capsys.readouterr().err
+    assert "pipeline 'support-answer' is ambiguous" in err
+    assert "answers.yaml (name: support-answer) and support-answer.yaml (name: other)" in err
+    assert main(["run", "nope", "--input", "Hi", "--config", routed_config]) == 1
+    assert "no pipeline 'nope'" in (err := capsys.readouterr().err)
+    assert "(there: support-answer (answers.yaml), other (support-answer.yaml))" in err
+    assert not fake_models
+
+
+def test_run_with_a_tag_takes_the_route_rule_on_tags(routed_config, fake_models, capsys):
+    assert main(["run", "support-answer", "--input", "Hi", "--tag", "tier=gold", "--config", routed_config]) == 0
+    assert capsys.readouterr().out == "reply from big.\n"
+    assert main(["run", "support-answer", "--input", "Hi", "--tag", "tier=silver", "--config", routed_config]) == 0
+    assert capsys.readouterr().out == "reply from smol.\n"
+
+
+def test_run_with_messages_and_params(routed_config, fake_models, capsys):
+    assert main(["run", "support-answer", "--message", "system:Answer in French.", "--message", "user:Hello!",
+                 "--param", "max_tokens=5", "--param", "temperature=0.5", "--config", routed_config]) == 0
+    assert capsys.readouterr().out == "reply\n"  # the first five tokens (bytes) of the fake's answer
+    [(prompt_ids, sampling, _)] = fake_models["smol"][0].submitted
+    assert (sampling.max_tokens, sampling.temperature) == (5, 0.5)
+    assert b"<system>Answer in French.<user>Hello!" in bytes(prompt_ids)
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--param", "foo=1"], "--param foo: unknown parameter; known: max_tokens, temperature, top_p, top_k, seed"),
+    (["--param", "temperature=hot"], "--param temperature: Input should be a valid number"),
+    (["--param", "max_tokens=0"], "--param max_tokens: Input should be greater than or equal to 1"),
+    (["--tag", "tier"], "--tag 'tier': expected KEY=VALUE, e.g. --tag tier=gold"),
+    (["--message", "robot:Hi"], "--message 1: role: Input should be 'system', 'user' or 'assistant'"),
+    (["--message", "system:Be brief."], "'messages' needs at least one user message"),
+])
+def test_run_refuses_what_the_http_api_refuses(argv, error, routed_config, fake_models, capsys):
+    given = [] if "--message" in argv else ["--input", "Hi"]
+    assert main(["run", "support-answer", *given, *argv, "--config", routed_config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"inferline run: {error}") and len(err.splitlines()) == 1
+    assert not fake_models and not CALLS  # refused before anything ran
+
+
+def test_run_with_a_param_the_pipeline_does_not_take(routed_config, fake_models, capsys):
+    assert main(["run", "support-answer", "--input", "Hi", "--param", "top_p=0.5", "--config", routed_config]) == 1
+    assert "this pipeline does not let callers set ['top_p']" in capsys.readouterr().err
+
+
+def test_run_trace_shows_model_loading_as_rows_of_its_own(routed_config, fake_models, capsys):
+    assert main(["run", "support-answer", "--input", "Hi", "--trace", "--config", routed_config]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].split() == ["stage", "type", "status", "start", "ms", "ms", "cost", "usd"]
+    loads = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert set(loads) == {"smol", "big"}  # every model the route may pick
+    assert all(row[1:4] == ["load", "ok", "-"] for row in loads.values())
+    assert [line.split()[0] for line in lines[3:-1]] == ["first", "prompt", "pick", "tok", "gen", "out"]
+    assert "ms (model loading before it: " in lines[-1]
+    assert all(before == [] for _, before in fake_models.values())  # started before the request's first stage
+
+
 def test_bad_server_config(tmp_path, capsys):
     config = tmp_path / "inferline.yaml"
     config.write_text("modles: {}\n")
@@ -146,4 +264,5 @@ def test_run_chat_streams_a_real_answer():
     assert result.stdout.strip() == "The capital of France is Paris."
     rows = {line.split()[0]: line.split() for line in result.stderr.splitlines() if line.strip()}
     assert [rows[s][2] for s in ("prompt", "tok", "gen", "out")] == ["ok"] * 4
+    assert rows["smol"][1:4] == ["load", "ok", "-"]  # the model's loading: a row of its own, before the request
     assert float(rows["out"][5]) > 0  # token and compute cost of the default model's price

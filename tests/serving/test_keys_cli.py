@@ -63,10 +63,31 @@ def test_list_shows_keys_without_secrets(parser, database, capsys):
     key_id = plaintext.split("_")[1]
     assert keys(parser, "list", "--database", database) == 0
     header, row = capsys.readouterr().out.splitlines()
-    assert header.split() == ["id", "name", "role", "created", "status", "last", "used"]
-    assert row.startswith(f"{key_id}  support bot  caller  ")
+    assert header.split() == ["id", "name", "tenant", "role", "created", "status", "last", "used"]
+    assert row.startswith(f"{key_id}  support bot  support bot  caller  ")  # the tenant defaults to the name
     assert row.split()[-2:] == ["active", "-"]
     assert plaintext.split("_", 2)[2] not in row
+
+
+def test_create_with_a_tenant_stores_it_and_list_shows_it(parser, database, capsys):
+    assert keys(parser, "create", "--role", "caller", "--name", "billing app", "--tenant", "acme",
+                "--database", database) == 0
+    out, err = capsys.readouterr()
+    plaintext = out.strip()
+    assert "for 'billing app', tenant 'acme'" in err
+    info = verify(database, plaintext)
+    assert (info.name, info.tenant) == ("billing app", "acme")
+    keys(parser, "create", "--role", "caller", "--name", "billing batch", "--tenant", "acme", "--database", database)
+    capsys.readouterr()
+    assert keys(parser, "list", "--database", database) == 0
+    _, first, second = capsys.readouterr().out.splitlines()
+    cells = [[cell.strip() for cell in line.split("  ") if cell.strip()] for line in (first, second)]
+    assert [row[1:3] for row in cells] == [["billing app", "acme"], ["billing batch", "acme"]]
+
+
+def test_a_blank_tenant_is_refused(parser, database, capsys):
+    assert keys(parser, "create", "--role", "caller", "--name", "bot", "--tenant", " ", "--database", database) == 1
+    assert capsys.readouterr().err == "inferline: a key needs a tenant: whose requests it makes\n"
 
 
 def test_revoke_then_revoke_again(parser, database, capsys):
@@ -132,6 +153,8 @@ def test_help_everywhere(parser, argv, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: inferline keys {' '.join(argv)}".rstrip())
+    if argv == ["create"]:
+        assert "--tenant TENANT" in out and "(default: NAME)" in " ".join(out.split())
     if argv:
         assert "--database URL" in out
         assert "--config FILE" in out

@@ -176,7 +176,8 @@ async def test_one_replica_needs_no_placement():
 
 
 class FakeRemote:
-    def __init__(self):
+    def __init__(self, base_url: str):
+        self.base_url = base_url
         self.closed = False
 
     def load(self) -> ModelLoad:
@@ -189,9 +190,9 @@ class FakeRemote:
 async def test_remote_models_open_lazily_report_their_load_and_close(monkeypatch):
     opened: list[tuple[str, ModelSpec, Path]] = []
 
-    def open_remote(name, spec, root):
+    def open_remote(name, spec, root, *, served):
         opened.append((name, spec, root))
-        return FakeRemote()
+        return FakeRemote(spec.base_url)
 
     monkeypatch.setitem(sys.modules, "serving.remote", types.SimpleNamespace(open_remote=open_remote))
     server = ServerSpec(models={"far": ModelSpec(backend="openai", base_url="http://127.0.0.1:9/v1")})

@@ -135,3 +135,28 @@ def test_decisions_reach_the_audit_record(client):
     assert stages["guard"]["action"] == "redact" and stages["out"]["action"] == "block"
     limited = client.get("/audit/records", params={"status": "denied"}).json()["records"]
     assert len(limited) == 1
+
+
+def test_keys_of_one_tenant_share_its_limit(tmp_path, monkeypatch, engine, fresh_minute):
+    from store.db import make_engine
+    from store.keys import KeyStore
+
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=True)
+    (tmp_path / "pipelines" / "per-tenant.yaml").write_text(textwrap.dedent("""
+        name: per-tenant
+        stages:
+          - {id: guard, type: policy, with: {limits: {requests_per_minute: 1, per: tenant}}}
+          - {id: prompt, type: prompt}
+        """))
+    app = create_app(open_workspace(str(config)), engines=FakeEngines(smol=engine))
+    with TestClient(app) as client:
+        store = KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}"))
+        app_key, batch_key = (store.create(name, "caller", tenant="acme")[1] for name in ("app", "batch"))
+        own_key = store.create("other", "caller")[1]  # its tenant: its name
+
+        def call(key: str) -> int:
+            return client.post("/pipelines/per-tenant", json={"input": "hi"},
+                               headers={"Authorization": f"Bearer {key}"}).status_code
+        assert [call(app_key), call(batch_key), call(own_key)] == [200, 429, 200]

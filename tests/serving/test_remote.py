@@ -304,3 +304,72 @@ async def test_several_servers_get_requests_by_prompt_prefix():
     assert {pair[0] for pair in by_prompt} == {"a.test", "b.test"}  # different prefixes spread
     assert remote.load().running == 0  # every stream released its server
     await remote.aclose()
+
+
+# --- base_url: self ---------------------------------------------------------------------------
+
+
+async def test_base_url_self_follows_the_port_the_server_listens_on(tmp_path, monkeypatch):
+    from pipeline.spec import ServerSpec
+    from serving.app import create_app
+    from serving.model_pool import ModelPool
+    from serving.wiring import open_workspace
+    from tests.fakes import FakeEngine, FakeEngines
+    from tests.serving.conftest import write_workspace
+    from tests.serving.live_server import LiveServer
+
+    monkeypatch.delenv("INFERLINE_CONFIG", raising=False)
+    served = await asyncio.to_thread(LiveServer, create_app(open_workspace(str(write_workspace(tmp_path, False))),
+                                                            engines=FakeEngines(smol=FakeEngine("Paris."))))
+    try:
+        assert served.port != 8000
+        monkeypatch.setenv("INFERLINE_PORT", str(served.port))  # as `inferline serve` would be told
+        config = tmp_path / "self.yaml"
+        config.write_text("models:\n  loopback: {backend: openai, base_url: self, remote_model: chat}\n"
+                          "http: {host: 0.0.0.0}\n")
+        server: ServerSpec = open_workspace(str(config)).server
+        pool = ModelPool(server, tmp_path)
+        remote = await pool.get("loopback")
+        assert remote.base_url == f"http://127.0.0.1:{served.port}/v1"
+        events = await collect(remote, SamplingParams(max_tokens=16, temperature=0),
+                               [{"role": "user", "content": "Capital of France?"}])
+        await pool.close()
+    finally:
+        await asyncio.to_thread(served.stop)
+    assert "".join(event.text for event in events) == "Paris."
+
+
+async def test_the_example_loopback_follows_the_configured_port(monkeypatch):
+    from serving.model_pool import ModelPool
+    from serving.wiring import open_workspace
+
+    monkeypatch.delenv("INFERLINE_CONFIG", raising=False)
+    monkeypatch.setenv("INFERLINE_PORT", "8123")
+    workspace = open_workspace(str(ROOT / "inferline.yaml"))
+    pool = ModelPool(workspace.server, ROOT)
+    assert (await pool.get("loopback")).base_url == "http://127.0.0.1:8123/v1"
+    await pool.close()
+
+
+@pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:9001/v1"),
+                                           ("0.0.0.0", "http://127.0.0.1:9001/v1"), ("::", "http://[::1]:9001/v1"),
+                                           ("fd00::5", "http://[fd00::5]:9001/v1"), ("gpu-box", "http://gpu-box:9001/v1")])
+def test_self_is_reached_where_the_server_listens(host, url):
+    from pipeline.spec import HttpSpec
+
+    spec = ModelSpec(backend="openai", base_url="self")
+    remote = open_remote("me", spec, ROOT, served=HttpSpec(host=host, port=9001))
+    assert remote.base_url == url
+
+
+def test_self_is_refused_where_it_cannot_be_resolved():
+    from pydantic import ValidationError
+
+    from pipeline.spec import HttpSpec, ServerSpec
+
+    with pytest.raises(ValidationError, match=r"base_url: self needs a fixed http\.port"):
+        ServerSpec(models={"me": ModelSpec(backend="openai", base_url="self")}, http=HttpSpec(port=0))
+    with pytest.raises(ValidationError, match="backend: openai needs base_url: http"):
+        ModelSpec(backend="openai", base_url="http://a.test/v1", base_urls=["self"])
+    with pytest.raises(BackendError, match="base_url: self needs the port this server listens on"):
+        open_remote("me", ModelSpec(backend="openai", base_url="self"), ROOT)

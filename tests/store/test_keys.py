@@ -155,6 +155,15 @@ def test_the_table_refuses_unknown_roles_too(engine):
                              "VALUES (:id, :name, :role, :secret_hash, :created_at)"), row)
 
 
+def test_the_tenant_is_the_name_unless_given(keys):
+    default, _ = keys.create(" support bot ", "caller")
+    shared, plaintext = keys.create("billing batch", "caller", tenant=" acme ")
+    assert (default.tenant, shared.tenant) == ("support bot", "acme")
+    assert keys.verify(plaintext).tenant == "acme"
+    with pytest.raises(ValueError, match="at most 200"):
+        keys.create("bot", "caller", tenant="t" * 201)
+
+
 # --- list ---------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from store.migrate import current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters"}
-HEAD = "0004"
+HEAD = "0005"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
@@ -74,3 +74,17 @@ def test_upgrade_takes_a_url(tmp_path):
     assert current_revision(url) == HEAD
     downgrade(url)
     assert current_revision(url) is None
+
+
+def test_keys_made_before_tenants_keep_their_name_as_tenant(bare_engine):
+    upgrade(bare_engine, "0004")
+    with bare_engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO api_keys (id, name, role, secret_hash, created_at) "
+                             "VALUES ('abcdefABCDEF', 'old bot', 'caller', :h, CURRENT_TIMESTAMP)"), {"h": "0" * 64})
+    upgrade(bare_engine)
+    [info] = KeyStore(bare_engine).list()
+    assert (info.name, info.tenant) == ("old bot", "old bot")
+    with bare_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT tenant FROM api_keys")).scalar_one() == "old bot"
+    downgrade(bare_engine, "0004")
+    assert "tenant" not in {c["name"] for c in sa.inspect(bare_engine).get_columns("api_keys")}
