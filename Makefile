@@ -32,7 +32,7 @@ $(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp serving/engine/kern
 
 # The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes.
 $(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)
-	$(PY) -m serving.cli index build pipelines/data/handbook --name handbook
+	$(PY) -m serving.cli.main index build pipelines/data/handbook --name handbook
 
 # The web console's browser tests (tests/serving/console/test_browser.py) drive Debian's chromium with
 # Playwright, never a browser Playwright downloads itself. sudo only when not root. Without apt-get this

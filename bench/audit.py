@@ -64,11 +64,12 @@ from sqlalchemy.engine import make_url
 from pipeline.context import ChatMessage, Principal, RequestContext, StageRecord, Usage
 from pipeline.protocols import Resources
 from pipeline.spec import AuditSpec
-from serving.audit_sink import StoreSink
+from serving.backends.audit_sink import StoreSink
 from stages.audit import AuditConfig, AuditStage, build_record
 from store.audit import AuditStore
 from store.audit_journal import Journal
-from store.db import create_schema, make_engine
+from store.db import make_engine
+from store.migrate import create_schema
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 STAGES = ("policy", "retrieve", "route", "tokenize", "generate", "stream", "audit")

@@ -18,7 +18,8 @@ may stop before max_tokens. Throughput counts the output tokens each side actual
 event's ``num_output_tokens``; http: ``usage.output_tokens`` of ``done``) over the wall time from the first
 submit to the last answer. One untimed warm-up round per side (same prompts, 4 tokens) loads the kernels, fills
 both prefix caches identically and uses the client's keep-alive connections (TCP connect is not timed); on the
-http side it also fills the tokenizer's piece cache (serving/piece_cache.py), so ``tokenize`` encodes no new text
+http side it also fills the tokenizer's piece cache (serving/backends/piece_cache.py), so ``tokenize`` encodes
+no new text
 (about 40 us a request less than a new question takes in the server). Then
 the sides run R (3) times interleaved, direct, http, direct, http, ...; throughput is each side's best round
 (highest tok/s), because this machine is noisy, and the per-request figures (added, TTFT, e2e, stages) are
@@ -87,10 +88,10 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 import httpx
 from prometheus_client import CollectorRegistry
 
+from serving.backends.engine_config import engine_config
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.sampling_params import SamplingParams
-from serving.model_pool import engine_config
-from serving.wiring import Workspace, open_workspace
+from serving.runtime.workspace import Workspace, open_workspace
 
 PIPELINE = "chat"
 MODEL_STAGE_TYPES = frozenset({"generate", "stream"})
@@ -212,7 +213,7 @@ def free_port() -> int:
 
 def start_server(config: str, port: int, log: Any) -> subprocess.Popen[bytes]:
     script = Path(sys.executable).with_name("inferline")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli.main"]
     command += ["serve", "--config", config, "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 

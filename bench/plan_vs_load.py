@@ -127,7 +127,7 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def workload_at(rate: float, args: argparse.Namespace) -> Any:
-    from serving.workload import WorkloadSpec
+    from serving.capacity.workload import WorkloadSpec
 
     return WorkloadSpec(pipeline="loadtest", rate=rate, prompt_tokens=args.prompt_tokens,
                         output_tokens=args.output_tokens, duration_s=args.duration, seed=seed_for(rate, args))
@@ -142,10 +142,10 @@ def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace)
     """The SLO and the rates scaled to this machine, from a profile (module docstring, step 0)."""
     import random
 
-    from serving.capacity_cli import cached_prefix, pipeline_model, plan_command, prompt_overhead
-    from serving.profile import StepModel
-    from serving.wiring import open_workspace
-    from serving.workload import Distribution
+    from serving.capacity.pipeline_plan import cached_prefix, pipeline_model, plan_pipeline, prompt_overhead
+    from serving.capacity.step_profile import StepModel
+    from serving.capacity.workload import Distribution
+    from serving.runtime.workspace import open_workspace
 
     workspace = open_workspace(str(config))
     loaded = workspace.load(workspace.resolve("loadtest"))
@@ -164,7 +164,7 @@ def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace)
     slo = {f"{name}_ms_p95": round(args.slo_headroom * lone[f"{name}_ms"]) for name in ("ttft", "itl", "e2e")}
 
     def busy(rate: float) -> float:
-        plan = plan_command(workspace, loaded, workload_at(rate, args), profile_path=str(profile_path), replicas=1,
+        plan = plan_pipeline(workspace, loaded, workload_at(rate, args), profile_path=str(profile_path), replicas=1,
                             overhead_ms=0.0, step_scale=1.0)
         return plan["rates"][0]["tried"][-1]["busy"]
 
@@ -231,7 +231,7 @@ def served_steps(load: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any
     decode = (load.get("engine_steps") or {}).get("decode") or {}
     if not decode.get("steps") or decode.get("mean_batch") is None:
         return None
-    from serving.profile import StepModel
+    from serving.capacity.step_profile import StepModel
 
     profiled = StepModel(profile).decode_ms(decode["mean_batch"])
     return {"decode_steps": decode["steps"], "mean_batch": decode["mean_batch"], "served_ms": decode["mean_ms"],
@@ -280,13 +280,13 @@ def compare(rates: list[float], loads: list[dict[str, Any]], plan: dict[str, Any
 
 
 async def drive(url: str, args: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:
-    from serving.capacity_cli import _tokenizer, load_command
-    from serving.workload import Distribution
+    from serving.capacity.loadgen import load_server, local_tokenizer
+    from serving.capacity.workload import Distribution
 
-    tokenizer = _tokenizer(None, str(args.config_path))
+    tokenizer = local_tokenizer(None, str(args.config_path))
     if args.warmup:  # untimed: the engine's first batches of each shape are slower (kernels, allocator)
         print(f"warm-up: {max(rates):g} req/s for {args.warmup:g} s (not measured) ...", file=sys.stderr, flush=True)
-        await load_command(url, "loadtest", max(rates), args.warmup, Distribution.parse(args.prompt_tokens),
+        await load_server(url, "loadtest", max(rates), args.warmup, Distribution.parse(args.prompt_tokens),
                            Distribution.parse(args.output_tokens), seed=args.seed - 1, tokenizer=tokenizer,
                            drain_s=300)
     loads = []
@@ -296,7 +296,7 @@ async def drive(url: str, args: argparse.Namespace, rates: list[float]) -> list[
             await asyncio.to_thread(run_profile, args.config_path, args.folder / f"profile-{index}.json", args)
         print(f"load: {rate:g} req/s for {args.duration:g} s ...", file=sys.stderr, flush=True)
         before = os.getloadavg()[0]
-        loads.append(await load_command(url, "loadtest", rate, args.duration,
+        loads.append(await load_server(url, "loadtest", rate, args.duration,
                                         Distribution.parse(args.prompt_tokens), Distribution.parse(args.output_tokens),
                                         seed=seed_for(rate, args), tokenizer=tokenizer, drain_s=300))
         loads[-1]["loadavg_1m"] = [round(before, 2), round(os.getloadavg()[0], 2)]
@@ -331,14 +331,14 @@ def server_small_rows(log: Path) -> dict[str, int]:
 def plan_for(config: Path, profiles: list[Path], rates: list[float], args: argparse.Namespace,
              step_scale: float = 1.0) -> dict[str, Any]:
     """One plan per rate, each with the profile measured just before that rate's load."""
-    from serving.capacity_cli import plan_command
-    from serving.wiring import open_workspace
+    from serving.capacity.pipeline_plan import plan_pipeline
+    from serving.runtime.workspace import open_workspace
 
     workspace = open_workspace(str(config))
     loaded = workspace.load(workspace.resolve("loadtest"))
     plans = []
     for rate, profile in zip(rates, profiles, strict=True):
-        plans.append(plan_command(workspace, loaded, workload_at(rate, args), profile_path=str(profile), replicas=1,
+        plans.append(plan_pipeline(workspace, loaded, workload_at(rate, args), profile_path=str(profile), replicas=1,
                                   overhead_ms=args.overhead_ms, step_scale=step_scale))
     return {**plans[0], "rates": [plan["rates"][0] for plan in plans]}
 

@@ -43,7 +43,7 @@ from pipeline.events import Done, TextDelta
 from pipeline.loader import catalog_of, load_pipeline_text
 from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
-from serving.wiring import open_workspace
+from serving.runtime.workspace import open_workspace
 
 POLICY = """
   - id: guard
@@ -133,7 +133,7 @@ async def one_round(runner: Runner, pipe: Pipeline, clients: int) -> tuple[float
 
 
 async def bench_output(workspace, clients: int, max_tokens: int, rounds: int) -> dict[str, float]:
-    from serving.model_pool import ModelPool
+    from serving.backends.model_pool import ModelPool
 
     pool = ModelPool(workspace.server, workspace.root)
     resources = Resources(catalog_of(workspace.server), engines=pool)

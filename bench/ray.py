@@ -100,7 +100,7 @@ async def burst(engine: Any, requests: list[tuple[list[int], int]]) -> float:
 
 
 async def run_pool(server: Any, requests: list[tuple[list[int], int]]) -> float:
-    from serving.model_pool import ModelPool
+    from serving.backends.model_pool import ModelPool
 
     pool = ModelPool(server, ROOT)
     try:
@@ -112,10 +112,10 @@ async def run_pool(server: Any, requests: list[tuple[list[int], int]]) -> float:
 
 
 class ItemCount:
-    """Counts the items RayEngine reads and the events they hold (by wrapping serving.ray_backend._as_list)."""
+    """Counts the items RayEngine reads and the events they hold (by wrapping serving.backends.ray_engine._as_list)."""
 
     def __init__(self) -> None:
-        import serving.ray_backend as backend
+        import serving.backends.ray_engine as backend
 
         self.items = self.events = 0
         unwrap = backend._as_list
@@ -134,7 +134,8 @@ class ItemCount:
 
 def per_token_deployment() -> Any:
     """EngineDeployment streaming one event per item: the replica before the batching."""
-    from serving.ray_backend import EngineDeployment, serve
+    from serving.backends.ray_replica import EngineDeployment
+    from serving.backends.ray_serve import serve
 
     base = EngineDeployment.func_or_class
 
@@ -150,7 +151,8 @@ def per_token_deployment() -> Any:
 def chunked_deployment(size: int) -> Any:
     """EngineDeployment holding events back until *size* are ready (the first, and the last, go at once):
     fewer items, at the price of tokens reaching the caller in bursts of *size*."""
-    from serving.ray_backend import EngineDeployment, serve
+    from serving.backends.ray_replica import EngineDeployment
+    from serving.backends.ray_serve import serve
 
     base = EngineDeployment.func_or_class
 
@@ -178,7 +180,7 @@ VARIANTS = {"ray1": ("inferline", None), "ray1_per_token": ("bench-per-token", p
 
 def deploy_variants(server: Any) -> None:
     """Each variant's application, side by side (each replica asks for all the CPUs; one runs at a time)."""
-    import serving.ray_backend as backend
+    import serving.backends.ray_replica as backend
 
     backend.run_engines(server, ROOT)
     shipped = backend.EngineDeployment
@@ -196,9 +198,10 @@ def deploy_variants(server: Any) -> None:
 async def rounds(local: Any, ray: Any, requests: list[tuple[list[int], int]], repeat: int,
                  counter: ItemCount) -> dict[str, float]:
     """*repeat* rounds of single, then each ray1 variant, one burst each: medians, and events per item."""
-    from serving.model_pool import ModelPool
-    from serving.ray_backend import RayEngine, serve
-    from serving.ray_deploy import deployment_name
+    from serving.backends.model_pool import ModelPool
+    from serving.backends.ray_deploy import deployment_name
+    from serving.backends.ray_engine import RayEngine
+    from serving.backends.ray_serve import serve
 
     local_pool, ray_pool = ModelPool(local, ROOT), ModelPool(ray, ROOT)
     try:
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warnings.simplefilter("ignore", DeprecationWarning)
         import ray
 
-        from serving.ray_backend import run_engines, serve
+        from serving.backends.ray_replica import run_engines
+        from serving.backends.ray_serve import serve
     counter = ItemCount()
     # Logical CPUs: the 1-replica variants wait side by side, each asking for all of the machine's.
     ray.init(num_cpus=len(VARIANTS) * NUM_CPUS, include_dashboard=False, object_store_memory=200 << 20,

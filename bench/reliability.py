@@ -255,23 +255,23 @@ def rss_note(load: dict[str, Any]) -> list[str]:
 
 FINDINGS = [
     "Deeply nested JSON bodies were a 500 (msgspec's RecursionError): now 400 `malformed_json` "
-    "(serving/app.py).",
+    "(serving/http/app.py).",
     "`since`/`until` without a UTC equivalent (`0001-01-01T00:19+19:58`) or without an offset were a 500 on "
-    "every audit route: now 400, naive times taken as UTC (serving/api_audit.py; the console's "
+    "every audit route: now 400, naive times taken as UTC (serving/http/audit_routes.py; the console's "
     "serving/console/audit_pages.py too). Found by schemathesis.",
     "An `output` regex Python's `re` cannot compile (Rust syntax, or a backend that does not enforce "
     "constraints) was a 500 in the stream stage's check: now a recorded finding (stages/stream.py).",
     "The OpenAPI document listed 200 and 400 only, JSON only, with request bodies that dropped `extra=forbid` "
     "and every bound of 0: it now lists each route's error statuses as problem details (OpenAI's shape on "
     "`/v1`), the SSE and JSON Lines/CSV bodies, the bearer scheme, and pydantic's own body schemas "
-    "(serving/api_docs.py).",
+    "(serving/http/openapi.py).",
     "The YAML loader raised ReaderError (control characters), ValueError (`2001-13-45`), RecursionError "
     "(deep nesting, recursive aliases) and UnicodeDecodeError, and hung on alias bombs: now located "
     "SpecErrors (pipeline/yamlsrc.py, pipeline/loader.py). Found by hypothesis.",
     "Index names were not checked: `inferline index build --name ../../x` wrote outside indexes/, and "
-    "`indexes: {'../x': {}}` loaded: now refused (pipeline/spec.py, serving/index_cli.py).",
+    "`indexes: {'../x': {}}` loaded: now refused (pipeline/spec.py, serving/cli/index.py).",
     "With auth on, a database outage took the whole API down (every key check failed) although audit "
-    "records spool: keys verified in the last 10 minutes now keep working meanwhile (serving/auth.py).",
+    "records spool: keys verified in the last 10 minutes now keep working meanwhile (serving/http/auth.py).",
     "After clients disconnected, `/metrics` kept the aborted requests in `inferline_num_requests_running` and "
     "`inferline_kv_cache_usage_perc` (gauges were only set after a step): aborts update them "
     "(serving/engine/engine.py).",

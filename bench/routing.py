@@ -71,10 +71,12 @@ from pipeline.loader import catalog_of, load_pipeline_text
 from pipeline.protocols import ModelLoad, Resources, SamplingParams
 from pipeline.runner import Pipeline, Runner
 from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
-from serving.caches import StoreCaches
+from serving.backends.caches import StoreCaches
+from serving.backends.local_engine import LocalEngine
+from serving.backends.model_pool import ModelPool
+from serving.backends.tokenizer import HFTokenizer
 from serving.engine.sampling_params import SamplingParams as EngineSampling
-from serving.model_pool import HFTokenizer, LocalEngine, ModelPool
-from serving.wiring import open_workspace
+from serving.runtime.workspace import open_workspace
 
 log = logging.getLogger("bench.routing")
 

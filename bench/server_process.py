@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def cli() -> list[str]:
     script = Path(sys.executable).with_name("inferline")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli.main"]
 
 
 def write_config(tmp: Path, *, auth: bool = True, database: str | None = None, pipelines: Path | None = None,

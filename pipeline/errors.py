@@ -129,3 +129,21 @@ class DeadlineExceeded(InferlineError):
     """The request was still queued for its model at its deadline (``queue_timeout_ms``): dropped unstarted."""
 
     kind = "deadline_exceeded"
+
+
+# The HTTP status each error kind maps to; the audit log records it for failed requests too.
+STATUS_BY_KIND = {
+    "invalid_input": 400,
+    "policy_denied": 403,
+    "rate_limited": 429,
+    "overloaded": 429,
+    "stage_timeout": 504,
+    "backend_error": 503,
+    "deadline_exceeded": 503,
+    "no_engine": 503,
+}
+
+
+def status_of(kind: str) -> int:
+    """The HTTP status for an error *kind* (500 for one not listed)."""
+    return STATUS_BY_KIND.get(kind, 500)

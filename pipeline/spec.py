@@ -165,7 +165,7 @@ class ModelSpec(Strict):
     replicas: PositiveInt = 1
     #: prefix: requests that share a prompt prefix go to the same replica while its load allows;
     #: round_robin; least_loaded (fewest waiting, then running). backend: ray: prefix is our Ray Serve request
-    #: router (serving/ray_router.py), least_loaded Ray Serve's own (power of two choices).
+    #: router (serving/backends/ray_router.py), least_loaded Ray Serve's own (power of two choices).
     placement: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     #: prefix placement: how many more requests (waiting + running) the prefix's replica may have than
     #: the least loaded one before the request goes to the least loaded instead.
@@ -189,7 +189,7 @@ class ModelSpec(Strict):
     def _backend_needs(self) -> ModelSpec:
         urls = [self.base_url or "", *self.base_urls]
         if self.base_url == SELF_URL:
-            urls[0] = "http://"  # this server's own /v1, resolved when the server starts (serving/remote.py)
+            urls[0] = "http://"  # this server's own /v1, resolved when the server starts (serving/backends/remote.py)
         if self.backend == "openai" and not all(u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"backend: openai needs base_url: http(s)://host:port/v1, or {SELF_URL} for this "
                              "server's own /v1 (and http(s) base_urls)")
@@ -302,7 +302,7 @@ class ServerSpec(Strict):
     http: HttpSpec = Field(default_factory=HttpSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
-    #: On Ray Serve (``inferline deploy``, ``serving.ray_backend:build_app``): replicas and resources of the
+    #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.
     ray_ingress: RaySpec | None = None
@@ -367,7 +367,7 @@ class AccessSpec(Strict):
 
 
 class SLOSpec(Strict):
-    """Service-level objectives of a pipeline (serving/slo.py judges each request against them).
+    """Service-level objectives of a pipeline (serving/runtime/slo.py judges each request against them).
 
     A ``*_p95`` objective holds when 95% of requests are within it; ``max_cost_usd_per_request`` when
     every request is. Absent objectives are not judged.

@@ -7,7 +7,7 @@
     journal.append(lines, empty_first=True)         # or emptied by the next batch's append
     journal.close()                                 # removes the file when it is empty
 
-The server's audit sink (serving/audit_sink.py) answers a request once its record is here, and
+The server's audit sink (serving/backends/audit_sink.py) answers a request once its record is here, and
 chains the record into the database right after, off the response's path. A crash in between
 leaves the record in the file; the next start replays every journal no live process holds
 (:func:`leftover_journals`, then ``AuditStore.replay_file``), skipping ids already chained, so each

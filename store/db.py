@@ -109,14 +109,3 @@ def _sqlite_engine(url: URL) -> sa.Engine:
             cursor.close()
 
     return engine
-
-
-def create_schema(engine: sa.Engine) -> None:
-    """Bring the database's schema up to date: Alembic "upgrade to head" (store/migrate.py).
-
-    Safe to call on every start: a database at head is left as it is. A
-    database made by the pre-Alembic ``create_all`` (api_keys only) is adopted.
-    """
-    from store.migrate import upgrade  # here: the migrations import this module's Base
-
-    upgrade(engine)

@@ -2,9 +2,10 @@
 the audit explorer for reviewers, and live metrics.
 
 Server-rendered (Jinja templates in ``templates/``), with small hand-written scripts in ``static/``
-and nothing fetched from anywhere else. ``create_app`` mounts it with ``ConsolePlugin(state)``.
+and nothing fetched from anywhere else. ``serving.server.create_server`` mounts it with ``ConsolePlugin(state)``.
 """
 
-from serving.console.plugin import Console, ConsolePlugin
+from serving.console.plugin import ConsolePlugin
+from serving.console.state import Console
 
 __all__ = ["Console", "ConsolePlugin"]

@@ -17,11 +17,11 @@ from litestar import Request, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Response
 
-from serving import api_pipelines
-from serving.api_pipelines import PipelineRequest
-from serving.console.plugin import Console
 from serving.console.session import CSRF_HEADER, LoginRequired
-from serving.problems import Problem
+from serving.console.state import Console
+from serving.http import pipeline_routes as api_pipelines
+from serving.http.pipeline_routes import PipelineRequest
+from serving.http.problems import Problem
 
 
 @post("/pipelines/{name:str}/run", status_code=200, name="console-run")

@@ -21,11 +21,11 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Response, Stream
 
-from serving.audit_params import access_filters, audit_filters, refuse_unknown_query
-from serving.console.plugin import Console
 from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, Session
-from serving.problems import Problem
+from serving.console.state import Console
+from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query
+from serving.http.problems import Problem
 from store.audit import AccessFilters, AuditFilters, AuditStore
 from store.audit_access import ACCESS_FIELDS
 from store.audit_filters import FILTER_FIELDS
@@ -39,7 +39,7 @@ FILTER_NAMES = tuple(FILTER_FIELDS)
 SORTS = tuple(s for name in SORT_FIELDS for s in (f"-{name}", name))
 POLICY_ACTIONS = ("allow", "flag", "redact", "block")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
-#: The pages' filters are the API's (serving/audit_params.py): the same dependency parses them, and the
+#: The pages' filters are the API's (serving/http/audit_params.py): the same dependency parses them, and the
 #: same guard refuses a query parameter a page does not take.
 _GUARDED = {"guards": [refuse_unknown_query]}
 

@@ -17,13 +17,13 @@ from litestar import Request, get, post
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Response
 
-from serving.api_pipelines import describe
 from serving.console.audit_pages import find_record
-from serving.console.plugin import Console
 from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, safe_next
+from serving.console.state import Console
 from serving.console.trace_view import from_entry, from_record
-from serving.problems import Problem
+from serving.http.pipeline_routes import describe
+from serving.http.problems import Problem
 
 logger = logging.getLogger(__name__)
 

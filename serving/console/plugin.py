@@ -1,6 +1,6 @@
-"""The console's shared state and the Litestar plugin that mounts it under ``/ui``.
+"""The Litestar plugin that mounts the web console under ``/ui``.
 
-``create_app`` adds ``ConsolePlugin(state)``; the plugin then
+``serving.server.create_server`` adds ``ConsolePlugin(state)``; the plugin then
 
 * wraps the executor's runner so that every request's trace lands in the console's ring;
 * mounts the pages (``/ui/...``, errors as HTML pages), their JSON routes (``/ui/api/...``, errors as
@@ -24,52 +24,16 @@ from litestar.plugins import InitPlugin
 from litestar.response import Response
 from litestar.static_files import create_static_files_router
 
-from serving.console.metrics_sampler import MetricsSampler
-from serving.console.render import error_status, html, login_redirect, make_environment
-from serving.console.session import LoginRequired, Session, SessionManager
-from serving.console.trace_ring import RecordingRunner, TraceRing
-from serving.state import AppState
+from serving.console import api, audit_pages, pages
+from serving.console.render import error_status, login_redirect
+from serving.console.session import LoginRequired
+from serving.console.state import SESSION_KEY, STATE_KEY, Console
+from serving.console.trace_ring import RecordingRunner
+from serving.http.state import AppState
 
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
-STATE_KEY = "inferline_console"
-_SESSION_KEY = "inferline_console_session"
-
-
-class Console:
-    """What the console's handlers share: the app's state, sessions, traces, metrics, templates."""
-
-    def __init__(self, state: AppState, *, ring_size: int = 500, sample_interval_s: float = 2.0):
-        self.state = state
-        self.sessions = SessionManager(state.auth)
-        self.ring = TraceRing(ring_size)
-        self.sampler = MetricsSampler(state.registry, interval_s=sample_interval_s)
-        self.templates = make_environment()
-
-    @staticmethod
-    def of(request: Request) -> Console:
-        return request.app.state[STATE_KEY]
-
-    async def session(self, request: Request, roles: tuple[str, ...] = (), what: str = "", *,
-                      optional: bool = False) -> Session:
-        """The request's session; 403 unless it holds one of *roles* (when given). Without a valid key
-        (auth on): LoginRequired, or with *optional* a session without a principal."""
-        session = await self.sessions.session(request, optional=optional)
-        request.state[_SESSION_KEY] = session  # for the error page, should this request fail later
-        if roles:
-            self.sessions.require(session, roles, what)
-        return session
-
-    def page(self, request: Request, session: Session | None, template: str, status: int = 200,
-             **values: Any) -> Response[str]:
-        """Render *template* with what every page shows: who is signed in, the nav, the CSRF token."""
-        body = self.templates.get_template(template).render(
-            session=session, auth_enabled=self.state.auth.enabled, path=request.url.path,
-            csrf_token=self.sessions.token(session) if session is not None else "",
-            can_review=session is not None and session.can("auditor"), **values)
-        cookies = self.sessions.cookies(request, session) if session is not None else []
-        return html(body, status, cookies)
 
 
 def page_errors(request: Request, exc: Exception) -> Response[Any]:
@@ -79,7 +43,7 @@ def page_errors(request: Request, exc: Exception) -> Response[Any]:
     status, title, detail, kind = error_status(exc)
     console = Console.of(request)
     # The session, when it was resolved before the error: the page keeps its nav and logout form.
-    session = request.state.get(_SESSION_KEY) if status != 401 else None
+    session = request.state.get(SESSION_KEY) if status != 401 else None
     return console.page(request, session, "error.html", status=status, status_code=status, title=title,
                         detail=detail, kind=kind)
 
@@ -92,8 +56,6 @@ class ConsolePlugin(InitPlugin):
         state.executor.runner = RecordingRunner(state.executor.runner, self.console.ring)  # type: ignore[assignment]
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
-        from serving.console import api, audit_pages, pages  # the handlers import this module
-
         app_config.state[STATE_KEY] = self.console
         app_config.route_handlers += [
             Router("/ui", route_handlers=[*pages.ROUTES, *audit_pages.ROUTES],

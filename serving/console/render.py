@@ -20,7 +20,7 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from litestar.response import Redirect, Response
 
 from pipeline.errors import InferlineError
-from serving.problems import Problem, from_error, title_for
+from serving.http.problems import Problem, from_error, title_for
 
 logger = logging.getLogger(__name__)
 

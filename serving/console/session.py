@@ -30,8 +30,8 @@ from litestar.datastructures import Cookie
 from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline.context import Principal
-from serving.auth import Authenticator
-from serving.problems import Problem
+from serving.http.auth import Authenticator
+from serving.http.problems import Problem
 
 KEY_COOKIE = "inferline_console_key"
 CSRF_COOKIE = "inferline_console_csrf"

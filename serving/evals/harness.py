@@ -13,7 +13,7 @@ from pipeline.protocols import PipelineCaller
 from pipeline.runner import Pipeline, Runner
 from serving.evals.dataset import Dataset, EvalCase
 from serving.evals.progress import Progress
-from serving.slo import figures
+from serving.runtime.slo import figures
 from stages.checks import Answer, CheckDeps, CheckResult, evaluate
 
 

@@ -14,7 +14,7 @@ from statistics import fmean
 from typing import Any
 
 from pipeline.spec import SLOSpec
-from serving.slo import RequestFigures, attainment, percentile
+from serving.runtime.slo import RequestFigures, attainment, percentile
 
 PERCENTILES = (50, 90, 95, 99)
 _LATENCIES = ("ttft_ms", "itl_ms", "e2e_ms")

@@ -1,5 +1,5 @@
 """A server killed between answering requests and chaining their audit records (SIGKILL, no shutdown):
-the next start chains every one of them, once (the write-ahead journal, serving/audit_sink.py)."""
+the next start chains every one of them, once (the write-ahead journal, serving/backends/audit_sink.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from bench.server_process import ServerProcess
-from tests.faults.conftest import audit_rows, post_stream, records_by_input, sha256
+from tests.faults.replies import audit_rows, post_stream, records_by_input, sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

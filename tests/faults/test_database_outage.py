@@ -24,8 +24,8 @@ from sqlalchemy.engine import make_url
 from bench.server_process import ServerProcess
 from store.audit import AuditStore
 from store.db import make_engine
-from tests.faults.conftest import Reply, audit_rows, post_stream, records_by_input, sha256
 from tests.faults.netfaults import TcpProxy
+from tests.faults.replies import Reply, audit_rows, post_stream, records_by_input, sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

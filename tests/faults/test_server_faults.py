@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ROOT, ServerProcess
 from tests.faults import engine_fault
-from tests.faults.conftest import Reply, audit_rows, post_stream, records_by_input, sha256
 from tests.faults.netfaults import HangingServer
+from tests.faults.replies import Reply, audit_rows, post_stream, records_by_input, sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from pipeline.context import Principal
-from serving.console.plugin import STATE_KEY
 from serving.console.session import CSRF_COOKIE, CSRF_FIELD, CSRF_HEADER, KEY_COOKIE, Session
+from serving.console.state import STATE_KEY
 from store.keys import ROLES
-from tests.security.conftest import App
+from tests.security.secured_app import App
 
 PUBLIC = "public"
 SIGNED_IN = "signed in"
-CALLERS = ("caller",)  # the `chat` pipeline's access.roles (tests/security/conftest.py)
+CALLERS = ("caller",)  # the `chat` pipeline's access.roles (tests/security/secured_app.py)
 REVIEWERS = ("auditor",)
 
 
@@ -60,7 +60,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/audit/verify"): (REVIEWERS, Call("/audit/verify")),
     ("GET", "/audit/export"): (REVIEWERS, Call("/audit/export")),
     ("GET", "/audit/access"): (REVIEWERS, Call("/audit/access")),
-    # The OpenAPI document and its viewer, with the viewer's own files (serving/api_docs.py).
+    # The OpenAPI document and its viewer, with the viewer's own files (serving/http/openapi.py).
     **{("GET", path): (PUBLIC, Call(path.replace("{path:str}", "nothing")))
        for path in ("/schema", "/schema/openapi.json", "/schema/openapi.yaml", "/schema/openapi.yml",
                     "/schema/swagger", "/schema/oauth2-redirect.html", "/schema/{path:str}")},

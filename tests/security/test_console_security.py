@@ -15,7 +15,7 @@ from http.cookies import SimpleCookie
 import pytest
 
 from serving.console.session import CSRF_COOKIE, CSRF_FIELD, CSRF_HEADER, KEY_COOKIE
-from tests.security.conftest import App
+from tests.security.secured_app import App
 from tests.security.test_auth_matrix import ACCESS, csrf_token
 
 NONCE = "m" * 32

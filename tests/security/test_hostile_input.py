@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.security.conftest import App
+from tests.security.secured_app import App
 
 MAX_BODY = 65536  # http.max_body_bytes of the app under test (conftest.SERVER)
 

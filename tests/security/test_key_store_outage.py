@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from serving import auth
-from tests.security.conftest import App
+from serving.http import auth
+from tests.security.secured_app import App
 
 
 def test_a_key_store_outage_keeps_recently_verified_keys_working(secured: App, monkeypatch):

@@ -19,7 +19,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import Response
 
-from tests.security.conftest import App
+from tests.security.secured_app import App
 
 EXAMPLES = int(os.environ.get("RELIABILITY_SCHEMATHESIS_EXAMPLES", "25"))
 # Two checks adjusted, each for a reason the document cannot change:

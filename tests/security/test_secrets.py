@@ -16,13 +16,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline import tracing
-from serving.app import create_app
-from serving.console.plugin import STATE_KEY
-from serving.wiring import open_workspace
+from serving.console.state import STATE_KEY
+from serving.runtime.workspace import open_workspace
+from serving.server import create_server
 from store.db import make_engine
 from store.keys import KeyStore
 from tests.fakes import FakeEngine, FakeEngines
-from tests.security.conftest import ANSWER, App, make_workspace
+from tests.security.secured_app import ANSWER, App, make_workspace
 
 PROMPT = "Zanzibar-prompt-4471: what is the capital of France?"
 
@@ -42,7 +42,7 @@ def test_keys_and_prompts_stay_out_of_logs_traces_audit_and_error_bodies(tmp_pat
     db_url = f"sqlite:///{tmp_path / 'server.db'}"
     caplog.set_level(logging.DEBUG)
     bodies: list[str] = []
-    app = create_app(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine(ANSWER)))
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine(ANSWER)))
     with TestClient(app, raise_server_exceptions=False) as client:
         store = KeyStore(make_engine(db_url))
         keys = {role: store.create(f"leak-{role}", role)[1] for role in ("caller", "auditor", "admin")}
@@ -177,7 +177,7 @@ def test_secrets_come_from_the_environment_or_files(tmp_path, monkeypatch):
     assert server.audit.mode == "required"
     assert "s3cr3t" not in config.read_text() and "checkpoint-key" not in config.read_text()
     # A remote backend's key is named by the variable that holds it, never written in the YAML (that it
-    # is read from there per request: tests/serving/test_remote.py).
+    # is read from there per request: tests/serving/backends/test_remote.py).
     assert server.models["remote"].api_key_env == "REMOTE_KEY"
     monkeypatch.setenv("INFERLINE_AUDIT__CHECKPOINT_KEY", "from-the-environment")
     monkeypatch.delenv("INFERLINE_AUDIT__CHECKPOINT_KEY_FILE")

@@ -10,7 +10,7 @@ import uvicorn
 
 
 class LiveServer:
-    """create_app over fake engines, served by uvicorn on a free loopback port, in a thread."""
+    """create_server over fake engines, served by uvicorn on a free loopback port, in a thread."""
 
     def __init__(self, app):
         with socket.socket() as sock:

@@ -60,7 +60,8 @@ def postgres_url():
     import sqlalchemy as sa
     from sqlalchemy.engine import make_url
 
-    from store.db import create_schema, make_engine
+    from store.db import make_engine
+    from store.migrate import create_schema
 
     schema = f"inferline_ray_{uuid.uuid4().hex[:12]}"
     base = make_url(POSTGRES_URL).update_query_dict({"connect_timeout": "5"})
@@ -128,8 +129,9 @@ def write_workspace(root: Path, *, database: str, ray: bool, limits: dict | None
 def app(tmp_path_factory, postgres_url, redis_prefix):
     """The serve-deploy application (two ingress replicas, one engine) on a local Ray: (url, config path)."""
     ray = pytest.importorskip("ray")
-    from serving.ray_backend import build_app, serve
-    from serving.ray_deploy import APP_NAME
+    from serving.backends.ray_deploy import APP_NAME
+    from serving.backends.ray_serve import serve
+    from serving.ray_ingress import build_app
 
     config = write_workspace(tmp_path_factory.mktemp("ray-ingress"), database=postgres_url, ray=True,
                              limits={"backend": "redis", "redis_url": REDIS_URL, "prefix": redis_prefix})
@@ -169,11 +171,11 @@ def single_process_answer(tmp_path: Path) -> tuple[str, str, int, str]:
     """The chat pipeline's SSE answer from the single-process server (in this process, the local engine)."""
     from litestar.testing import TestClient
 
-    from serving.app import create_app
-    from serving.wiring import open_workspace
+    from serving.runtime.workspace import open_workspace
+    from serving.server import create_server
 
     config = write_workspace(tmp_path, database=f"sqlite:///{tmp_path / 'single.db'}", ray=False)
-    with TestClient(create_app(open_workspace(str(config))), timeout=120) as client:
+    with TestClient(create_server(open_workspace(str(config))), timeout=120) as client:
         response = client.post("/pipelines/chat", json={"input": QUESTION, "stream": True})
         assert response.status_code == 200, response.text
         return streamed_answer(sse_events(response.text))

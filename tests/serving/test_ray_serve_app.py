@@ -43,7 +43,7 @@ def _workspace(tmp_path: Path) -> Path:
 @pytest.fixture
 def local_ray():
     ray = pytest.importorskip("ray")
-    from serving.ray_backend import serve
+    from serving.backends.ray_serve import serve
 
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
@@ -59,8 +59,8 @@ def local_ray():
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_serve_deploy_app_answers_a_pipeline_over_http(local_ray, tmp_path):
-    from serving.ray_backend import build_app
-    from serving.ray_deploy import APP_NAME
+    from serving.backends.ray_deploy import APP_NAME
+    from serving.ray_ingress import build_app
 
     serve, url = local_ray
     config = _workspace(tmp_path)
@@ -150,12 +150,14 @@ async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local
     from pipeline.protocols import SamplingParams
     from pipeline.runner import Runner
     from pipeline.spec import ModelSpec, ServerSpec
-    from serving.audit_sink import StoreSink
-    from serving.model_pool import ModelPool
-    from serving.ray_backend import RayEngine, run_engines
-    from serving.ray_deploy import APP_NAME, deployment_name
+    from serving.backends.audit_sink import StoreSink
+    from serving.backends.model_pool import ModelPool
+    from serving.backends.ray_deploy import APP_NAME, deployment_name
+    from serving.backends.ray_engine import RayEngine
+    from serving.backends.ray_replica import run_engines
     from store.audit import AuditStore
-    from store.db import create_schema, make_engine
+    from store.db import make_engine
+    from store.migrate import create_schema
 
     monkeypatch.chdir(ROOT)
     config = _workspace(tmp_path)  # its database: where this test's audit records go

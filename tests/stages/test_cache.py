@@ -17,7 +17,7 @@ from pipeline.events import Done, TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
-from serving.caches import StoreCaches
+from serving.backends.caches import StoreCaches
 from stages.cache import CacheStage, ReplayStream
 from store.response_cache import MemoryCache
 from tests.fakes import FakeEngine, FakeEngines

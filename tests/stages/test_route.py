@@ -1,4 +1,5 @@
-"""The route stage and generate's fallbacks, over fake engines (a real remote: tests/serving/test_remote.py)."""
+"""The route stage and generate's fallbacks, over fake engines
+(a real remote: tests/serving/backends/test_remote.py)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class SilentEngine(FakeEngine):
 
 
 class RemoteLike(FakeEngine):
-    """Takes chat messages, like serving.remote.RemoteEngine."""
+    """Takes chat messages, like serving.backends.remote.RemoteEngine."""
 
     accepts_messages = True
 

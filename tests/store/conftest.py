@@ -11,7 +11,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from store.db import create_schema, make_engine
+from store.db import make_engine
+from store.migrate import create_schema
 
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

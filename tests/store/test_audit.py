@@ -19,7 +19,8 @@ import sqlalchemy as sa
 from store.audit import AuditFilters, AuditStore, VerifyReport
 from store.audit_chain import record_hash, uuid7
 from store.audit_models import GENESIS_HASH
-from store.db import create_schema, make_engine
+from store.db import make_engine
+from store.migrate import create_schema
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

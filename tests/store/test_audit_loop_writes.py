@@ -21,7 +21,8 @@ import sqlalchemy as sa
 import store.audit
 from store.audit import AuditStore, VerifyReport
 from store.audit_append import SqliteLoopWriter
-from store.db import create_schema, make_engine
+from store.db import make_engine
+from store.migrate import create_schema
 from tests.store.test_audit import make_record
 from tests.store.test_audit_append import calls_to_audit_append, kill_connections, seqs
 

@@ -16,8 +16,9 @@ from datetime import UTC
 import pytest
 import sqlalchemy as sa
 
-from store.db import create_schema, make_engine
+from store.db import make_engine
 from store.keys import ROLES, ApiKey, KeyInfo, KeyStore
+from store.migrate import create_schema
 
 KEY_FORMAT = re.compile(r"il_([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})")
 

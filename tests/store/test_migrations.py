@@ -12,9 +12,9 @@ from alembic.runtime.migration import MigrationContext
 import store.audit_models
 import store.counters
 import store.eval_runs  # noqa: F401  (their tables, for the drift check)
-from store.db import Base, create_schema, make_engine
+from store.db import Base, make_engine
 from store.keys import ApiKey, KeyStore
-from store.migrate import current_revision, downgrade, upgrade
+from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters"}

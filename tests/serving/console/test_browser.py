@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.test_server import QUESTION, Server
+from tests.serving.cli.test_serve import QUESTION, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

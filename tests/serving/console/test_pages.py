@@ -10,8 +10,8 @@ import re
 import pytest
 
 from serving.console.trace_ring import TraceRing
-from tests.serving.console.conftest import csrf_of, sign_in
-from tests.serving.test_app import sse_events
+from tests.serving.console.signin import csrf_of, sign_in
+from tests.serving.http.test_app import sse_events
 
 
 def run(client, pipeline: str = "chat", body: dict | None = None, token: str | None = None, **headers):

@@ -6,9 +6,9 @@ import pytest
 from litestar import Request
 
 from pipeline.context import Principal
-from serving.auth import Authenticator
 from serving.console.session import CSRF_COOKIE, KEY_COOKIE, LoginRequired, Session, SessionManager, safe_next
-from serving.problems import Problem
+from serving.http.auth import Authenticator
+from serving.http.problems import Problem
 
 
 def request(scheme: str = "http", headers: dict[str, str] | None = None, cookies: str = "") -> Request:

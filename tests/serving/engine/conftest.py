@@ -1,18 +1,13 @@
 """The real default model, loaded once for the engine tests (marked slow).
 
 ``INFERLINE_TEST_MODEL`` and ``INFERLINE_TEST_DEVICE`` point them at another model folder and
-device (bench/gpu_check.sh runs them on CUDA that way); the defaults are the bundled model on the CPU.
-"""
+device (bench/gpu_check.sh runs them on CUDA that way); the defaults are the bundled model on the CPU."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-MODEL = Path(os.environ.get("INFERLINE_TEST_MODEL") or Path(__file__).parents[3] / "models" / "smollm2-135m-instruct")
-DEVICE = os.environ.get("INFERLINE_TEST_DEVICE", "cpu")
+from tests.serving.engine.model import DEVICE, MODEL
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from serving.engine.constraints import (
     apply_bitmask,
     compile_error,
 )
-from tests.serving.engine.conftest import MODEL
+from tests.serving.engine.model import MODEL
 
 SCHEMA = {
     "type": "object",

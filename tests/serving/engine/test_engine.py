@@ -12,7 +12,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineOverloaded, InvalidRequest
 from serving.engine.sampling_params import SamplingParams
-from tests.serving.engine.conftest import DEVICE, MODEL
+from tests.serving.engine.model import DEVICE, MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.models import load_model, loader
 from serving.engine.models.llama import LlamaModel
 from serving.engine.sampling_params import SamplingParams
-from tests.serving.engine.conftest import DEVICE, MODEL
+from tests.serving.engine.model import DEVICE, MODEL
 
 
 @pytest.fixture(scope="module")

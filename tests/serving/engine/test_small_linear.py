@@ -167,7 +167,7 @@ def test_small_batches_take_the_kernel_and_larger_ones_onednn(loaded_model, ops,
 
 
 def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
-    from tests.serving.engine.conftest import DEVICE, MODEL
+    from tests.serving.engine.model import DEVICE, MODEL
 
     if DEVICE != "cpu" or not llama.use_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN packing is a CPU float32 path")
@@ -318,7 +318,7 @@ def test_the_small_batch_limit_follows_the_vector_unit(monkeypatch, flags, rows)
 
 def test_a_profile_records_the_row_limits_its_engine_measured(loaded_model):
     """`inferline profile` writes the limits beside the step times: a plan is of an engine that chose so."""
-    from serving.capacity_cli import small_rows_of
+    from serving.capacity.step_profile import small_rows_of
 
     model = loaded_model.model
     if not isinstance(model.linear, llama.CpuLinear):

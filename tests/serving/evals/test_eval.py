@@ -7,13 +7,13 @@ import json
 import pytest
 
 from pipeline.errors import SpecError
-from serving.cli import main
-from serving.evals.cli import evaluate
+from serving.cli.eval import evaluate
+from serving.cli.main import main
 from serving.evals.dataset import load_dataset
 from serving.evals.report import compare
 from store.db import make_engine
 from store.eval_runs import EvalRunStore
-from tests.serving.evals.conftest import engines
+from tests.serving.evals.workspaces import engines
 
 CASES = [
     {"id": "exact", "input": "Capital of France?", "checks": [
@@ -160,7 +160,7 @@ def test_bad_dataset_lines_are_located(tmp_path, capsys, workspace):
 
 
 def test_a_score_stage_must_name_a_served_judge(workspace, tmp_path):
-    from serving.evals.calls import check_calls
+    from serving.runtime.calls import check_calls
 
     (workspace.root / "pipelines" / "scored.yaml").write_text(
         "name: scored\nstages:\n  - {id: prompt, type: prompt}\n  - {id: tok, type: tokenize}\n"

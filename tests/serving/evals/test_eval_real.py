@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.evals.cli import evaluate
+from serving.cli.eval import evaluate
 from serving.evals.dataset import load_dataset
-from serving.wiring import open_workspace
+from serving.runtime.workspace import open_workspace
 
 pytestmark = pytest.mark.slow
 

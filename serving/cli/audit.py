@@ -1,0 +1,293 @@
+"""``inferline audit``: the reviewers' queries from the command line, and retention.
+
+    inferline audit query [--since T] [--until T] [--pipeline P] [--key-id K] ... [--format table|jsonl|csv]
+    inferline audit show RECORD_ID
+    inferline audit summary [--group-by pipeline|model|key_id|day] [filters] [--format table|jsonl|csv]
+    inferline audit verify [--since T] [--until T] [--workers N]   exit 1 on any finding
+    inferline audit export [--format jsonl|csv] [filters]          to stdout
+    inferline audit access [--since T] [--until T] [--key-id K] [--action A] [--format table|jsonl|csv]
+    inferline audit prune                                           past each pipeline's retention, not on hold
+    inferline audit hold (--pipeline P | --record ID...) [--release]
+
+The filters are the API's (store/audit_filters.py), so one filter selects the same records on both.
+A time T is ISO 8601 (without an offset: UTC) or relative: 30m, 24h, 7d, 2w, today, yesterday.
+The database is ``--database URL``, else ``$INFERLINE_DATABASE``, else the server config's, as for
+``inferline keys``. Listings print a table on a terminal and JSON lines otherwise (``--format``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from serving.backends.audit_sink import open_store
+from serving.cli.keys import ENV_DATABASE, database_url
+from serving.runtime.workspace import Workspace, open_workspace
+from store.audit import AuditStore
+from store.audit_access import ACCESS_FIELDS, parse_access_filters
+from store.audit_filters import (
+    FILTER_FIELDS,
+    RANGE_FIELDS,
+    TIME_HELP,
+    AuditFilters,
+    parse_cost,
+    parse_filters,
+    parse_time,
+)
+from store.db import make_engine
+from store.migrate import create_schema
+
+FORMATS = ("table", "jsonl", "csv")
+NO_MATCH = "no records match"
+
+
+def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``audit`` and its actions; each sets ``handler(args) -> exit code``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", "-c", metavar="FILE", help="server config (as for serve)")
+    common.add_argument("--database", metavar="URL",
+                        help="database URL, e.g. sqlite:///inferline.db or postgresql://user@host/db "
+                             f"(default: ${ENV_DATABASE}, else 'database:' of the server config)")
+    parser = subparsers.add_parser("audit", help="query, verify, export and prune the audit log",
+                                   description="Read the tamper-evident audit log of the server config's database. "
+                                               f"Times: {TIME_HELP}.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    query = actions.add_parser("query", parents=[common], help="list records matching filters")
+    _filter_options(query, FILTER_FIELDS)
+    query.add_argument("--sort", default="-received_at", help="received_at | cost_usd | duration_ms | seq, "
+                                                              "'-' for descending (default -received_at)")
+    query.add_argument("--limit", type=int, default=50)
+    query.add_argument("--cursor", help="next_cursor of the previous page")
+    _format_option(query)
+    query.set_defaults(handler=_reporting(_query))
+
+    show = actions.add_parser("show", parents=[common], help="one record with its stages")
+    show.add_argument("record_id")
+    show.set_defaults(handler=_reporting(_show))
+
+    summary = actions.add_parser("summary", parents=[common], help="counts, block rate, tokens and cost, grouped")
+    summary.add_argument("--group-by", default="pipeline", choices=["pipeline", "model", "key_id", "day"])
+    _filter_options(summary, FILTER_FIELDS)
+    _format_option(summary)
+    summary.set_defaults(handler=_reporting(_summary))
+
+    verify = actions.add_parser("verify", parents=[common], help="recompute the hash chain; exit 1 on any finding")
+    _filter_options(verify, {name: FILTER_FIELDS[name] for name in RANGE_FIELDS})
+    verify.add_argument("--workers", type=_positive, metavar="N",
+                        help="processes that recompute hashes in parallel (default: one per CPU, for "
+                             "spans of 40,000+ records; 1: this process only)")
+    verify.set_defaults(handler=_reporting(_verify))
+
+    export = actions.add_parser("export", parents=[common], help="export records to stdout")
+    export.add_argument("--format", default="jsonl", choices=["jsonl", "csv"])
+    _filter_options(export, FILTER_FIELDS)
+    export.set_defaults(handler=_reporting(_export))
+
+    access = actions.add_parser("access", parents=[common], help="the reviewers' access log: who read the "
+                                                                 "audit log, newest first")
+    _filter_options(access, ACCESS_FIELDS)
+    access.add_argument("--limit", type=int, default=50)
+    access.add_argument("--cursor", help="next cursor of the previous page")
+    _format_option(access)
+    access.set_defaults(handler=_reporting(_access))
+
+    prune = actions.add_parser("prune", parents=[common],
+                               help="delete records past their pipeline's retention_days (not on hold)")
+    prune.set_defaults(handler=_reporting(_prune))
+
+    hold = actions.add_parser("hold", parents=[common], help="put records on legal hold (or --release them)")
+    target = hold.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pipeline")
+    target.add_argument("--record", nargs="+", dest="records", metavar="ID")
+    hold.add_argument("--release", action="store_true", help="take them off hold instead")
+    hold.set_defaults(handler=_reporting(_hold))
+    return parser
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return number
+
+
+def _reporting(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """*handler*, with a bad filter, sort or cursor (ValueError) or an unreachable database as one line and exit 1."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as exc:
+            print(f"inferline: {exc}", file=sys.stderr)
+        except sa.exc.SQLAlchemyError as exc:
+            # The URL may carry a password: only the first line of the driver's error, never the URL.
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            print(f"inferline: audit database: {reason}", file=sys.stderr)
+        return 1
+    return run
+
+
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def check(value: str) -> Any:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return check
+
+
+def _filter_options(parser: argparse.ArgumentParser, fields: dict[str, str]) -> None:
+    """One option per filter of *fields* (FILTER_FIELDS, ACCESS_FIELDS or a part), checked as the API checks it."""
+    for name, help_text in fields.items():
+        kind = {"since": _checked(parse_time), "until": _checked(parse_time), "min_cost_usd": _checked(parse_cost)}
+        metavar = {"since": "T", "until": "T", "min_cost_usd": "USD"}.get(name, name.upper())
+        parser.add_argument("--" + name.replace("_", "-"), type=kind.get(name, str), metavar=metavar,
+                            help=help_text)
+
+
+def _format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS,
+                        help="table (default on a terminal), jsonl (default otherwise) or csv")
+
+
+def _store(args: argparse.Namespace) -> AuditStore:
+    workspace = open_workspace(args.config)
+    engine = make_engine(database_url(args))
+    create_schema(engine)
+    return open_store(workspace.server, workspace.root, engine)
+
+
+def _filters(args: argparse.Namespace, fields: Sequence[str] = tuple(FILTER_FIELDS)) -> AuditFilters:
+    return parse_filters({name: getattr(args, name, None) for name in fields}, tuple(fields))
+
+
+def _format(args: argparse.Namespace) -> str:
+    return args.format or ("table" if sys.stdout.isatty() else "jsonl")
+
+
+def _print_rows(rows: list[dict[str, Any]], fmt: str, table: Callable[[dict[str, Any]], dict[str, str]],
+                none: str = NO_MATCH) -> None:
+    """*rows* as JSON lines, CSV (their own columns) or a table (the columns *table* picks)."""
+    if not rows:
+        print(none, file=sys.stdout if fmt == "table" else sys.stderr)
+        return
+    if fmt == "jsonl":
+        for row in rows:
+            print(json.dumps(row, default=str))
+    elif fmt == "csv":
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in row.items()}
+                         for row in rows)
+    else:
+        cells = [table(row) for row in rows]
+        lines = [list(cells[0])] + [[str(value) for value in cell.values()] for cell in cells]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+        for line in lines:
+            print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+def _key(row: dict[str, Any]) -> str:
+    if not row.get("key_id"):
+        return "-"
+    return f"{row['key_id']} ({row['key_name']})" if row.get("key_name") else row["key_id"]
+
+
+def _record_cells(row: dict[str, Any]) -> dict[str, str]:
+    return {"received (UTC)": str(row["received_at"])[:19].replace("T", " "), "pipeline": row["pipeline"],
+            "status": row["status"], "model": row.get("model") or "-", "key": _key(row),
+            "tokens in/out": f"{row['input_tokens']}/{row['output_tokens']}", "cost_usd": f"{row['cost_usd']:.6f}",
+            "ms": f"{row['duration_ms']:.0f}", "id": row["id"]}
+
+
+def _query(args: argparse.Namespace) -> int:
+    page = _store(args).query(_filters(args), sort=args.sort, cursor=args.cursor, limit=args.limit)
+    _print_rows(page.records, _format(args), _record_cells)
+    if page.next_cursor:
+        print(f"more: --cursor {page.next_cursor}", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    found = _store(args).get(args.record_id)
+    if found is None:
+        print(f"inferline: no audit record {args.record_id!r}", file=sys.stderr)
+        return 1
+    print(json.dumps(found, indent=2, default=str))
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    groups = _store(args).summary(_filters(args), args.group_by)
+
+    def cells(group: dict[str, Any]) -> dict[str, str]:
+        key = _key(group) if args.group_by == "key_id" else str(group[args.group_by] or "-")
+        return {args.group_by.replace("_id", ""): key, "count": str(group["count"]), "denied": str(group["denied"]),
+                "block_rate": f"{group['block_rate']:.1%}", "tokens in/out":
+                f"{group['input_tokens']}/{group['output_tokens']}", "cost_usd": f"{group['cost_usd']:.6f}"}
+    _print_rows(groups, _format(args), cells)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    filters = _filters(args, RANGE_FIELDS)
+    report = _store(args).verify(filters.since, filters.until, workers=args.workers)
+    for finding in report.findings:
+        print(f"{finding.kind}: seq {finding.seq} record {finding.record_id}: {finding.detail}")
+    verdict = "ok" if report.ok else f"FAILED ({len(report.findings)} finding(s))"
+    print(f"{verdict}: {report.checked} record(s) checked, head seq {report.head_seq}")
+    return 0 if report.ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    count = 0
+    for line in _store(args).export(_filters(args), args.format):
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+        count += 1
+    if count <= (1 if args.format == "csv" else 0):  # the CSV header alone
+        print(NO_MATCH, file=sys.stderr)
+    return 0
+
+
+def _access(args: argparse.Namespace) -> int:
+    filters = parse_access_filters({name: getattr(args, name) for name in ACCESS_FIELDS})
+    page = _store(args).access(filters, cursor=args.cursor, limit=args.limit)
+
+    def cells(entry: dict[str, Any]) -> dict[str, str]:
+        return {"at (UTC)": str(entry["at"])[:19].replace("T", " "), "key": _key(entry), "role": entry["role"] or "-",
+                "action": entry["action"], "query": json.dumps(entry["query"], sort_keys=True)}
+    _print_rows(page.records, _format(args), cells, none="no access-log entries match")
+    if page.next_cursor:
+        print(f"more: --cursor {page.next_cursor}", file=sys.stderr)
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    report = _store(args).prune(retention_days(open_workspace(args.config)))
+    print(f"pruned {report.deleted} record(s); marker {report.marker_id}")
+    return 0
+
+
+def _hold(args: argparse.Namespace) -> int:
+    count = _store(args).set_hold(pipeline=args.pipeline, record_ids=args.records, on=not args.release)
+    print(f"{'released' if args.release else 'held'} {count} record(s)")
+    return 0
+
+
+def retention_days(workspace: Workspace) -> dict[str, int]:
+    """Each pipeline's retention, from its audit stage's ``retention_days``."""
+    days = {}
+    for loaded in workspace.load_all():
+        for plan in loaded.plans:
+            if plan.spec.type == "audit":
+                days[loaded.spec.name] = plan.config.retention_days  # type: ignore[attr-defined]
+    return days

@@ -1,0 +1,131 @@
+"""``inferline index``: build, extend, inspect and query vector indexes.
+
+    inferline index build pipelines/data/handbook --name handbook [--chunk-tokens 200 --overlap 40]
+    inferline index add pipelines/data/handbook --name handbook     # only new or changed files are embedded
+    inferline index info handbook
+    inferline index search handbook "How much is the Plus plan?" [--top-k 4] [--json]
+
+The index lives in ``indexes.NAME.path`` of the server config (default
+``indexes/NAME`` next to it), with that entry's type (flat, ivf, hnsw), model
+and chunking; the flags override chunking and type for a build. A running
+server picks up a rebuilt index within ``reload_every_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.spec import NAME_PATTERN
+from serving.runtime.workspace import Workspace, open_workspace
+
+if TYPE_CHECKING:
+    from store.vector_index import VectorStore
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_index_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", "-c", metavar="FILE",
+                        help="server config (default: $INFERLINE_CONFIG, else ./inferline.yaml if present)")
+    index = subparsers.add_parser("index", help="build and query vector indexes for the retrieve stage",
+                                  description="Vector indexes of chunked, embedded documents (FAISS).")
+    actions = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+
+    build = actions.add_parser("build", parents=[common], help="index every document under DOCS, from scratch",
+                               description="Read Markdown and text files under DOCS, chunk them by tokens "
+                                           "with overlap, embed them and write a new version of the index.")
+    build.add_argument("docs", metavar="DOCS", type=Path, help="a folder (read recursively) or one file")
+    build.add_argument("--name", required=True, type=index_name, help="the index name pipelines use (indexes.NAME)")
+    build.add_argument("--chunk-tokens", type=int, metavar="N", help="tokens per chunk (default 200)")
+    build.add_argument("--overlap", type=int, metavar="M", help="tokens shared by neighbouring chunks (default 40)")
+    build.add_argument("--type", choices=("flat", "ivf", "hnsw"), help="index type (default: the config's, flat)")
+    build.set_defaults(handler=_build)
+
+    add = actions.add_parser("add", parents=[common], help="add new and changed documents to an index",
+                             description="Embed only the files under DOCS that are new or whose content "
+                                         "changed (by SHA-256); reuse every other chunk.")
+    add.add_argument("docs", metavar="DOCS", type=Path)
+    add.add_argument("--name", required=True, type=index_name)
+    add.set_defaults(handler=_add)
+
+    info = actions.add_parser("info", parents=[common], help="show an index's version, size and settings")
+    info.add_argument("name", type=index_name)
+    info.set_defaults(handler=_info)
+
+    search = actions.add_parser("search", parents=[common], help="query an index from the command line")
+    search.add_argument("name", type=index_name)
+    search.add_argument("query")
+    search.add_argument("--top-k", type=int, default=4, metavar="K")
+    search.add_argument("--json", action="store_true", help="one JSON object per hit")
+    search.set_defaults(handler=_search)
+    return index
+
+
+def index_name(value: str) -> str:
+    """An index name as inferline.yaml allows it: it names a folder under indexes/, so never a path."""
+    if not re.fullmatch(NAME_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"invalid index name {value!r}: use lowercase letters, digits, '-' and "
+                                         f"'_', starting with a letter")
+    return value
+
+
+def _build(args: argparse.Namespace) -> int:
+    from serving.backends.indexes import index_folder, index_settings
+    from store.vector_index import VectorStore
+
+    workspace = open_workspace(args.config)
+    settings = index_settings(workspace.server.indexes.get(args.name), chunk_tokens=args.chunk_tokens,
+                              overlap=args.overlap, type=args.type)
+    started = time.perf_counter()
+    store = VectorStore.build(index_folder(workspace.server, workspace.root, args.name), args.name, args.docs, settings)
+    print(f"index {args.name!r} version {store.version}: {len(store.manifest['documents'])} documents, "
+          f"{len(store.chunks)} chunks, {settings.type}, in {time.perf_counter() - started:.1f} s")
+    _hint(workspace, args.name)
+    return EXIT_OK
+
+
+def _add(args: argparse.Namespace) -> int:
+    store, _ = _open(args)
+    new, changes = store.add(args.docs)
+    print(f"index {args.name!r} version {new.version}: {len(changes['added'])} added, "
+          f"{len(changes['changed'])} changed, {len(changes['unchanged'])} unchanged; {len(new.chunks)} chunks")
+    return EXIT_OK
+
+
+def _info(args: argparse.Namespace) -> int:
+    store, _ = _open(args)
+    json.dump(store.info(), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return EXIT_OK
+
+
+def _search(args: argparse.Namespace) -> int:
+    store, _ = _open(args)
+    for rank, hit in enumerate(store.search(args.query, args.top_k), start=1):
+        if args.json:
+            print(json.dumps({"rank": rank, "id": hit.id, "score": round(hit.score, 4), "source": hit.source,
+                              "title": hit.title, "text": hit.text}))
+        else:
+            print(f"{rank}. {hit.score:.3f}  {hit.source}  {hit.title}\n   {' '.join(hit.text.split())[:160]}")
+    return EXIT_OK
+
+
+def _open(args: argparse.Namespace) -> tuple[VectorStore, Workspace]:
+    from serving.backends.indexes import index_folder
+    from store.vector_index import VectorStore
+
+    workspace = open_workspace(args.config)
+    return VectorStore.open(index_folder(workspace.server, workspace.root, args.name)), workspace
+
+
+def _hint(workspace: Workspace, name: str) -> None:
+    if name not in workspace.server.indexes:
+        print(f"note: pipelines can use it once inferline.yaml declares it: indexes: {{{name}: {{}}}}",
+              file=sys.stderr)

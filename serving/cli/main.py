@@ -1,0 +1,231 @@
+"""The ``inferline`` command line.
+
+    inferline serve [--config FILE] [--host H] [--port P] [--ray]   serve every pipeline over HTTP
+    inferline deploy [--config FILE] [--output serve.yaml]  write a Ray Serve config for `serve deploy`
+    inferline validate PATH...                  check pipeline files (or folders of them)
+    inferline run PIPELINE --input TEXT [--tag K=V] [--param K=V]   run one request in-process
+    inferline keys create|list|revoke           manage API keys
+    inferline audit query|show|summary|verify|export|access|prune|hold   read and keep the audit log
+    inferline eval PIPELINE --dataset FILE.jsonl [--baseline RUN]   evaluate quality, latency and cost
+    inferline load PIPELINE --rate R --duration D ...  drive a live server with Poisson arrivals
+    inferline profile MODEL                     measure the engine's prefill and decode step costs
+    inferline plan --workload FILE              replicas and cost needed to meet the pipeline's SLOs
+    inferline --version
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline import __version__
+from pipeline.errors import InferlineError, SpecError
+from pipeline.loader import LoadedPipeline, name_clash
+from serving.cli.audit import add_audit_parser
+from serving.cli.capacity import add_capacity_parsers
+from serving.cli.eval import add_eval_parser
+from serving.cli.index import add_index_parser
+from serving.cli.keys import add_keys_parser
+from serving.cli.run import add_run_parser
+from serving.runtime.calls import check_calls
+from serving.runtime.workspace import open_workspace
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except SpecError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        return EXIT_FAILED
+    except (InferlineError, FileNotFoundError) as exc:
+        print(f"inferline: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inferline", description="Serve YAML-declared AI pipelines.",
+        epilog="Exit codes: 0 success, 1 invalid spec or failed request, 2 usage error.")
+    parser.add_argument("--version", action="version", version=f"inferline {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve every pipeline over HTTP (and the OpenAI-compatible API)",
+                           description="Load the server config and every pipeline (refusing to start if any is "
+                                       "invalid), start one engine per model, and serve. Settings come from "
+                                       "the config, then INFERLINE_* environment variables, then these flags.")
+    _config_option(serve)
+    serve.add_argument("--host", help="address to bind (default: http.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: http.port, 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--ray", action="store_true",
+                       help="run the backend: ray models' engines on Ray Serve (a local Ray unless "
+                            "RAY_ADDRESS names a cluster) and reach them through deployment handles")
+    serve.set_defaults(handler=_serve)
+
+    deploy = sub.add_parser("deploy", help="write a Ray Serve config file for `serve deploy`",
+                            description="Write the Ray Serve config of the server: the HTTP ingress and one "
+                                        "deployment per backend: ray model, with its ray: replicas, "
+                                        "autoscaling and resources. Deploy it with `serve deploy FILE`.")
+    _config_option(deploy)
+    deploy.add_argument("--output", "-o", default="serve.yaml", metavar="FILE",
+                        help="where to write it (default: serve.yaml)")
+    deploy.set_defaults(handler=_deploy)
+
+    validate = sub.add_parser("validate", help="check pipeline files; print every error with its line",
+                              description="Validate pipeline YAML files against the server config, as serve "
+                                          "loads them: every key, stage options, when: expressions, roles, "
+                                          "output: constraints (compiled), and no two files of one name:. "
+                                          "Prints 'ok' per valid file on stdout and every error on "
+                                          "stderr as FILE:LINE:COL: LOC: MESSAGE; exits 1 if any is invalid.")
+    validate.add_argument("paths", nargs="+", metavar="PATH", help="a pipeline file, or a folder of them")
+    _config_option(validate)
+    validate.set_defaults(handler=_validate)
+
+    add_run_parser(sub, _config_option)
+    add_keys_parser(sub)
+    add_audit_parser(sub)
+    add_index_parser(sub)
+    add_eval_parser(sub)
+    add_capacity_parsers(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    import uvicorn
+
+    from serving.server import create_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workspace = open_workspace(args.config)
+    http = workspace.server.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
+                                                    if v is not None})
+    workspace.server = workspace.server.model_copy(update={"http": http})
+    local_ray = None
+    if args.ray:
+        from serving.backends.ray_process import start_ray
+        from serving.backends.ray_replica import run_engines
+
+        local_ray = start_ray()
+    try:
+        if args.ray:
+            logging.getLogger(__name__).info("Ray Serve engines: %s",
+                                             ", ".join(run_engines(workspace.server, workspace.root)) or "none")
+        app = create_server(workspace, freeze_heap=True)
+        # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
+        # found at start; a no-op one here makes a drained shutdown exit 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=int(http.shutdown_grace_s))
+    finally:
+        if local_ray is not None:
+            from serving.backends.ray_process import stop_ray
+
+            stop_ray(local_ray)  # a local Ray goes with this process; a cluster keeps its engines
+    return EXIT_OK
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    import os
+
+    import yaml
+
+    from serving.backends.ray_deploy import serve_config
+    from serving.runtime.workspace import DEFAULT_CONFIG
+
+    path = args.config or os.environ.get("INFERLINE_CONFIG") or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists()
+                                                                  else None)
+    if path is None:
+        print("inferline: deploy needs a server config with backend: ray models (--config FILE; "
+              "no ./inferline.yaml here)", file=sys.stderr)
+        return EXIT_FAILED
+    workspace = open_workspace(path)
+    config = serve_config(workspace.server, Path(path))
+    Path(args.output).write_text(yaml.safe_dump(config, sort_keys=False))
+    engines = len(config["applications"][0]["deployments"]) - 1
+    print(f"wrote {args.output}: application {config['applications'][0]['name']!r}, ingress and "
+          f"{engines} engine deployment(s); deploy with: serve deploy {args.output}")
+    return EXIT_OK
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", metavar="FILE",
+                        help="server config (default: $INFERLINE_CONFIG, else ./inferline.yaml if present, "
+                             "else built-in defaults)")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    workspace = open_workspace(args.config)
+    files = _expand(args.paths)
+    if not files:
+        print("inferline: no .yaml files found in " + " ".join(args.paths), file=sys.stderr)
+        return EXIT_FAILED
+    failed = 0
+    by_name: dict[str, LoadedPipeline] = {}  # serve refuses two pipelines of one name: so does validate
+    for path in files:
+        try:
+            loaded = workspace.load(path)
+            earlier = by_name.setdefault(loaded.spec.name, loaded)
+            if Path(earlier.file).resolve() != Path(loaded.file).resolve():  # not the same file named twice
+                raise SpecError([name_clash(loaded, earlier)])
+        except SpecError as exc:
+            failed += 1
+            for issue in exc.issues:
+                print(issue, file=sys.stderr)
+        except OSError as exc:
+            failed += 1
+            print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+        else:
+            try:  # a score stage's judges: pipelines served beside it (the pipelines folder, or these files)
+                check_calls([loaded], _names([*files, *_expand([str(workspace.pipelines_dir)])]))
+            except SpecError as exc:
+                failed += 1
+                for issue in exc.issues:
+                    print(issue, file=sys.stderr)
+                continue
+            print(f"ok {path} ({loaded.spec.name}, {len(loaded.plans)} stages)")
+    if failed:
+        print(f"{failed} of {len(files)} file(s) invalid", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _names(files: Sequence[Path]) -> set[str]:
+    """The pipeline names *files* declare (those that read as YAML mappings with a name)."""
+    import yaml
+
+    names = set()
+    for path in files:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("name"), str):
+            names.add(data["name"])
+    return names
+
+
+def _expand(paths: Sequence[str]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+        else:
+            files.append(path)
+    return files
+
+
+if __name__ == "__main__":
+    sys.exit(main())

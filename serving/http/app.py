@@ -1,0 +1,181 @@
+"""``create_app``: the Litestar app that serves every pipeline.
+
+It loads every pipeline first (refusing to start, with every spec error
+listed, if any is invalid); its lifespan then opens the key store, starts one
+engine per configured model and marks the app ready; on shutdown it stops
+taking new work, lets in-flight requests finish up to the grace period, and
+closes the engines.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar, Request
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.plugins import PluginProtocol
+from litestar.response import Response
+from prometheus_client import CollectorRegistry
+
+from pipeline import __version__
+from pipeline.errors import InferlineError, SpecError, SpecIssue
+from pipeline.protocols import EngineProvider
+from serving.engine.heap import freeze_startup_heap, thaw
+from serving.http import audit_routes as api_audit
+from serving.http import openai_routes as api_openai
+from serving.http import openapi as api_docs
+from serving.http import ops_routes as api_ops
+from serving.http import pipeline_routes as api_pipelines
+from serving.http.auth import Authenticator
+from serving.http.metrics import HttpMetrics
+from serving.http.problems import Problem, from_error, title_for
+from serving.http.refusals import RefusalRecorder
+from serving.http.served import Executor
+from serving.http.state import AppState
+from serving.runtime.calls import check_calls
+from serving.runtime.resources import Runtime, RuntimeOptions
+from serving.runtime.workspace import Workspace
+from store.keys import KeyStore
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, freeze_heap: bool = False,
+               plugins: Callable[[AppState], Sequence[PluginProtocol]] = lambda state: ()) -> Litestar:
+    """The app for *workspace*; *engines* replaces the local model pool (tests pass fakes).
+
+    *plugins* builds the plugins that extend it from its state (:func:`serving.server.create_server`
+    adds the web console this way).
+
+    *freeze_heap* (a serving process: ``inferline serve``, the Ray ingress): once started, the heap
+    is collected and frozen (serving/engine/heap.py) until shutdown. A local engine freezes its own
+    on start; this covers what the app loads besides, and a process with no engine of its own (the
+    Ray ingress: tokenizers, the app, Ray's client side), where one collection of the oldest
+    generation would stop every stream for a few hundred milliseconds.
+    """
+    server = workspace.server
+    check_bind(workspace)
+    loaded = workspace.load_all()
+    check_calls(loaded)
+    registry = CollectorRegistry()
+    runtime = Runtime(workspace, loaded, RuntimeOptions.server(engines, registry))
+    pipelines = runtime.pipelines
+    metrics = HttpMetrics(registry, {name: pipeline.spec.slo for name, pipeline in pipelines.items()})
+    executor = Executor(pipelines, runtime.runner, metrics)
+    runtime.calls.run = executor.run  # the score stages' judges, counted in the app's metrics
+    state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), runtime.pool, registry)
+    state.refusals = refusals = RefusalRecorder(server.audit.refusals, state.auth, pipelines, registry)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        async with runtime:
+            assert runtime.db is not None and runtime.audit_sink is not None  # opened by the runtime
+            state.auth.keys = KeyStore(runtime.db)
+            state.audit = runtime.audit
+            state.audit_sink = refusals.sink = runtime.audit_sink
+            frozen = False
+            try:
+                if freeze_heap:
+                    freeze_startup_heap()
+                    frozen = True
+                state.ready = True
+                _log_start(workspace)
+                yield
+            finally:
+                state.ready = False
+                if not await executor.drain(server.http.shutdown_grace_s):
+                    logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
+                                   server.http.shutdown_grace_s)
+                await refusals.settled(server.http.shutdown_grace_s)
+                if frozen:
+                    thaw()
+
+    app = Litestar(
+        route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
+                        *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics,
+                        api_docs.viewer_asset],
+        lifespan=[lifespan],
+        state=State({"inferline": state}),
+        exception_handlers={Exception: _handle},
+        # Logging is the process's: `inferline serve --log-level` configures it. Litestar's default
+        # config would reset the root logger to INFO through a queue thread of its own, one more per
+        # app, never stopped; _handle logs the unhandled errors.
+        logging_config=None,
+        plugins=list(plugins(state)),
+        request_max_body_size=server.http.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
+                                     description="Every pipeline an endpoint; an OpenAI-compatible API.",
+                                     components=api_docs.components(), render_plugins=api_docs.render_plugins(),
+                                     security=api_docs.SECURITY if server.auth.enabled else None),
+    )
+    api_docs.use_pydantic_schemas(app, api_pipelines.PipelineRequest, api_openai.ChatCompletionRequest,
+                                  api_openai.CompletionRequest)
+    return app
+
+
+def check_bind(workspace: Workspace) -> None:
+    """Refuse to serve without auth anywhere but loopback."""
+    http, auth = workspace.server.http, workspace.server.auth
+    if not auth.enabled and not is_loopback(http.host):
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "auth.enabled",
+                                   f"auth is off, so binding {http.host} is refused: turn auth on "
+                                   f"(auth: {{enabled: true}}) or bind 127.0.0.1")])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _log_start(workspace: Workspace) -> None:
+    server = workspace.server
+    if not server.auth.enabled:
+        logger.warning("auth is OFF: every request is allowed (only permitted on loopback, here %s)",
+                       server.http.host)
+    logger.info("serving %s on http://%s:%d", workspace.pipelines_dir, server.http.host, server.http.port)
+
+
+def _handle(request: Request, exc: Exception) -> Response[Any]:
+    problem = _problem(exc)
+    refusals = AppState.of(request).refusals
+    if refusals is not None:
+        refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
+    if request.url.path.startswith("/v1/"):
+        return api_openai.error_response(problem)
+    return api_pipelines.problem_response(problem, request.url.path)
+
+
+def _problem(exc: Exception) -> Problem:
+    if isinstance(exc, (Problem, InferlineError)):
+        return from_error(exc)
+    if isinstance(exc, ValidationException):
+        return _validation(exc)
+    if isinstance(exc, RecursionError) and "deserializ" in str(exc):
+        # msgspec refuses JSON nested past Python's recursion limit while decoding the body.
+        return Problem(400, "Bad request", "the body is not valid JSON: it is nested too deeply", "malformed_json")
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        return Problem(status, title_for(status), str(exc.detail), title_for(status).lower().replace(" ", "_"),
+                       dict(exc.headers or {}))
+    logger.exception("unhandled error", exc_info=exc)
+    return from_error(exc)
+
+
+def _validation(exc: ValidationException) -> Problem:
+    # Litestar raises ValidationException both for bodies that are not JSON
+    # (400) and for JSON that does not fit the schema (422).
+    errors = exc.extra if isinstance(exc.extra, list) else []
+    if not errors or "decod" in str(exc.detail).lower():
+        return Problem(400, "Bad request", f"the body is not valid JSON: {exc.detail}", "malformed_json")
+    details = "; ".join(f"{e.get('key') or 'body'}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    return Problem(422, "Unprocessable request", details or str(exc.detail), "invalid_body", extra={"errors": errors})

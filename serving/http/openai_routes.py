@@ -1,0 +1,423 @@
+"""The OpenAI-compatible API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+``model`` names a pipeline. Streaming sends ``chat.completion.chunk`` objects
+(``text_completion`` for completions) and ``data: [DONE]``; with
+``stream_options: {include_usage: true}`` a last chunk carries the usage.
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+so the official ``openai`` package raises its usual exceptions.
+
+Structured output and function calling (both need ``output`` in the pipeline's ``generate``
+``client_params``, as by default; and, where that stage has an ``output`` of its own, its
+``caller_may_override: true``, else the request is refused with a 400 that says so):
+``response_format`` ``json_object`` or ``json_schema`` constrains the reply to JSON (to that schema).
+``tools`` are offered to the model (see :mod:`stages.tools`); with ``tool_choice`` ``required`` or a
+named function the reply is constrained to a valid call, with ``auto`` (the default) a reply that is a
+call of an offered function becomes one. A call answers ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, the reply is held back while it may still be a call. A
+forced call cut short by ``max_tokens`` answers ``finish_reason: "length"`` with neither
+``tool_calls`` nor content. Earlier calls and ``tool`` results in ``messages`` travel as text.
+
+Extension: every response (streamed, the chunk with the ``finish_reason``) carries ``sources``, the
+retrieved documents the answer was given from and the ``[n]`` each is cited by, as in the pipeline
+API (:func:`serving.http.pipeline_routes.source_json`); an empty list when nothing was retrieved.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from litestar import Request, get, post
+from litestar.params import JSONBody
+from litestar.response import Response
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from pipeline.context import ChatMessage, RequestContext
+from pipeline.events import Done, Error, Event, TextDelta
+from serving.http.openapi import JsonOrEventStream, openai_errors
+from serving.http.pipeline_routes import GenerationParams, failure, response_headers, sources_json, start_request
+from serving.http.problems import Problem, from_final
+from serving.http.served import chain, encode_json, event_stream, prime
+from serving.http.state import AppState
+from stages import tools
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                429: "rate_limit_error"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, refusal...: accepted, not used
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaIn
+
+
+_RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(
+    Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")])
+_TOOLS: TypeAdapter[list[ToolIn]] = TypeAdapter(list[ToolIn])
+_TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] | NamedToolChoice)
+
+
+class _Common(GenerationParams):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def overrides(self) -> dict[str, Any]:
+        params = super().overrides()
+        if self.max_completion_tokens is not None:
+            params["max_tokens"] = self.max_completion_tokens
+        return params
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str
+
+
+@post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200,
+      operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
+async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response[Any]:
+    return await _complete(request, data, _chat(data.messages), "chat.completion")
+
+
+@post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200,
+      operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
+async def completions(data: JSONBody[CompletionRequest], request: Request) -> Response[Any]:
+    return await _complete(request, data, [ChatMessage("user", data.prompt)], "text_completion")
+
+
+@get("/v1/models", summary="The pipelines, as OpenAI models", tags=["openai"],
+     responses=openai_errors(401, 403, 503))
+async def list_models(request: Request) -> dict[str, Any]:
+    state = AppState.of(request)
+    await state.auth.authorize(request, ("caller", "auditor"), "list models")
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "inferline"}
+                                       for name in sorted(state.executor.pipelines)]}
+
+
+def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """The turns, with earlier tool calls as the assistant's text and results as user turns (a pipeline's
+    prompt builds on the last user turn, and most chat templates know no ``tool`` role)."""
+    turns: list[ChatMessage] = []
+    for m in messages:
+        if m.role == "tool":
+            result = tools.result_text(m.text())
+            if turns and turns[-1].role == "user" and turns[-1].content.startswith("<tool_response>"):
+                turns[-1].content += "\n" + result  # parallel calls' results: one turn
+            else:
+                turns.append(ChatMessage("user", result))
+        elif m.role == "assistant" and m.tool_calls:
+            calls = [tools.call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+            turns.append(ChatMessage("assistant", "\n".join([m.text(), *calls]).strip()))
+        else:
+            turns.append(ChatMessage("system" if m.role == "developer" else m.role, m.text()))
+    return turns
+
+
+def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
+    """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
+    response_format = _checked(_RESPONSE_FORMAT, data.response_format, "response_format")
+    ctx.tools = _tools(data.tools)
+    ctx.tool_choice = _tool_choice(data.tool_choice, list(tools.functions(ctx.tools)))
+    schema: dict[str, Any] | None = None
+    if isinstance(response_format, JsonObjectFormat):
+        schema = {"type": "object"}
+    elif isinstance(response_format, JsonSchemaFormat):
+        schema = response_format.json_schema.schema_
+    forced = tools.forced_names(ctx.tools, ctx.tool_choice)
+    if forced:  # a call is the whole reply: a response format has nothing left to shape
+        schema = tools.call_schema(ctx.tools, forced)
+    elif schema is not None and tools.is_offered(ctx.tools, ctx.tool_choice):  # the format, or a call
+        schema = {"anyOf": [schema, tools.call_schema(ctx.tools, list(tools.functions(ctx.tools)))]}
+    if schema is not None:
+        ctx.params["output"] = {"json_schema": schema}
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    offered = [t.model_dump() for t in _checked(_TOOLS, value, "tools") or []]
+    names = [t["function"]["name"] for t in offered]
+    if len(set(names)) != len(names):
+        raise _bad_request("tools: function names must be unique", "tools")
+    for index, function in enumerate(t["function"] for t in offered):
+        problem = tools.schema_problem(function["parameters"])
+        if problem is None and function["parameters"].get("type", "object") != "object":
+            problem = "the arguments are an object: 'type' must be 'object'"
+        if problem is not None:
+            raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
+    return offered
+
+
+def _tool_choice(value: Any, names: list[str]) -> str | dict[str, Any]:
+    choice = _checked(_TOOL_CHOICE, value, "tool_choice",
+                      """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""") or "auto"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise _bad_request(f"tool_choice: no function {choice.function.name!r} in tools", "tool_choice")
+        return choice.model_dump()
+    if choice == "required" and not names:
+        raise _bad_request("tool_choice 'required' needs tools", "tool_choice")
+    return choice
+
+
+def _checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "") -> Any:
+    """*value* validated by *adapter*; a 400 naming *param* (and where in it) if it does not fit."""
+    if value is None:
+        return None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        if expected:
+            raise _bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
+        tag = (value.get("type"),) if isinstance(value, dict) else ()
+        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
+        raise _bad_request(where, param) from None
+
+
+def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
+    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
+    if tag and loc[:1] == tag:
+        loc = loc[1:]
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def _bad_request(message: str, param: str) -> Problem:
+    return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})
+
+
+async def _complete(request: Request, data: _Common, messages: list[ChatMessage], kind: str) -> Response[Any]:
+    state = AppState.of(request)
+    pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
+    if isinstance(data, ChatCompletionRequest):
+        _offer_tools(ctx, data)
+    if data.stream:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        events = state.executor.stream(pipeline, ctx)
+        head = await prime(events)
+        if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
+            raise failure(head[-1], ctx)
+        chunks = _chunks(chain(head, events), ctx, data.model, kind, include_usage)
+        return event_stream(chunks, response_headers(ctx))
+    final = await state.executor.run(pipeline, ctx)
+    if isinstance(final, Error):
+        raise failure(final, ctx)
+    return Response(_body(final, ctx, data.model, kind), headers=response_headers(ctx))
+
+
+def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
+    summary = final.summary
+    call = _call(ctx, summary.output_text)
+    if call is not None:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
+                                                          "tool_calls": [call.to_openai()]},
+                                  "finish_reason": "tool_calls", "logprobs": None}
+    elif _cut_call(ctx, summary.finish_reason):
+        choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
+                  "logprobs": None}
+    elif kind == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
+                  "finish_reason": _finish(summary.finish_reason), "logprobs": None}
+    else:
+        choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
+                  "logprobs": None}
+    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
+            "sources": sources_json(summary)}
+
+
+def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
+    """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
+    return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
+
+
+def _cut_call(ctx: RequestContext, finish_reason: str) -> bool:
+    """Whether the reply is a forced call that ``max_tokens`` cut short: half a call is neither a call nor
+    content, so the answer has neither, only ``finish_reason: "length"``."""
+    return finish_reason == "length" and bool(tools.forced_names(ctx.tools, ctx.tool_choice))
+
+
+def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{ctx.request_id}", "object": kind, "created": int(time.time()), "model": model}
+
+
+def _usage(final: Done | Error) -> dict[str, int]:
+    usage = final.summary.usage
+    return {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
+            "total_tokens": usage.input_tokens + usage.output_tokens}
+
+
+def _finish(reason: str) -> str:
+    return {"abort": "stop", "": "stop"}.get(reason, reason)
+
+
+async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str, kind: str,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    envelope = _envelope(ctx, model, chunk_kind)
+
+    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
+        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                  if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
+        body = {**envelope, "choices": [choice], **(extra or {})}
+        if include_usage:
+            body["usage"] = None
+        return _data(body)
+
+    held = _HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
+    try:
+        if chunk_kind.startswith("chat") and held is None:
+            yield chunk({"role": "assistant", "content": ""}, None)
+        async for event in events:
+            if isinstance(event, TextDelta) and held is not None:
+                for delta in held.feed(event.text):
+                    yield chunk(delta, None)
+            elif isinstance(event, TextDelta):
+                yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
+            elif isinstance(event, Done):
+                finish = _finish(event.summary.finish_reason)
+                if held is not None:
+                    deltas, finish = held.end(finish)
+                    for delta in deltas:
+                        yield chunk(delta, None)
+                empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
+                yield chunk(empty, finish, {"sources": sources_json(event.summary)})
+                if include_usage:
+                    yield _data({**envelope, "choices": [], "usage": _usage(event)})
+            elif isinstance(event, Error):
+                yield _data(error_body(from_final(event.kind, event.message, ctx.error)))
+        yield b"data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+class _HeldReply:
+    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of
+    it when a call is forced), then sent as content or as one call (id and name, then the arguments)."""
+
+    def __init__(self, ctx: RequestContext):
+        self._ctx = ctx
+        self._forced = bool(tools.forced_names(ctx.tools, ctx.tool_choice))
+        self._text = ""
+        self._passing = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self._passing:
+            return [{"content": text}]
+        self._text += text
+        if self._forced or tools.could_be_call(self._text):
+            return []
+        self._passing = True
+        return [{"role": "assistant", "content": self._text}]
+
+    def end(self, finish: str) -> tuple[list[dict[str, Any]], str]:
+        if self._passing:
+            return [], finish
+        call = _call(self._ctx, self._text)
+        if call is None and _cut_call(self._ctx, finish):
+            return [{"role": "assistant", "content": None}], finish
+        if call is None:
+            return [{"role": "assistant", "content": self._text}], finish
+        head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [{"role": "assistant", "content": None, "tool_calls": [head]},
+                {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}], "tool_calls"
+
+
+def _data(body: dict[str, Any]) -> bytes:
+    """One chunk of a stream, as OpenAI sends it: compact JSON on one line."""
+    return b"data: " + encode_json(body) + b"\n\n"
+
+
+def error_body(problem: Problem) -> dict[str, Any]:
+    return {"error": {"message": problem.detail or problem.title,
+                      "type": _ERROR_TYPES.get(problem.status, "server_error"),
+                      "param": problem.extra.get("param"), "code": problem.kind}}
+
+
+def error_response(problem: Problem) -> Response[Any]:
+    return Response(error_body(problem), status_code=problem.status, headers=problem.headers)
+
+
+ROUTES = [chat_completions, completions, list_models]

@@ -1,0 +1,53 @@
+"""Operations: liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, get
+from litestar.response import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving.http.openapi import Public, problems
+from serving.http.problems import Problem
+from serving.http.state import AppState
+
+
+@get("/healthz", summary="Liveness: the process answers", tags=["operations"], operation_class=Public)
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/readyz", summary="Readiness: models loaded, ready for traffic", tags=["operations"],
+     responses=problems(503), operation_class=Public)
+async def readyz(request: Request) -> Response[dict[str, Any]]:
+    state = AppState.of(request)
+    body = {"status": "ready" if state.ready else "starting", "models": _models(state),
+            "pipelines": sorted(state.executor.pipelines)}
+    if not state.ready:
+        raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"}, body)
+    return Response(body)
+
+
+@get("/metrics", summary="Prometheus metrics (engine, pipelines, stages)", tags=["operations"],
+     media_type=CONTENT_TYPE_LATEST, responses=problems(401, 403, 503))
+async def metrics(request: Request) -> Response[bytes]:
+    state = AppState.of(request)
+    await state.auth.authorize(request, ("auditor",), "read metrics")
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _models(state: AppState) -> dict[str, dict[str, Any]]:
+    """Each configured model by its own name: a local one's replicas summed (KV usage: the fullest
+    replica's), a remote one's requests in flight."""
+    engines = {name: engine.stats() for name, engine in state.pool.engines().items()}
+    models: dict[str, dict[str, Any]] = {}
+    for name, spec in state.workspace.server.models.items():
+        load = state.pool.load(name)
+        entry: dict[str, Any] = {"backend": spec.backend, "running": load.running, "waiting": load.waiting}
+        if spec.backend == "local":
+            replicas = [stats for key, stats in engines.items() if key == name or key.startswith(f"{name}#")]
+            entry |= {"replicas": len(replicas), "kv_usage": max((r["kv_usage"] for r in replicas), default=0.0),
+                      "running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas)}
+        models[name] = entry
+    return models

@@ -1,0 +1,49 @@
+"""What the HTTP handlers share: built by ``create_app``, owned by its lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from litestar import Request
+from prometheus_client import CollectorRegistry
+
+from serving.backends.audit_sink import StoreSink
+from serving.backends.model_pool import ModelPool
+from serving.http.auth import Authenticator
+from serving.http.problems import Problem
+from serving.http.refusals import RefusalRecorder
+from serving.http.served import Executor
+from serving.runtime.workspace import Workspace
+from store.audit import AuditStore
+
+#: The longest an audit read waits for journaled records to be chained (the database may be away).
+AUDIT_READ_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class AppState:
+    workspace: Workspace
+    executor: Executor
+    auth: Authenticator
+    pool: ModelPool
+    registry: CollectorRegistry
+    audit: AuditStore | None = None
+    #: The pipelines' writer to ``audit``; reads wait on its ``flushed()`` for the records not yet chained.
+    audit_sink: StoreSink | None = None
+    #: Records the refused pipeline calls that no audit stage recorded (401, 403, 413, 429).
+    refusals: RefusalRecorder | None = None
+    ready: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    async def audit_read_barrier(self) -> None:
+        """Before an audit read: wait for the records whose requests have been answered but which are
+        not chained yet, so that a reviewer sees them; a 503 when that takes over ``AUDIT_READ_WAIT_S``
+        (the database is away), rather than an answer that silently lacks them."""
+        settled = self.refusals is None or await self.refusals.settled(AUDIT_READ_WAIT_S)
+        if self.audit_sink is not None and not (settled and await self.audit_sink.flushed(AUDIT_READ_WAIT_S)):
+            raise Problem(503, "Backend unavailable", "recent audit records are still being written to the "
+                          "database; try again shortly", "backend_error", headers={"Retry-After": "5"})
+
+    @staticmethod
+    def of(request: Request) -> AppState:
+        return request.app.state.inferline

@@ -1,0 +1,164 @@
+"""The one place that opens and closes every resource the pipelines run over.
+
+    runtime = Runtime(workspace, loaded, RuntimeOptions.server())
+    async with runtime:
+        final = await runtime.runner.run(runtime.pipelines["rag"], ctx)
+
+The app's lifespan (``inferline serve``, the Ray ingress), ``inferline run`` and ``inferline eval``
+all run their pipelines over a :class:`Runtime`. It is built in two steps because the app needs its
+pipelines when its routes are built, before its lifespan opens anything: constructing a runtime
+builds the pipelines and the objects that hold no connection (model pool, index registry, tracer);
+``async with`` opens the database, the audit store and sink, the counters and the indexes, and
+starts the models when asked. Everything opened is closed in reverse order on an
+:class:`~contextlib.AsyncExitStack`, each close attempted even when an earlier one raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from types import TracebackType
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+
+from pipeline.loader import LoadedPipeline, catalog_of
+from pipeline.protocols import EngineProvider, Resources
+from pipeline.refs import find_refs
+from pipeline.runner import Pipeline, Runner
+from pipeline.spec import LimitsSpec
+from pipeline.tracing import make_tracer_provider
+from serving.backends.audit_sink import StoreSink, open_sink, open_store
+from serving.backends.caches import StoreCaches
+from serving.backends.indexes import IndexRegistry
+from serving.backends.model_pool import ModelPool
+from serving.runtime.calls import LocalPipelines
+from serving.runtime.workspace import Workspace
+from store.audit import AuditStore
+from store.counters import RedisCounters, SqlCounters
+from store.db import make_engine
+from store.migrate import create_schema
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class RuntimeOptions:
+    """What a runtime opens beyond the minimum; :meth:`server` is what a serving process wants."""
+
+    #: Replaces the model pool as the pipelines' engines (tests pass fakes).
+    engines: EngineProvider | None = None
+    #: Where the engines' metrics go (the app's ``/metrics`` registry); None: nowhere.
+    metrics_registry: CollectorRegistry | None = None
+    #: Start every local model on open, so that the process is ready when it says so.
+    start_models: bool = False
+    #: Write audit records through this process's journal (and first chain what stopped processes left).
+    journal: bool = False
+    #: Open every index of the config and reload each when it changes on disk; otherwise open only the
+    #: indexes the pipelines read, once (loading the embedding model takes seconds).
+    all_indexes: bool = False
+
+    @classmethod
+    def server(cls, engines: EngineProvider | None = None,
+               metrics_registry: CollectorRegistry | None = None) -> RuntimeOptions:
+        return cls(engines, metrics_registry, start_models=True, journal=True, all_indexes=True)
+
+
+class Runtime:
+    """Pipelines over live resources: models, indexes, caches, database, audit sink, counters, tracer."""
+
+    def __init__(self, workspace: Workspace, loaded: Sequence[LoadedPipeline],
+                 options: RuntimeOptions = RuntimeOptions()):
+        server = workspace.server
+        self.workspace = workspace
+        self.options = options
+        telemetry = server.telemetry
+        self.tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
+        self.runner = Runner(self.tracer_provider.get_tracer("inferline"))
+        self.pool = ModelPool(server, workspace.root, options.metrics_registry)
+        #: The pipelines' models: the pool, or what replaced it.
+        self.engines: EngineProvider = options.engines or self.pool
+        self.indexes = IndexRegistry(server, workspace.root)
+        self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
+                                   caches=StoreCaches())
+        self.pipelines = {item.spec.name: Pipeline(item, self.resources) for item in loaded}
+        #: How a ``score`` stage or a judge calls another pipeline; the app routes it through its executor.
+        self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run)
+        self.db: sa.Engine | None = None
+        self.audit: AuditStore | None = None
+        self.audit_sink: StoreSink | None = None
+        self.counters: SqlCounters | RedisCounters | None = None
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> Runtime:
+        if self._stack is not None:
+            raise RuntimeError("this runtime is open already")
+        self._stack = stack = AsyncExitStack()
+        try:
+            await self._open(stack)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close what was opened, newest first; every close runs, the first error is raised after."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def _open(self, stack: AsyncExitStack) -> None:
+        server, root, options = self.workspace.server, self.workspace.root, self.options
+        stack.callback(self.tracer_provider.shutdown)
+        self.db = db = make_engine(self.workspace.database_url)
+        stack.callback(db.dispose)
+        create_schema(db)
+        self.audit = open_store(server, root, db)
+        if options.journal:
+            replayed = await asyncio.to_thread(self.audit.replay_spool)
+            if replayed:
+                logger.info("audit: replayed %d spooled record(s)", replayed)
+            self.audit_sink = await asyncio.to_thread(open_sink, server, root, self.audit)
+        else:
+            self.audit_sink = StoreSink(self.audit)
+        stack.push_async_callback(self.audit_sink.aclose)
+        self.resources.audit = self.audit_sink
+        self.counters = await open_counters(server.limits, db)
+        stack.push_async_callback(self.counters.close)
+        self.resources.counters = self.counters
+        if options.all_indexes:
+            await asyncio.to_thread(self.indexes.refresh)
+            watcher = asyncio.create_task(self.indexes.watch())
+            stack.callback(watcher.cancel)
+        elif used := self._indexes_read():
+            await asyncio.to_thread(self.indexes.refresh, used)
+        for pipeline in self.pipelines.values():
+            stack.push_async_callback(pipeline.aclose)
+        stack.push_async_callback(self.pool.close)
+        if options.start_models and options.engines is None:
+            await self.pool.start_all()
+
+    def _indexes_read(self) -> set[str]:
+        return {name for pipeline in self.pipelines.values() for plan in pipeline.loaded.plans
+                for _, kind, name in find_refs(plan.config) if kind == "index"}
+
+
+async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisCounters:
+    """The policy stage's counters: the database, or Redis (a Redis that is down is logged, not fatal:
+    requests that need limits get 503 until it is back)."""
+    if spec.backend == "database":
+        return SqlCounters(db)
+    counters = RedisCounters(spec.redis_url, spec.prefix)
+    try:
+        await counters.ping()
+    except Exception as exc:
+        logger.error("limits: Redis is unreachable (%s); requests with limits get 503 until it is back",
+                     type(exc).__name__)
+    return counters

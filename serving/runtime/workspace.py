@@ -1,0 +1,120 @@
+"""Wire the layers together: server config, stage registry and pipeline files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from pipeline.errors import InvalidInput, SpecError, SpecIssue
+from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server, name_clash
+from pipeline.registry import StageRegistry
+from pipeline.spec import ServerSpec
+from serving.engine.constraints import compile_error
+from serving.runtime.settings import apply_environment
+from stages import register_builtins
+
+DEFAULT_CONFIG = "inferline.yaml"
+
+
+@dataclass(slots=True)
+class Workspace:
+    """A server config, its registry, and where its pipelines live."""
+
+    server: ServerSpec
+    registry: StageRegistry
+    root: Path
+
+    @property
+    def pipelines_dir(self) -> Path:
+        return self.root / self.server.pipelines
+
+    @property
+    def database_url(self) -> str:
+        """``database:``, with a relative SQLite path taken from the config file's folder."""
+        url = self.server.database
+        prefix = "sqlite:///"
+        if url.startswith(prefix) and not url.startswith(prefix + "/") and url != prefix + ":memory:":
+            return prefix + str((self.root / url[len(prefix):]).resolve())
+        return url
+
+    def load(self, path: str | Path) -> LoadedPipeline:
+        # A pipeline's own output: is compiled as the engines would, here at load, so that a broken one
+        # never reaches a request (where it would read as the caller's mistake).
+        return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=compile_error))
+
+    def load_all(self) -> list[LoadedPipeline]:
+        """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""
+        files = sorted(p for p in self.pipelines_dir.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+        loaded: list[LoadedPipeline] = []
+        issues: list[SpecIssue] = []
+        by_name: dict[str, LoadedPipeline] = {}
+        for path in files:
+            try:
+                pipeline = self.load(path)
+            except SpecError as exc:
+                issues += exc.issues
+                continue
+            earlier = by_name.setdefault(pipeline.spec.name, pipeline)
+            if earlier is not pipeline:
+                issues.append(name_clash(pipeline, earlier))
+            loaded.append(pipeline)
+        if issues:
+            raise SpecError(issues)
+        return loaded
+
+    def resolve(self, pipeline: str) -> Path:
+        """A pipeline given as a file path, or one of the pipelines folder by its file name or its ``name:``."""
+        candidate = Path(pipeline)
+        if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+            return candidate
+        declared = _declared_names(self.pipelines_dir)
+        matches = [path for path, name in declared.items() if pipeline in (path.stem, name)]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(f"{name} ({path.name})" if name != path.stem else name
+                          for path, name in declared.items()) or "none"
+        if matches:
+            raise InvalidInput(f"pipeline {pipeline!r} is ambiguous in {self.pipelines_dir}: "
+                               + " and ".join(f"{path.name} (name: {declared[path]})" for path in matches)
+                               + "; give the file's path instead")
+        raise FileNotFoundError(f"no pipeline {pipeline!r}: not a file, and no pipeline of {self.pipelines_dir} "
+                                f"has that file name or name: (there: {known})")
+
+
+def _declared_names(folder: Path) -> dict[Path, str]:
+    """Each pipeline file of *folder* with its ``name:`` (its file name when it has none it can read)."""
+    files = sorted(p for p in folder.glob("*.y*ml") if p.suffix in (".yaml", ".yml")) if folder.is_dir() else []
+    names = {}
+    for path in files:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            data = None
+        names[path] = data["name"] if isinstance(data, dict) and isinstance(data.get("name"), str) else path.stem
+    return names
+
+
+def build_registry(server: ServerSpec) -> StageRegistry:
+    """Built-in stages, then entry points, then the operator's ``plugins:``."""
+    registry = register_builtins(StageRegistry())
+    registry.load_entry_points()
+    registry.load_plugins(server.plugins)
+    return registry
+
+
+def open_workspace(config: str | None = None) -> Workspace:
+    """Load *config* (default: ``$INFERLINE_CONFIG``, else ./inferline.yaml if present)."""
+    path = config or os.environ.get("INFERLINE_CONFIG")
+    if path is None and Path(DEFAULT_CONFIG).exists():
+        path = DEFAULT_CONFIG
+    if path is None:
+        server, root = ServerSpec(), Path(".")
+    elif not Path(path).exists():
+        raise SpecError([SpecIssue(str(path), 1, 1, "", "server config file not found")])
+    else:
+        server, root = load_server(path), Path(path).parent
+    server = apply_environment(server)
+    return Workspace(server, build_registry(server), root)
