@@ -50,6 +50,7 @@ run: install
 	$(VENV)/bin/inferline serve
 
 test: install $(CHROMIUM)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 test-fast: install
@@ -71,8 +72,10 @@ reliability: install
 bench-deps: install
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-1} $(PIP) install -e '.[bench]'
 
+# ruff, and the layers of DESIGN.md as import-linter contracts (pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) models indexes build *.egg-info

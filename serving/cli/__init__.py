@@ -1,1 +1,5 @@
-"""The command line."""
+"""The ``inferline`` command: ``main`` builds the parser; one module per command group (``audit``, ``keys``,
+``index``, ``run``, ``eval``, ``capacity``).
+
+The top layer: may import anything of the project.
+"""

@@ -27,7 +27,7 @@ from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
 from pipeline.loader import LoadedPipeline
 from pipeline.refs import find_refs
 from pipeline.runner import Pipeline
-from serving.http.pipeline_routes import GenerationParams, PipelineRequest
+from serving.http.schemas import GenerationParams, PipelineRequest
 from serving.runtime.workspace import Workspace, open_workspace
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -19,9 +19,9 @@ from litestar.response import Response
 
 from serving.console.session import CSRF_HEADER, LoginRequired
 from serving.console.state import Console
-from serving.http import pipeline_routes as api_pipelines
-from serving.http.pipeline_routes import PipelineRequest
+from serving.http import pipeline_routes
 from serving.http.problems import Problem
+from serving.http.schemas import PipelineRequest
 
 
 @post("/pipelines/{name:str}/run", status_code=200, name="console-run")
@@ -30,7 +30,7 @@ async def run(name: FromPath[str], data: JSONBody[PipelineRequest], request: Req
     console = Console.of(request)
     session = await console.session(request)
     console.sessions.check_csrf(request, session, request.headers.get(CSRF_HEADER))
-    return await api_pipelines.run_pipeline.fn(name=name, data=data, request=as_bearer(request, session.key))
+    return await pipeline_routes.run_pipeline.fn(name=name, data=data, request=as_bearer(request, session.key))
 
 
 def as_bearer(request: Request, key: str) -> Request:
@@ -57,7 +57,7 @@ async def metrics(request: Request) -> dict[str, Any]:
 def _login_required(request: Request, exc: LoginRequired) -> Response[Any]:
     problem = Problem(401, "Unauthorized", exc.reason or "sign in to the console first (/ui/login)",
                       "unauthorized")
-    return api_pipelines.problem_response(problem, request.url.path)
+    return pipeline_routes.problem_response(problem, request.url.path)
 
 
 ROUTES = [run, metrics]

@@ -1,7 +1,9 @@
 """Offline evaluation: ``inferline eval PIPELINE --dataset FILE.jsonl``.
 
-``dataset`` reads the cases (located errors), ``runtime`` opens a pipeline in-process as
-``inferline run`` does, ``harness`` runs the cases concurrently through it and checks the
-answers (stages/checks.py), ``report`` summarises a run and compares it with a baseline,
-``cli`` is the command; runs are stored by store/eval_runs.py.
+``dataset`` reads the cases (located errors), ``harness`` runs them concurrently through a
+pipeline opened in-process (``serving.runtime.resources.Runtime``) and checks the answers
+(stages/checks.py), ``report`` summarises a run and compares it with a baseline; the command
+is ``serving.cli.eval``; runs are stored by store/eval_runs.py.
+
+May import ``serving.http`` and below; not the console, capacity or the CLI.
 """

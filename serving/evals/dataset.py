@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError
 
 from pipeline.diagnostics import suggest
 from pipeline.errors import SpecError, SpecIssue
-from serving.http.pipeline_routes import ChatInput
+from serving.http.schemas import ChatInput
 from stages.checks import Check
 
 _CHECK_TYPES = frozenset({"exact", "normalized", "contains", "regex", "json_schema", "similarity", "citation",

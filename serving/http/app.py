@@ -27,11 +27,7 @@ from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
 from serving.engine.heap import freeze_startup_heap, thaw
-from serving.http import audit_routes as api_audit
-from serving.http import openai_routes as api_openai
-from serving.http import openapi as api_docs
-from serving.http import ops_routes as api_ops
-from serving.http import pipeline_routes as api_pipelines
+from serving.http import audit_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
 from serving.http.auth import Authenticator
 from serving.http.metrics import HttpMetrics
 from serving.http.problems import Problem, from_error, title_for
@@ -97,9 +93,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                     thaw()
 
     app = Litestar(
-        route_handlers=[api_pipelines.run_pipeline, api_pipelines.list_pipelines, api_pipelines.get_pipeline,
-                        *api_openai.ROUTES, *api_audit.ROUTES, api_ops.healthz, api_ops.readyz, api_ops.metrics,
-                        api_docs.viewer_asset],
+        route_handlers=[*pipeline_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES, *ops_routes.ROUTES,
+                        openapi.viewer_asset],
         lifespan=[lifespan],
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},
@@ -111,11 +106,11 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
                                      description="Every pipeline an endpoint; an OpenAI-compatible API.",
-                                     components=api_docs.components(), render_plugins=api_docs.render_plugins(),
-                                     security=api_docs.SECURITY if server.auth.enabled else None),
+                                     components=openapi.components(), render_plugins=openapi.render_plugins(),
+                                     security=openapi.SECURITY if server.auth.enabled else None),
     )
-    api_docs.use_pydantic_schemas(app, api_pipelines.PipelineRequest, api_openai.ChatCompletionRequest,
-                                  api_openai.CompletionRequest)
+    openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
+                               schemas.CompletionRequest)
     return app
 
 
@@ -151,8 +146,8 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     if refusals is not None:
         refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
     if request.url.path.startswith("/v1/"):
-        return api_openai.error_response(problem)
-    return api_pipelines.problem_response(problem, request.url.path)
+        return openai_routes.error_response(problem)
+    return pipeline_routes.problem_response(problem, request.url.path)
 
 
 def _problem(exc: Exception) -> Problem:

@@ -27,18 +27,30 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from litestar import Request, get, post
 from litestar.params import JSONBody
 from litestar.response import Response
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openapi import JsonOrEventStream, openai_errors
-from serving.http.pipeline_routes import GenerationParams, failure, response_headers, sources_json, start_request
+from serving.http.pipeline_routes import failure, response_headers, sources_json, start_request
 from serving.http.problems import Problem, from_final
+from serving.http.schemas import (
+    RESPONSE_FORMAT,
+    TOOL_CHOICE,
+    TOOLS,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    OpenAIRequest,
+)
 from serving.http.served import chain, encode_json, event_stream, prime
 from serving.http.state import AppState
 from stages import tools
@@ -46,116 +58,6 @@ from stages import tools
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error"}
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: str = "{}"
-
-
-class ToolCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, refusal...: accepted, not used
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str) or self.content is None:
-            return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-
-
-class FunctionIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-
-
-class ToolIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: FunctionIn
-
-
-class FunctionName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class JsonSchemaIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
-    strict: bool | None = None
-
-
-class TextFormat(BaseModel):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(BaseModel):
-    type: Literal["json_object"]
-
-
-class JsonSchemaFormat(BaseModel):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaIn
-
-
-_RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(
-    Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")])
-_TOOLS: TypeAdapter[list[ToolIn]] = TypeAdapter(list[ToolIn])
-_TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] | NamedToolChoice)
-
-
-class _Common(GenerationParams):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
-    model: str
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-    def overrides(self) -> dict[str, Any]:
-        params = super().overrides()
-        if self.max_completion_tokens is not None:
-            params["max_tokens"] = self.max_completion_tokens
-        return params
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-
-
-class CompletionRequest(_Common):
-    prompt: str
 
 
 @post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200,
@@ -200,7 +102,7 @@ def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
     """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
-    response_format = _checked(_RESPONSE_FORMAT, data.response_format, "response_format")
+    response_format = _checked(RESPONSE_FORMAT, data.response_format, "response_format")
     ctx.tools = _tools(data.tools)
     ctx.tool_choice = _tool_choice(data.tool_choice, list(tools.functions(ctx.tools)))
     schema: dict[str, Any] | None = None
@@ -218,7 +120,7 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
-    offered = [t.model_dump() for t in _checked(_TOOLS, value, "tools") or []]
+    offered = [t.model_dump() for t in _checked(TOOLS, value, "tools") or []]
     names = [t["function"]["name"] for t in offered]
     if len(set(names)) != len(names):
         raise _bad_request("tools: function names must be unique", "tools")
@@ -232,7 +134,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(value: Any, names: list[str]) -> str | dict[str, Any]:
-    choice = _checked(_TOOL_CHOICE, value, "tool_choice",
+    choice = _checked(TOOL_CHOICE, value, "tool_choice",
                       """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""") or "auto"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -268,7 +170,7 @@ def _bad_request(message: str, param: str) -> Problem:
     return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})
 
 
-async def _complete(request: Request, data: _Common, messages: list[ChatMessage], kind: str) -> Response[Any]:
+async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
     state = AppState.of(request)
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
     if isinstance(data, ChatCompletionRequest):

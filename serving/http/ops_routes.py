@@ -51,3 +51,6 @@ def _models(state: AppState) -> dict[str, dict[str, Any]]:
                       "running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas)}
         models[name] = entry
     return models
+
+
+ROUTES = [healthz, readyz, metrics]

@@ -14,12 +14,11 @@ there: an empty list for a pipeline without a ``retrieve`` stage, or when nothin
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from litestar import Request, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.context import ChatMessage, RequestContext, Source, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
@@ -27,67 +26,9 @@ from pipeline.runner import Pipeline
 from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, from_final, limit_headers
 from serving.http.refusals import attempt_of
+from serving.http.schemas import PipelineRequest
 from serving.http.served import event_stream, prime, sse_event
 from serving.http.state import AppState
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatInput(BaseModel):
-    """``input`` or ``messages``: what a pipeline request and an evaluation case both send."""
-
-    model_config = ConfigDict(extra="forbid")
-    input: str | None = Field(None, description="A single user message.")
-    messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
-
-    @model_validator(mode="after")
-    def _one_input(self) -> ChatInput:
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'input' or 'messages'")
-        if self.messages is not None and not any(m.role == "user" for m in self.messages):
-            raise ValueError("'messages' needs at least one user message")
-        return self
-
-    def chat(self) -> list[ChatMessage]:
-        if self.messages is None:
-            return [ChatMessage("user", self.input or "")]
-        return [ChatMessage(m.role, m.content) for m in self.messages]
-
-
-class GenerationParams(BaseModel):
-    """Sampling overrides a caller may send; each pipeline decides which it accepts."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    output: dict[str, Any] | None = Field(
-        None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
-
-    def overrides(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))
-
-
-class PipelineRequest(ChatInput, GenerationParams):
-    """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
-
-    # The document says what _one_input checks: exactly one of them, and messages with a user turn.
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"}}},
-        {"required": ["messages"], "properties": {"input": {"type": "null"}, "messages": {
-            "type": "array", "contains": {"type": "object", "required": ["role"],
-                                          "properties": {"role": {"const": "user"}}}}}}]})
-
-    stream: bool = False
-    tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
 
 
 def stage_json(stage: StageRecord) -> dict[str, Any]:
@@ -230,3 +171,6 @@ def describe(pipeline: Pipeline, slo: dict[str, Any] | None = None) -> dict[str,
 def problem_response(problem: Problem, instance: str) -> Response[Any]:
     return Response(problem.body(instance), status_code=problem.status, headers=problem.headers,
                     media_type="application/problem+json")
+
+
+ROUTES = [run_pipeline, list_pipelines, get_pipeline]

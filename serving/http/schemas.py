@@ -1,0 +1,188 @@
+"""The request bodies of the HTTP API: a pipeline request, and OpenAI's chat and completion requests.
+
+Pydantic models: the app validates bodies against them and the OpenAPI document (``/schema``)
+shows their JSON Schemas. Pipeline requests refuse unknown fields; OpenAI requests ignore the fields
+of OpenAI's API that we do not use, as OpenAI's clients send them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from pipeline.context import ChatMessage
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatInput(BaseModel):
+    """``input`` or ``messages``: what a pipeline request and an evaluation case both send."""
+
+    model_config = ConfigDict(extra="forbid")
+    input: str | None = Field(None, description="A single user message.")
+    messages: list[Message] | None = Field(None, description="A chat history ending with a user turn.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> ChatInput:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'input' or 'messages'")
+        if self.messages is not None and not any(m.role == "user" for m in self.messages):
+            raise ValueError("'messages' needs at least one user message")
+        return self
+
+    def chat(self) -> list[ChatMessage]:
+        if self.messages is None:
+            return [ChatMessage("user", self.input or "")]
+        return [ChatMessage(m.role, m.content) for m in self.messages]
+
+
+class GenerationParams(BaseModel):
+    """Sampling overrides a caller may send; each pipeline decides which it accepts."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    output: dict[str, Any] | None = Field(
+        None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
+
+    def overrides(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))
+
+
+class PipelineRequest(ChatInput, GenerationParams):
+    """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
+
+    # The document says what _one_input checks: exactly one of them, and messages with a user turn.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"input": {"type": "null"}, "messages": {
+            "type": "array", "contains": {"type": "object", "required": ["role"],
+                                          "properties": {"role": {"const": "user"}}}}}}]})
+
+    stream: bool = False
+    tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
+
+
+# -- the OpenAI API ----------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, refusal...: accepted, not used
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaIn
+
+
+RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(
+    Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")])
+TOOLS: TypeAdapter[list[ToolIn]] = TypeAdapter(list[ToolIn])
+TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] | NamedToolChoice)
+
+
+class OpenAIRequest(GenerationParams):
+    """What the chat and completions requests share."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def overrides(self) -> dict[str, Any]:
+        params = super().overrides()
+        if self.max_completion_tokens is not None:
+            params["max_tokens"] = self.max_completion_tokens
+        return params
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str
