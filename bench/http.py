@@ -151,7 +151,7 @@ class Round:
 
 def chat_messages(workspace: Workspace, questions: Sequence[str]) -> list[list[dict[str, str]]]:
     """The messages the pipeline's ``prompt`` stage builds for each question."""
-    loaded = workspace.load(workspace.resolve(PIPELINE))
+    loaded = workspace.load_pipeline(workspace.resolve(PIPELINE))
     plan = next((p for p in loaded.plans if p.spec.type == "prompt"), None)
     if plan is None:
         raise SystemExit(f"{loaded.file}: no prompt stage; this bench expects the chat pipeline's shape")

@@ -148,7 +148,7 @@ def machine_relative(config: Path, profile_path: Path, args: argparse.Namespace)
     from serving.runtime.workspace import open_workspace
 
     workspace = open_workspace(str(config))
-    loaded = workspace.load(workspace.resolve("loadtest"))
+    loaded = workspace.load_pipeline(workspace.resolve("loadtest"))
     profile = json.loads(profile_path.read_text())
     model = StepModel(profile)
     name = pipeline_model(workspace, loaded)
@@ -335,7 +335,7 @@ def plan_for(config: Path, profiles: list[Path], rates: list[float], args: argpa
     from serving.runtime.workspace import open_workspace
 
     workspace = open_workspace(str(config))
-    loaded = workspace.load(workspace.resolve("loadtest"))
+    loaded = workspace.load_pipeline(workspace.resolve("loadtest"))
     plans = []
     for rate, profile in zip(rates, profiles, strict=True):
         plans.append(plan_pipeline(workspace, loaded, workload_at(rate, args), profile_path=str(profile), replicas=1,

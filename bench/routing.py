@@ -68,7 +68,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.context import Principal, RequestContext
 from pipeline.loader import catalog_of, load_pipeline_text
-from pipeline.protocols import ModelLoad, Resources, SamplingParams
+from pipeline.protocols import ModelOccupancy, Resources, SamplingParams
 from pipeline.runner import Pipeline, Runner
 from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
 from serving.backends.caches import StoreCaches
@@ -230,8 +230,8 @@ class _Engines:
     async def get(self, name: str) -> Any:
         return self.engine
 
-    def load(self, name: str) -> ModelLoad:
-        return ModelLoad()
+    def occupancy(self, name: str) -> ModelOccupancy:
+        return ModelOccupancy()
 
 
 def route_cache_overhead(iterations: int = 300) -> dict[str, Any]:

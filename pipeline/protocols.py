@@ -140,7 +140,7 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class ModelLoad:
+class ModelOccupancy:
     """How busy a model is, for load-aware routing."""
 
     waiting: int = 0
@@ -156,7 +156,7 @@ class EngineProvider(Protocol):
 
     async def get(self, name: str) -> Engine: ...
 
-    def load(self, name: str) -> ModelLoad:
+    def occupancy(self, name: str) -> ModelOccupancy:
         """How busy model *name* is now (no I/O; a model not started yet is idle)."""
         ...
 

@@ -155,7 +155,7 @@ class RouteStage(Stage):
 
     def _balance(self, config: RouteConfig) -> tuple[str, str, str]:
         engines = self.resources.engines
-        loads = {m: engines.load(m) for m in config.balance} if engines and hasattr(engines, "load") else {}
+        loads = {m: engines.occupancy(m) for m in config.balance} if engines and hasattr(engines, "occupancy") else {}
         if not loads:
             return config.balance[0], "balance", "no load figures"
         if config.balance_by == "ttft":

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from pipeline.context import Document, RequestContext
 from pipeline.errors import BackendError, PolicyDenied
-from pipeline.protocols import ModelLoad
+from pipeline.protocols import ModelOccupancy
 from pipeline.refs import IndexRef, ModelRef
 from pipeline.stage import NoConfig, Stage, StageScope
 
@@ -204,15 +204,15 @@ class FakeEngines:
     def __init__(self, default_model: str = "smol", **engines: FakeEngine):
         self.default_model = default_model
         self.engines = engines or {default_model: FakeEngine()}
-        self.loads: dict[str, ModelLoad] = {}
+        self.loads: dict[str, ModelOccupancy] = {}
 
     async def get(self, name: str) -> FakeEngine:
         if name not in self.engines:
             raise BackendError(f"no model {name!r}")
         return self.engines[name]
 
-    def load(self, name: str) -> ModelLoad:
-        return self.loads.get(name, ModelLoad())
+    def occupancy(self, name: str) -> ModelOccupancy:
+        return self.loads.get(name, ModelOccupancy())
 
 
 class MemoryCounters:

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import fields
 
 from pipeline.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded
-from pipeline.protocols import PRIORITY_CLASSES, ModelLoad, SamplingParams, SchedulingHints, TokenEvent
-from serving.backends.placement import Placement, ReplicaLoad, ewma
+from pipeline.protocols import PRIORITY_CLASSES, ModelOccupancy, SamplingParams, SchedulingHints, TokenEvent
+from serving.backends.placement import Placement, ReplicaOccupancy, ewma
 from serving.backends.tokenizer import HFTokenizer
 from serving.engine.async_engine import AsyncEngine, RequestStream
 from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOverloaded, InvalidRequest
@@ -91,7 +91,7 @@ class LocalEngine:
         hints = hints or SchedulingHints()
         index = 0
         if len(self.replicas) > 1:
-            index = self.placement.choose(prompt_ids, cache_salt, self.replica_loads())
+            index = self.placement.choose(prompt_ids, cache_salt, self.replica_occupancy())
         try:
             stream = await self.replicas[index].submit(
                 prompt_ids, EngineSampling(**{name: getattr(sampling, name) for name in _SAMPLING_FIELDS}), cache_salt,
@@ -105,20 +105,20 @@ class LocalEngine:
         self.outstanding[index] += 1
         return _Stream(stream, self, index, submitted_s)
 
-    def replica_loads(self) -> list[ReplicaLoad]:
+    def replica_occupancy(self) -> list[ReplicaOccupancy]:
         """Each replica's load now; no I/O, no lock (counts read while the engine thread runs may be a step old)."""
         loads = []
         for replica, outstanding in zip(self.replicas, self.outstanding, strict=True):
             scheduler = replica.engine.scheduler
             running = scheduler.num_running
             # Outstanding minus running: waiting in the scheduler plus not yet handed to it.
-            loads.append(ReplicaLoad(max(scheduler.num_waiting, outstanding - running), running))
+            loads.append(ReplicaOccupancy(max(scheduler.num_waiting, outstanding - running), running))
         return loads
 
-    def load(self) -> ModelLoad:
+    def occupancy(self) -> ModelOccupancy:
         """The model's load: waiting and running summed over replicas, and the recent time to first token."""
-        loads = self.replica_loads()
-        return ModelLoad(sum(load.waiting for load in loads), sum(load.running for load in loads), self.ttft_s)
+        loads = self.replica_occupancy()
+        return ModelOccupancy(sum(load.waiting for load in loads), sum(load.running for load in loads), self.ttft_s)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_s = ewma(self.ttft_s, seconds)

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from pipeline.errors import BackendError
-from pipeline.protocols import ModelLoad
+from pipeline.protocols import ModelOccupancy
 from pipeline.spec import ModelSpec, ServerSpec
 from serving.backends.engine_config import engine_config
 from serving.backends.local_engine import LocalEngine, replica_name
@@ -51,10 +51,10 @@ class ModelPool:
                 self._engines[name] = await self._start(name)
         return self._engines[name]
 
-    def load(self, name: str) -> ModelLoad:
+    def occupancy(self, name: str) -> ModelOccupancy:
         """How busy model *name* is now, without I/O; a model not started yet is idle."""
         engine = self._engines.get(name)
-        return ModelLoad() if engine is None else engine.load()
+        return ModelOccupancy() if engine is None else engine.occupancy()
 
     async def _start(self, name: str) -> Any:
         spec = self._specs.get(name)

@@ -24,7 +24,7 @@ _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaLoad:
+class ReplicaOccupancy:
     """One replica's queue: requests waiting for admission and requests in its running batch."""
 
     waiting: int = 0
@@ -65,7 +65,7 @@ class Placement:
         if self.replicas < 1 or self.block_size < 1 or self.prefix_blocks < 1:
             raise ValueError("replicas, block_size and prefix_blocks must be positive")
 
-    def choose(self, prompt_ids: Sequence[int], cache_salt: str, loads: Sequence[ReplicaLoad]) -> int:
+    def choose(self, prompt_ids: Sequence[int], cache_salt: str, loads: Sequence[ReplicaOccupancy]) -> int:
         """The replica index for a request, given each replica's load now (``len(loads) == replicas``)."""
         if self.kind == "round_robin":
             index, self._next = self._next, (self._next + 1) % self.replicas
@@ -99,7 +99,7 @@ def _salt_root(cache_salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
 
 
-def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
+def least_loaded(loads: Sequence[ReplicaOccupancy]) -> int:
     """The index with the fewest waiting, then the fewest running (then the lowest index)."""
     return min(range(len(loads)), key=lambda i: (loads[i].waiting, loads[i].running, i))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded
-from pipeline.protocols import PRIORITY_CLASSES, ModelLoad, SamplingParams, SchedulingHints
+from pipeline.protocols import PRIORITY_CLASSES, ModelOccupancy, SamplingParams, SchedulingHints
 from pipeline.spec import ModelSpec
 from serving.backends.placement import ewma
 from serving.backends.ray_deploy import APP_NAME, deployment_name
@@ -138,8 +138,8 @@ class RayEngine:
             raise DeadlineExceeded(message)
         raise BackendError(message)
 
-    def load(self) -> ModelLoad:
-        return ModelLoad(0, self.outstanding, self.ttft_s)
+    def occupancy(self) -> ModelOccupancy:
+        return ModelOccupancy(0, self.outstanding, self.ttft_s)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_s = ewma(self.ttft_s, seconds)

@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import ModelLoad, SamplingParams, SchedulingHints, TokenEvent, Tokenizer
+from pipeline.protocols import ModelOccupancy, SamplingParams, SchedulingHints, TokenEvent, Tokenizer
 from pipeline.spec import SELF_URL, HttpSpec, ModelSpec
-from serving.backends.placement import Placement, ReplicaLoad, ewma
+from serving.backends.placement import Placement, ReplicaOccupancy, ewma
 from serving.backends.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
@@ -176,12 +176,12 @@ class RemoteEngine:
         if len(self.base_urls) == 1:
             return 0
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages).encode()[:_PREFIX_BLOCK_CHARS * 4]
-        loads = [ReplicaLoad(0, count) for count in self._in_flight]
+        loads = [ReplicaOccupancy(0, count) for count in self._in_flight]
         return self._placement.choose(list(text), cache_salt, loads)
 
-    def load(self) -> ModelLoad:
+    def occupancy(self) -> ModelOccupancy:
         """Requests in flight count as running: the servers' own queues are invisible from here."""
-        return ModelLoad(waiting=0, running=sum(self._in_flight), ttft_s=self._ttft_s)
+        return ModelOccupancy(waiting=0, running=sum(self._in_flight), ttft_s=self._ttft_s)
 
     async def aclose(self) -> None:
         if self._client is not None:

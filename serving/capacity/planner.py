@@ -101,7 +101,7 @@ class _Replica:
         return sum(tally.seconds for tally in self.steps.values())
 
     @property
-    def load(self) -> int:
+    def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
 
@@ -136,7 +136,7 @@ def simulate(requests: Sequence[LoadRequest], model: StepModel, shape: EngineSha
             break
         if step_end is None or (arrival is not None and arrival <= step_end.busy_until):  # type: ignore[operator]
             now = arrival  # type: ignore[assignment]
-            replica = min(pool, key=lambda r: r.load)
+            replica = min(pool, key=lambda r: r.num_requests)
             request = queue[nxt]
             if replica.warm:
                 request.prefill_left -= min(shape.cached_prefix_tokens, request.prefill_left - 1)

@@ -286,7 +286,7 @@ def _hold(args: argparse.Namespace) -> int:
 def retention_days(workspace: Workspace) -> dict[str, int]:
     """Each pipeline's retention, from its audit stage's ``retention_days``."""
     days = {}
-    for loaded in workspace.load_all():
+    for loaded in workspace.load_pipelines():
         for plan in loaded.plans:
             if plan.spec.type == "audit":
                 days[loaded.spec.name] = plan.config.retention_days  # type: ignore[attr-defined]

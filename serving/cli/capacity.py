@@ -180,7 +180,7 @@ def _profile(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     workspace = open_workspace(args.config)
-    loaded = workspace.load(workspace.resolve(workload.pipeline))
+    loaded = workspace.load_pipeline(workspace.resolve(workload.pipeline))
     if args.step_scale is not None and args.step_scale <= 0:
         print("inferline plan: --step-scale must be positive", file=sys.stderr)
         return EXIT_USAGE

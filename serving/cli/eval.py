@@ -71,7 +71,7 @@ def _eval(args: argparse.Namespace) -> int:
         print("inferline eval: --concurrency must be at least 1", file=sys.stderr)
         return EXIT_USAGE
     dataset = load_dataset(args.dataset)  # bad lines are reported before any model loads
-    loaded = workspace.load(workspace.resolve(args.pipeline))
+    loaded = workspace.load_pipeline(workspace.resolve(args.pipeline))
     judges = _judges(workspace, loaded, dataset)
     check_calls([loaded, *judges])
     store = _store(workspace)
@@ -150,7 +150,7 @@ def _load_judges(workspace: Workspace, loaded: LoadedPipeline, names: set[str]) 
     names = names | {check.pipeline for plan in loaded.plans if plan.spec.type == "score"
                      for check in getattr(plan.config, "checks", ()) if check.type == "judge"}
     names.discard(loaded.spec.name)
-    return [workspace.load(workspace.resolve(name)) for name in sorted(names)]
+    return [workspace.load_pipeline(workspace.resolve(name)) for name in sorted(names)]
 
 
 def _store(workspace: Workspace) -> EvalRunStore:

@@ -176,7 +176,7 @@ def _validate(args: argparse.Namespace) -> int:
     by_name: dict[str, LoadedPipeline] = {}  # serve refuses two pipelines of one name: so does validate
     for path in files:
         try:
-            loaded = workspace.load(path)
+            loaded = workspace.load_pipeline(path)
             earlier = by_name.setdefault(loaded.spec.name, loaded)
             if Path(earlier.file).resolve() != Path(loaded.file).resolve():  # not the same file named twice
                 raise SpecError([name_clash(loaded, earlier)])

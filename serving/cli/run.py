@@ -78,7 +78,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"inferline run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     workspace = open_workspace(args.config)
-    loaded = workspace.load(workspace.resolve(args.pipeline))
+    loaded = workspace.load_pipeline(workspace.resolve(args.pipeline))
     return asyncio.run(_run_once(workspace, loaded, request, args.trace))
 
 

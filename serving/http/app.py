@@ -57,7 +57,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     """
     server = workspace.server
     check_bind(workspace)
-    loaded = workspace.load_all()
+    loaded = workspace.load_pipelines()
     check_calls(loaded)
     registry = CollectorRegistry()
     runtime = Runtime(workspace, loaded, RuntimeOptions.server(engines, registry))

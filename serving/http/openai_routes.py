@@ -51,7 +51,7 @@ from serving.http.schemas import (
     NamedToolChoice,
     OpenAIRequest,
 )
-from serving.http.served import chain, encode_json, event_stream, prime
+from serving.http.served import encode_json, event_stream, head_of_stream, with_head
 from serving.http.state import AppState
 from stages import tools
 
@@ -178,10 +178,10 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         events = state.executor.stream(pipeline, ctx)
-        head = await prime(events)
+        head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
-        chunks = _chunks(chain(head, events), ctx, data.model, kind, include_usage)
+        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage)
         return event_stream(chunks, response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):

@@ -43,7 +43,7 @@ def _models(state: AppState) -> dict[str, dict[str, Any]]:
     engines = {name: engine.stats() for name, engine in state.pool.engines().items()}
     models: dict[str, dict[str, Any]] = {}
     for name, spec in state.workspace.server.models.items():
-        load = state.pool.load(name)
+        load = state.pool.occupancy(name)
         entry: dict[str, Any] = {"backend": spec.backend, "running": load.running, "waiting": load.waiting}
         if spec.backend == "local":
             replicas = [stats for key, stats in engines.items() if key == name or key.startswith(f"{name}#")]

@@ -27,7 +27,7 @@ from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, from_final, limit_headers
 from serving.http.refusals import attempt_of
 from serving.http.schemas import PipelineRequest
-from serving.http.served import event_stream, prime, sse_event
+from serving.http.served import event_stream, head_of_stream, sse_event
 from serving.http.state import AppState
 
 
@@ -86,7 +86,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
     pipeline, ctx = await start_request(state, request, name, data.chat(), data.overrides(), data.tags)
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
         events = state.executor.stream(pipeline, ctx)
-        head = await prime(events)
+        head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
         return event_stream(_sse(head, events), response_headers(ctx))
@@ -110,7 +110,7 @@ def failure(final: Error, ctx: RequestContext) -> Problem:
 
 
 async def _sse(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    """*head* (what :func:`prime` read) as one chunk, then each later event as it comes. One chunk is
+    """*head* (what :func:`head_of_stream` read) as one chunk, then each later event as it comes. One chunk is
     one write to the socket: the head's six or so stage events in one saved 5-6 writes of ~17 us each
     per request, on the event loop, right after a burst's first prefill step."""
     # A client disconnect stops this generator; closing ``events`` cancels the request.

@@ -78,7 +78,7 @@ class Executor:
             self._idle.set()
 
 
-async def prime(events: AsyncIterator[Event]) -> list[Event]:
+async def head_of_stream(events: AsyncIterator[Event]) -> list[Event]:
     """The events until the request is handed to the model (the ``generate`` stage finished), the first
     text, or the end: what a streamed response's status and headers depend on. A request refused by
     policy or by an overloaded engine gets its 403 or 429, with the rate-limit headers, rather than a 200
@@ -100,7 +100,7 @@ async def prime(events: AsyncIterator[Event]) -> list[Event]:
     return head
 
 
-async def chain(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def with_head(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """*head* again, then the rest of *events*; closing this closes *events*."""
     try:
         for event in head:

@@ -40,12 +40,12 @@ class Workspace:
             return prefix + str((self.root / url[len(prefix):]).resolve())
         return url
 
-    def load(self, path: str | Path) -> LoadedPipeline:
+    def load_pipeline(self, path: str | Path) -> LoadedPipeline:
         # A pipeline's own output: is compiled as the engines would, here at load, so that a broken one
         # never reaches a request (where it would read as the caller's mistake).
         return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=compile_error))
 
-    def load_all(self) -> list[LoadedPipeline]:
+    def load_pipelines(self) -> list[LoadedPipeline]:
         """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""
         files = sorted(p for p in self.pipelines_dir.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
         loaded: list[LoadedPipeline] = []
@@ -53,7 +53,7 @@ class Workspace:
         by_name: dict[str, LoadedPipeline] = {}
         for path in files:
             try:
-                pipeline = self.load(path)
+                pipeline = self.load_pipeline(path)
             except SpecError as exc:
                 issues += exc.issues
                 continue

@@ -16,7 +16,7 @@ from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.errors import BackendError, Overloaded, SpecError
 from pipeline.events import Done, Error, TextDelta
 from pipeline.loader import load_pipeline_text
-from pipeline.protocols import Catalog, ModelInfo, ModelLoad, Resources
+from pipeline.protocols import Catalog, ModelInfo, ModelOccupancy, Resources
 from pipeline.runner import Pipeline, Runner
 from tests.fakes import FakeEngine, FakeEngines
 
@@ -123,11 +123,12 @@ async def test_weighted_split_is_sticky_per_caller_and_follows_the_weights(regis
 
 async def test_balance_picks_the_least_busy(registry):
     pipeline, provider, _ = build(registry, "{balance: [smol, big], context_check: false}")
-    provider.loads = {"smol": ModelLoad(waiting=5, running=8, ttft_s=0.05), "big": ModelLoad(1, 8, ttft_s=0.5)}
+    provider.loads = {"smol": ModelOccupancy(waiting=5, running=8, ttft_s=0.05),
+                      "big": ModelOccupancy(1, 8, ttft_s=0.5)}
     ctx, _, _ = await run(pipeline)
     assert ctx.model == "big" and ctx.facts["route"]["reason"] == "fewest waiting (1 waiting, 8 running)"
     pipeline, provider, _ = build(registry, "{balance: [smol, big], balance_by: ttft, context_check: false}")
-    provider.loads = {"smol": ModelLoad(5, 8, ttft_s=0.05), "big": ModelLoad(1, 8, ttft_s=0.5)}
+    provider.loads = {"smol": ModelOccupancy(5, 8, ttft_s=0.05), "big": ModelOccupancy(1, 8, ttft_s=0.5)}
     ctx, _, _ = await run(pipeline)
     assert ctx.model == "smol" and "lowest recent ttft" in ctx.facts["route"]["reason"]
 

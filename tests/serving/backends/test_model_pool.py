@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.protocols import ModelLoad, SamplingParams
+from pipeline.protocols import ModelOccupancy, SamplingParams
 from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
 from serving.backends.local_engine import LocalEngine
 from serving.backends.model_pool import ModelPool
-from serving.backends.placement import Placement, ReplicaLoad, rendezvous
+from serving.backends.placement import Placement, ReplicaOccupancy, rendezvous
 from serving.engine.async_engine import TokenEvent
 
 ROOT = Path(__file__).parents[3]
 BLOCK = 16
-IDLE4 = [ReplicaLoad()] * 4
+IDLE4 = [ReplicaOccupancy()] * 4
 
 
 def prompt(seed: int, length: int = 5 * BLOCK) -> list[int]:
@@ -63,33 +63,35 @@ def test_the_cache_salt_is_part_of_the_key():
 def test_an_overloaded_replica_diverts_to_the_least_loaded():
     placement = Placement(3, max_imbalance=4)
     ids = prompt(4)
-    home = placement.choose(ids, "", [ReplicaLoad()] * 3)
+    home = placement.choose(ids, "", [ReplicaOccupancy()] * 3)
     others = [i for i in range(3) if i != home]
-    loads = [ReplicaLoad(2, 3)] * 3  # everyone at 5
-    loads[home] = ReplicaLoad(5, 4)  # 9: exactly max_imbalance more than the others, still home
+    loads = [ReplicaOccupancy(2, 3)] * 3  # everyone at 5
+    loads[home] = ReplicaOccupancy(5, 4)  # 9: exactly max_imbalance more than the others, still home
     assert placement.choose(ids, "", loads) == home
-    loads[home] = ReplicaLoad(6, 4)  # 10: over the limit
-    loads[others[1]] = ReplicaLoad(0, 4)  # the lightest
+    loads[home] = ReplicaOccupancy(6, 4)  # 10: over the limit
+    loads[others[1]] = ReplicaOccupancy(0, 4)  # the lightest
     assert placement.choose(ids, "", loads) == others[1]
 
 
 def test_a_prompt_shorter_than_one_block_goes_to_the_least_loaded():
     placement = Placement(3)
-    loads = [ReplicaLoad(1, 0), ReplicaLoad(0, 5), ReplicaLoad(0, 6)]
+    loads = [ReplicaOccupancy(1, 0), ReplicaOccupancy(0, 5), ReplicaOccupancy(0, 6)]
     assert placement.prefix_key(prompt(5, BLOCK - 1)) is None
     assert placement.choose(prompt(5, BLOCK - 1), "", loads) == 1
 
 
 def test_round_robin_cycles():
     placement = Placement(3, "round_robin")
-    loads = [ReplicaLoad(9, 9), ReplicaLoad(), ReplicaLoad()]  # load plays no part
+    loads = [ReplicaOccupancy(9, 9), ReplicaOccupancy(), ReplicaOccupancy()]  # load plays no part
     assert [placement.choose(prompt(6), "", loads) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_least_loaded_takes_the_fewest_waiting_then_running():
     placement = Placement(3, "least_loaded")
-    assert placement.choose(prompt(7), "", [ReplicaLoad(2, 0), ReplicaLoad(1, 9), ReplicaLoad(1, 3)]) == 2
-    assert placement.choose(prompt(7), "", [ReplicaLoad(0, 1), ReplicaLoad(0, 1), ReplicaLoad(0, 2)]) == 0
+    busy = [ReplicaOccupancy(2, 0), ReplicaOccupancy(1, 9), ReplicaOccupancy(1, 3)]
+    assert placement.choose(prompt(7), "", busy) == 2
+    tied = [ReplicaOccupancy(0, 1), ReplicaOccupancy(0, 1), ReplicaOccupancy(0, 2)]
+    assert placement.choose(prompt(7), "", tied) == 0
 
 
 def test_an_unknown_placement_is_refused():
@@ -147,14 +149,14 @@ async def test_streams_name_their_replica_and_count_as_load_until_they_end():
     second = await local.submit(prompt(2), SamplingParams(max_tokens=3))
     assert (first.replica, second.replica) == (0, 1)
     # Submitted but not yet seen by the scheduler (its queues are still empty): waiting all the same.
-    assert local.load() == ModelLoad(waiting=2, running=0, ttft_s=None)
+    assert local.occupancy() == ModelOccupancy(waiting=2, running=0, ttft_s=None)
     replicas[1].scheduler.num_running = 1
-    assert local.load() == ModelLoad(waiting=1, running=1)
+    assert local.occupancy() == ModelOccupancy(waiting=1, running=1)
     events = [event async for event in first]
     assert [e.token_id for e in events] == [0, 1, 2]
     await second.aclose()
     replicas[1].scheduler.num_running = 0
-    load = local.load()
+    load = local.occupancy()
     assert (load.waiting, load.running) == (0, 0)
     assert load.ttft_s is not None and load.ttft_s >= 0
 
@@ -181,8 +183,8 @@ class FakeRemote:
         self.base_url = base_url
         self.closed = False
 
-    def load(self) -> ModelLoad:
-        return ModelLoad(waiting=3, running=1, ttft_s=0.5)
+    def occupancy(self) -> ModelOccupancy:
+        return ModelOccupancy(waiting=3, running=1, ttft_s=0.5)
 
     async def aclose(self) -> None:
         self.closed = True
@@ -198,11 +200,11 @@ async def test_remote_models_open_lazily_report_their_load_and_close(monkeypatch
     monkeypatch.setitem(sys.modules, "serving.backends.remote", types.SimpleNamespace(open_remote=open_remote))
     server = ServerSpec(models={"far": ModelSpec(backend="openai", base_url="http://127.0.0.1:9/v1")})
     pool = ModelPool(server, ROOT)
-    assert pool.load("far") == ModelLoad()  # not opened yet: idle
+    assert pool.occupancy("far") == ModelOccupancy()  # not opened yet: idle
     await pool.start_all()
     assert opened == []  # nothing to start for a remote model
     remote = await pool.get("far")
-    assert opened[0][0] == "far" and pool.load("far") == ModelLoad(3, 1, 0.5)
+    assert opened[0][0] == "far" and pool.occupancy("far") == ModelOccupancy(3, 1, 0.5)
     assert pool.engines() == {}
     await pool.close()
     assert remote.closed
@@ -237,7 +239,7 @@ async def test_two_replicas_keep_a_shared_system_prompt_on_one_replica(monkeypat
         (first_replica, first), (second_replica, second) = runs
         assert second_replica == first_replica
         assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 16 * 10
-        load = pool.load("smol")
+        load = pool.occupancy("smol")
         assert (load.waiting, load.running) == (0, 0) and load.ttft_s is not None and load.ttft_s > 0
     finally:
         await pool.close()

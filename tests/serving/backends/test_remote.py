@@ -74,7 +74,7 @@ async def test_streams_text_and_maps_usage_and_sampling():
     assert sent == {"model": "llama-3", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True},
                     "max_tokens": 8, "temperature": 0, "top_p": 0.9, "seed": 7, "presence_penalty": 0.5,
                     "frequency_penalty": 0.0}
-    load = remote.load()
+    load = remote.occupancy()
     assert (load.running, load.waiting) == (0, 0) and load.ttft_s is not None and load.ttft_s >= 0
     await remote.aclose()
 
@@ -122,7 +122,7 @@ async def test_429_is_overloaded_with_retry_after():
     with pytest.raises(Overloaded, match="queue full") as caught:
         await remote.submit_messages(MESSAGES, SamplingParams())
     assert caught.value.retry_after_s == 7
-    assert remote.load().running == 0
+    assert remote.occupancy().running == 0
     with pytest.raises(Overloaded) as caught:
         await engine(refusing(429, "slow down")).submit_messages(MESSAGES, SamplingParams())
     assert caught.value.retry_after_s == 1
@@ -133,7 +133,7 @@ async def test_5xx_is_a_backend_error(status):
     remote = engine(refusing(status, {"error": {"message": "engine died"}}))
     with pytest.raises(BackendError, match=f"HTTP {status}: engine died"):
         await remote.submit_messages(MESSAGES, SamplingParams())
-    assert remote.load().running == 0
+    assert remote.occupancy().running == 0
 
 
 async def test_4xx_is_invalid_input_with_the_servers_message():
@@ -162,7 +162,7 @@ async def test_unreachable_or_slow_server_is_a_backend_error(error):
     remote = engine(handler)
     with pytest.raises(BackendError):
         await remote.submit_messages(MESSAGES, SamplingParams())
-    assert remote.load().running == 0
+    assert remote.occupancy().running == 0
     await remote.aclose()
 
 
@@ -187,14 +187,14 @@ async def test_aclose_mid_stream_closes_the_response():
     body = Body(sse(delta("Once"), delta(" upon")))
     remote = engine(lambda request: httpx.Response(200, stream=body))
     stream = await remote.submit_messages(MESSAGES, SamplingParams())
-    assert remote.load().running == 1
+    assert remote.occupancy().running == 1
     events = aiter(stream)
     assert (await anext(events)).text == "Once"
     assert (await anext(events)).text == " upon"
     await stream.aclose()
-    assert body.closed.is_set() and remote.load().running == 0
+    assert body.closed.is_set() and remote.occupancy().running == 0
     await stream.aclose()  # idempotent
-    assert remote.load().running == 0
+    assert remote.occupancy().running == 0
     await remote.aclose()
 
 
@@ -205,7 +205,7 @@ async def test_malformed_or_truncated_stream_raises_backend_error(tail):
     with pytest.raises(BackendError):
         async for _event in stream:
             pass
-    assert remote.load().running == 0
+    assert remote.occupancy().running == 0
 
 
 async def test_connection_drop_mid_stream_raises_backend_error():
@@ -216,7 +216,7 @@ async def test_connection_drop_mid_stream_raises_backend_error():
     with pytest.raises(BackendError, match="stream broke"):
         async for event in stream:
             texts.append(event.text)
-    assert texts == ["Hi"] and body.closed.is_set() and remote.load().running == 0
+    assert texts == ["Hi"] and body.closed.is_set() and remote.occupancy().running == 0
 
 
 async def test_token_ids_are_refused_and_identity_is_the_endpoint():
@@ -302,7 +302,7 @@ async def test_several_servers_get_requests_by_prompt_prefix():
     by_prompt = [seen[i:i + 2] for i in range(0, len(seen), 2)]
     assert all(a == b for a, b in by_prompt)  # a shared prefix stays on one server
     assert {pair[0] for pair in by_prompt} == {"a.test", "b.test"}  # different prefixes spread
-    assert remote.load().running == 0  # every stream released its server
+    assert remote.occupancy().running == 0  # every stream released its server
     await remote.aclose()
 
 

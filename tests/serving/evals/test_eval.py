@@ -44,8 +44,8 @@ def write_dataset(path, cases) -> str:
 
 async def run(workspace, dataset_path, fake=None, concurrency=3):
     dataset = load_dataset(dataset_path)
-    loaded = workspace.load(workspace.resolve("qa"))
-    judges = [workspace.load(workspace.resolve("grader"))]
+    loaded = workspace.load_pipeline(workspace.resolve("qa"))
+    judges = [workspace.load_pipeline(workspace.resolve("grader"))]
     return await evaluate(workspace, loaded, judges, dataset, concurrency, engines=fake or engines())
 
 
@@ -166,8 +166,8 @@ def test_a_score_stage_must_name_a_served_judge(workspace, tmp_path):
         "name: scored\nstages:\n  - {id: prompt, type: prompt}\n  - {id: tok, type: tokenize}\n"
         "  - {id: gen, type: generate}\n  - {id: out, type: stream}\n  - id: score\n    type: score\n"
         "    with:\n      sample_rate: 1\n      checks:\n        - {type: judge, pipeline: gradr}\n")
-    scored = workspace.load(workspace.root / "pipelines" / "scored.yaml")
+    scored = workspace.load_pipeline(workspace.root / "pipelines" / "scored.yaml")
     with pytest.raises(SpecError) as caught:
-        check_calls([scored, workspace.load(workspace.root / "pipelines" / "grader.yaml")])
+        check_calls([scored, workspace.load_pipeline(workspace.root / "pipelines" / "grader.yaml")])
     assert str(caught.value).endswith("scored.yaml:12:35: stages[4].with.checks[0].pipeline: no pipeline 'gradr' is "
                                       "served beside it; did you mean 'grader'? (pipelines: grader, scored)")

@@ -32,8 +32,8 @@ def dataset(tmp_path, cases) -> object:
 
 
 async def run(workspace, name, data, judges=()):
-    loaded = workspace.load(workspace.resolve(name))
-    return await evaluate(workspace, loaded, [workspace.load(workspace.resolve(j)) for j in judges], data, 3)
+    loaded = workspace.load_pipeline(workspace.resolve(name))
+    return await evaluate(workspace, loaded, [workspace.load_pipeline(workspace.resolve(j)) for j in judges], data, 3)
 
 
 async def test_rag_cases_with_citation_similarity_and_judge(workspace, tmp_path):

@@ -17,7 +17,7 @@ from pipeline.context import Principal, RequestContext
 from pipeline.errors import DeadlineExceeded, SpecError
 from pipeline.events import Error
 from pipeline.loader import load_pipeline_text
-from pipeline.protocols import Catalog, ModelInfo, ModelLoad, Resources, SchedulingHints
+from pipeline.protocols import Catalog, ModelInfo, ModelOccupancy, Resources, SchedulingHints
 from pipeline.runner import Pipeline, Runner
 from serving.backends.local_engine import LocalEngine
 from serving.engine.async_engine import AsyncEngine
@@ -104,8 +104,8 @@ class BusyModel:
             self.local = LocalEngine("smol", self.async_engine, "0" * 64)
         return self.local
 
-    def load(self, name: str) -> ModelLoad:
-        return self.local.load() if self.local else ModelLoad()
+    def occupancy(self, name: str) -> ModelOccupancy:
+        return self.local.occupancy() if self.local else ModelOccupancy()
 
     async def close(self) -> None:
         await self.async_engine.shutdown()

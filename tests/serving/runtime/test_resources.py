@@ -25,7 +25,8 @@ def workspace(tmp_path, monkeypatch):
 
 
 def runtime_of(workspace) -> Runtime:
-    return Runtime(workspace, workspace.load_all(), RuntimeOptions(engines=FakeEngines(smol=FakeEngine("Paris."))))
+    engines = FakeEngines(smol=FakeEngine("Paris."))
+    return Runtime(workspace, workspace.load_pipelines(), RuntimeOptions(engines=engines))
 
 
 async def test_a_pipeline_runs_over_the_runtime_and_is_audited(workspace):

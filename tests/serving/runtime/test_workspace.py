@@ -16,7 +16,7 @@ def test_load_all_refuses_two_pipelines_of_one_name_naming_both(tmp_path):
     (tmp_path / "inferline.yaml").write_text("pipelines: pipelines/\n")
     workspace = open_workspace(str(tmp_path / "inferline.yaml"))
     with pytest.raises(SpecError) as info:
-        workspace.load_all()
+        workspace.load_pipelines()
     assert [str(issue) for issue in info.value.issues] == [
         f"{folder / 'b.yaml'}:2:7: name: pipeline name 'support' is already used by {folder / 'a.yaml'}:1:7; "
         "give each pipeline its own name (it is its endpoint, /pipelines/support)"]
@@ -32,4 +32,4 @@ def test_load_all_compiles_each_pipelines_output(tmp_path):
     (tmp_path / "inferline.yaml").write_text("models: {smol: {source: models/x}}\npipelines: pipelines/\n")
     with pytest.raises(SpecError, match=r"a.yaml:5:60: stages\[2\].with.output.json_schema: constrained decoding "
                                         r"cannot compile it: Unimplemented keys: \[\"uniqueItems\"\]"):
-        open_workspace(str(tmp_path / "inferline.yaml")).load_all()
+        open_workspace(str(tmp_path / "inferline.yaml")).load_pipelines()
