@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from pipeline.cost import CostLedger
 from pipeline.protocols import TextFilter
@@ -155,6 +155,45 @@ EXPRESSION_FIELDS: dict[str, str] = {name: info.type for name, info in FIELDS.it
 }
 
 
+class Facts(TypedDict, total=False):
+    """What stages record about a request, by topic: read by later stages, the audit record, the
+    response headers, metrics and the console's trace view. Each key names the stage that writes it."""
+
+    #: generate: the sampling the engine ran (temperature, top_p, seed, max_tokens, output kind).
+    sampling: dict[str, Any]
+    #: generate: the sampling parameters and cache salt it submitted (stream's ``retry_invalid`` resubmits).
+    generate_request: tuple[Any, str]
+    #: generate: the constraint the output was decoded under (stream validates the text against it).
+    output_constraint: dict[str, Any]
+    #: generate: the SHA-256 of the weights that answered.
+    weights_hash: str
+    #: tokenize (and a failover to another tokenizer): the model whose tokenizer encoded the prompt.
+    prompt_model: str
+    #: route (and failover): the model chosen, how, why, and the fallbacks tried.
+    route: dict[str, Any]
+    #: route: ``when:`` rules that failed to evaluate (the rule is skipped, the error kept).
+    route_rule_errors: list[str]
+    #: retrieve: the index, its version, and the ids and scores of the documents found.
+    retrieval: dict[str, Any]
+    #: policy: every rule that fired (rule, action, where).
+    policy: list[dict[str, Any]]
+    #: policy: the input before redaction, and the input as redacted.
+    original_input: str
+    redacted_input: str
+    #: stream: the output as sent, redacted by an output filter.
+    redacted_output: str
+    #: policy's limits: what is left of each budget (the rate-limit response headers).
+    limits: dict[str, Any]
+    #: cache: hit or not, exact or semantic, the similarity and age, or why it was skipped.
+    cache: dict[str, Any]
+    #: score: the checks a sampled request ran and their results (the server counts them).
+    online_eval: dict[str, Any]
+    #: Each stage's own summary of what it decided, by stage id (the audit record's per-stage ``decision``).
+    decisions: dict[str, dict[str, Any]]
+    #: audit: set once a record was written (the server then records no refusal of its own).
+    audited: bool
+
+
 @dataclass(slots=True)
 class RequestContext:
     """State of one request as it flows through one pipeline."""
@@ -198,9 +237,8 @@ class RequestContext:
     spec_sha256: str = ""
     #: Set by the HTTP layer.
     client_addr: str = ""
-    #: Facts stages record for the audit log, by topic: "sampling", "route",
-    #: "retrieval", "policy", "weights_hash", "redacted_input"...
-    facts: dict[str, Any] = field(default_factory=dict)
+    #: What stages record about the request, by topic (:class:`Facts`).
+    facts: Facts = field(default_factory=lambda: Facts())
     #: Called by the runner after every stage has run, however the request ended
     #: (the policy stage settles token and cost budgets here).
     finalizers: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from pipeline.context import RequestContext
+from pipeline.context import RequestContext, StageRecord
 from pipeline.events import Done, Error, Event, final_event
 from pipeline.runner import Pipeline, Runner
 
@@ -26,20 +26,6 @@ logger = logging.getLogger(__name__)
 
 #: Facts worth showing in a trace (see stages/*.py); never content.
 _FACT_KEYS = ("route", "retrieval", "policy", "cache", "sampling")
-
-
-@dataclass(frozen=True, slots=True)
-class StageTrace:
-    """One stage of a traced request."""
-
-    id: str
-    type: str
-    status: str
-    start_ms: float
-    duration_ms: float
-    cost_usd: float
-    error: str = ""
-    decision: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +47,10 @@ class TraceEntry:
     finish_reason: str
     key_id: str | None
     role: str | None
-    stages: tuple[StageTrace, ...]
+    stages: tuple[StageRecord, ...]
     facts: dict[str, Any] = field(default_factory=dict)
+    #: Each stage's own summary of what it decided, by stage id (``ctx.facts["decisions"]``).
+    decisions: dict[str, Any] = field(default_factory=dict)
 
 
 class TraceRing:
@@ -136,13 +124,11 @@ class RecordingRunner:
 def entry_of(ctx: RequestContext, final: Done | Error | None) -> TraceEntry:
     """The trace of *ctx*, finished with *final* (None: the client went away before the end)."""
     summary = final.summary if final is not None else None
-    decisions = ctx.facts.get("decisions", {})
-    stages = tuple(StageTrace(s.id, s.type, s.status, s.started_s * 1e3, s.duration_s * 1e3, s.cost_usd,
-                              s.error, decisions.get(s.id)) for s in ctx.stages)
+    stages = tuple(ctx.stages)
     if summary is not None:
         duration_ms = summary.duration_s * 1e3
     else:
-        duration_ms = max((s.start_ms + s.duration_ms for s in stages), default=0.0)
+        duration_ms = max((s.started_s + s.duration_s for s in stages), default=0.0) * 1e3
     status = {"cancelled": "disconnected"}.get(ctx.status, ctx.status)
     principal = ctx.principal
     return TraceEntry(
@@ -152,4 +138,5 @@ def entry_of(ctx: RequestContext, final: Done | Error | None) -> TraceEntry:
         input_tokens=ctx.usage.input_tokens, output_tokens=ctx.usage.output_tokens,
         prompt_tokens=ctx.prompt_tokens, model=ctx.model, finish_reason=ctx.finish_reason,
         key_id=principal.key_id if principal else None, role=principal.role if principal else None,
-        stages=stages, facts={k: ctx.facts[k] for k in _FACT_KEYS if k in ctx.facts})
+        stages=stages, facts={k: ctx.facts[k] for k in _FACT_KEYS if k in ctx.facts},
+        decisions=dict(ctx.facts.get("decisions", {})))

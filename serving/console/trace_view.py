@@ -11,11 +11,13 @@ stage, which writes the record, is not in it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from serving.console.trace_ring import StageTrace, TraceEntry
+from pipeline.context import StageRecord
+from serving.console.trace_ring import TraceEntry
 
 #: The narrowest bar drawn, in percent of the request: a 0.1 ms stage stays visible.
 _MIN_BAR_PCT = 0.4
@@ -23,18 +25,40 @@ _MIN_BAR_PCT = 0.4
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One stage's bar and its key attributes."""
+    """One stage's bar (the stage's own record, placed on the request's time axis) and its key attributes."""
 
-    id: str
-    type: str
-    status: str
-    start_ms: float
-    duration_ms: float
-    cost_usd: float
-    error: str
+    stage: StageRecord
     attributes: tuple[tuple[str, str], ...]
     x_pct: float
     width_pct: float
+
+    @property
+    def id(self) -> str:
+        return self.stage.id
+
+    @property
+    def type(self) -> str:
+        return self.stage.type
+
+    @property
+    def status(self) -> str:
+        return self.stage.status
+
+    @property
+    def cost_usd(self) -> float:
+        return self.stage.cost_usd
+
+    @property
+    def error(self) -> str:
+        return self.stage.error
+
+    @property
+    def start_ms(self) -> float:
+        return self.stage.started_s * 1e3
+
+    @property
+    def duration_ms(self) -> float:
+        return self.stage.duration_s * 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +89,7 @@ class TraceView:
     @property
     def span_ms(self) -> float:
         """The time axis: the request's duration, or the last stage's end if that is later."""
-        return _span(self.duration_ms, self.rows)
+        return _span(self.duration_ms, [row.stage for row in self.rows])
 
 
 def from_entry(entry: TraceEntry) -> TraceView:
@@ -73,7 +97,8 @@ def from_entry(entry: TraceEntry) -> TraceView:
     facts = {**entry.facts, "model": entry.model, "prompt_tokens": entry.prompt_tokens,
              "input_tokens": entry.input_tokens, "output_tokens": entry.output_tokens,
              "finish_reason": entry.finish_reason}
-    return _view("live", entry.stages, facts, entry.duration_ms, entry.ttft_ms, request_id=entry.request_id,
+    return _view("live", entry.stages, entry.decisions, facts, entry.duration_ms, entry.ttft_ms,
+                 request_id=entry.request_id,
                  trace_id=entry.trace_id, pipeline=entry.pipeline, received_at=_iso(entry.received_at),
                  status=entry.status, cost_usd=entry.cost_usd, input_tokens=entry.input_tokens,
                  output_tokens=entry.output_tokens, model=entry.model, finish_reason=entry.finish_reason,
@@ -83,20 +108,23 @@ def from_entry(entry: TraceEntry) -> TraceView:
 
 def from_record(record: dict[str, Any]) -> TraceView:
     """The view of a request read back from its audit record (see the module docstring)."""
-    stages, start = [], 0.0
+    stages: list[StageRecord] = []
+    decisions: dict[str, Any] = {}
+    start_s = 0.0
     for stage in record.get("stages") or ():
-        duration = float(stage.get("duration_ms") or 0.0)
-        stages.append(StageTrace(str(stage.get("stage_id", "")), str(stage.get("type", "")),
-                                 str(stage.get("status", "")), start, duration,
-                                 float(stage.get("cost_usd") or 0.0), "", stage.get("decision")))
-        start += duration
+        duration_s = float(stage.get("duration_ms") or 0.0) / 1e3
+        stages.append(StageRecord(str(stage.get("stage_id", "")), str(stage.get("type", "")),
+                                  str(stage.get("status", "")), start_s, duration_s,
+                                  float(stage.get("cost_usd") or 0.0)))
+        decisions[stages[-1].id] = stage.get("decision")
+        start_s += duration_s
     facts = {"route": record.get("route"), "retrieval": record.get("retrieval"), "policy": record.get("policy"),
              "sampling": record.get("params"), "model": record.get("model") or "",
              "input_tokens": record.get("input_tokens") or 0, "output_tokens": record.get("output_tokens") or 0,
              "finish_reason": record.get("finish_reason") or ""}
     notes = ("From the audit record: it keeps each stage's duration, not its start, so starts are the sum "
              "of the durations before them; the audit stage that wrote the record is not in it.",)
-    return _view("audit", tuple(stages), facts, float(record.get("duration_ms") or 0.0), record.get("ttft_ms"),
+    return _view("audit", stages, decisions, facts, float(record.get("duration_ms") or 0.0), record.get("ttft_ms"),
                  request_id=record.get("request_id") or "", trace_id=record.get("trace_id") or "",
                  pipeline=record.get("pipeline") or "", received_at=str(record.get("received_at") or ""),
                  status=record.get("status") or "", cost_usd=float(record.get("cost_usd") or 0.0),
@@ -107,21 +135,20 @@ def from_record(record: dict[str, Any]) -> TraceView:
                  record_id=record.get("id"), notes=notes)
 
 
-def _view(source: str, stages: tuple[StageTrace, ...], facts: dict[str, Any], duration_ms: float,
-          ttft_ms: float | None, **fields: Any) -> TraceView:
+def _view(source: str, stages: Sequence[StageRecord], decisions: Mapping[str, Any], facts: dict[str, Any],
+          duration_ms: float, ttft_ms: float | None, **fields: Any) -> TraceView:
     span = max(_span(duration_ms, stages), 1e-6)
-    rows = tuple(Row(s.id, s.type, s.status, s.start_ms, s.duration_ms, s.cost_usd, s.error,
-                     attributes(s.type, s.decision, facts) if s.status != "skipped" else (),
-                     x_pct=min(100.0, 100.0 * s.start_ms / span),
-                     width_pct=max(_MIN_BAR_PCT, 100.0 * s.duration_ms / span) if s.status != "skipped" else 0.0)
+    rows = tuple(Row(s, attributes(s.type, decisions.get(s.id), facts) if s.status != "skipped" else (),
+                     x_pct=min(100.0, 100.0 * s.started_s * 1e3 / span),
+                     width_pct=max(_MIN_BAR_PCT, 100.0 * s.duration_s * 1e3 / span) if s.status != "skipped" else 0.0)
                  for s in stages)
     ttft_pct = None if ttft_ms is None else min(100.0, 100.0 * ttft_ms / span)
     return TraceView(source=source, duration_ms=duration_ms, ttft_ms=ttft_ms, ttft_pct=ttft_pct, rows=rows,
                      **fields)
 
 
-def _span(duration_ms: float, stages: Any) -> float:
-    return max([duration_ms, *(s.start_ms + s.duration_ms for s in stages)])
+def _span(duration_ms: float, stages: Iterable[StageRecord]) -> float:
+    return max([duration_ms, *((s.started_s + s.duration_s) * 1e3 for s in stages)])
 
 
 def attributes(stage_type: str, decision: Any, facts: dict[str, Any]) -> tuple[tuple[str, str], ...]:

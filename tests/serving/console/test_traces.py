@@ -5,22 +5,23 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
-from pipeline.context import Principal, RequestContext
+from pipeline.context import Principal, RequestContext, StageRecord
 from pipeline.loader import load_pipeline_text
 from pipeline.runner import Pipeline, Runner
-from serving.console.trace_ring import RecordingRunner, StageTrace, TraceEntry, TraceRing
+from serving.console.trace_ring import RecordingRunner, TraceEntry, TraceRing
 from serving.console.trace_view import attributes, from_entry, from_record
 
 
 def entry(n: int, key_id: str | None = None) -> TraceEntry:
-    stages = (StageTrace("guard", "policy", "ok", 0.0, 2.0, 0.0, decision={"action": "allow"}),
-              StageTrace("gen", "generate", "ok", 2.0, 6.0, 0.001),
-              StageTrace("out", "stream", "ok", 8.0, 10.0, 0.002))
+    stages = (StageRecord("guard", "policy", "ok", 0.0, 0.002, 0.0),
+              StageRecord("gen", "generate", "ok", 0.002, 0.006, 0.001),
+              StageRecord("out", "stream", "ok", 0.008, 0.010, 0.002))
     return TraceEntry(request_id=f"req{n}", trace_id=f"{n:032x}", pipeline="chat",
                       received_at=datetime(2026, 11, 1, tzinfo=UTC), status="ok", duration_ms=20.0, ttft_ms=10.0,
                       cost_usd=0.003, input_tokens=5, output_tokens=7, prompt_tokens=5, model="smol",
                       finish_reason="stop", key_id=key_id, role="caller", stages=stages,
-                      facts={"sampling": {"temperature": 0, "max_tokens": 64}})
+                      facts={"sampling": {"temperature": 0, "max_tokens": 64}},
+                      decisions={"guard": {"action": "allow"}})
 
 
 def test_ring_keeps_the_newest_and_finds_by_either_id():
@@ -82,7 +83,7 @@ async def test_recording_runner_keeps_every_stage_and_no_content(registry, catal
     assert type(events[-1]).__name__ == "Done"
     kept = ring.get(ctx.request_id)
     assert kept is not None and [s.id for s in kept.stages] == ["a", "e"] and kept.key_id == "k1"
-    assert kept.ttft_ms is not None and kept.stages[1].start_ms >= kept.stages[0].start_ms
+    assert kept.ttft_ms is not None and kept.stages[1].started_s >= kept.stages[0].started_s
     assert "secret" not in repr(kept)
 
 
