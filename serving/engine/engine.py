@@ -28,9 +28,9 @@ from serving.engine.model_runner import ModelRunner, kv_bytes_per_block
 from serving.engine.models import LoadedModel, load_model
 from serving.engine.sampler import Sampler, TokenLogprobs
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from serving.engine.sequence import Sequence
-from serving.engine.speculative import DraftModel, Guessed, PromptLookup, accepted_prefix, check_draft, propose_counts
+from serving.engine.speculative import DraftModel, PromptLookup, accept, check_draft, propose_counts, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -171,42 +171,38 @@ class LLMEngine:
         """Run one batched forward; return the tokens it produced."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        outputs = self._retire(plan)
+        if not plan.scheduled:
+            return outputs
+        ordered = self.runner.order(plan.scheduled)
+        num_prompt_tokens, num_decodes = count_work(ordered)  # before the step moves them on
+        logits = self.runner.run(ordered)
+        outputs += self._postprocess(plan, ordered, logits)
+        self.metrics.observe_step(time.perf_counter() - started, num_prompt_tokens, num_decodes)
+        return outputs
+
+    def _retire(self, plan: SchedulerOutput) -> list[StepOutput]:
+        """The last outputs of what the scheduler ended without running (aborted, past their deadline)."""
         if plan.preempted:
             self.metrics.add_preemptions(len(plan.preempted))
         ended = [self._ended(seq) for seq in plan.finished]
-        if not plan.scheduled:
-            if ended:
-                self._update_gauges()
-            return ended
-        ordered = self.runner.order(plan.scheduled)
-        # Counted before the step moves them: prompt tokens (a prompt's chunk, or a preempted
-        # sequence's recompute) and the sequences that decode.
-        prefills = [item.num_new_tokens for item in ordered
-                    if item.seq.num_computed_tokens < item.seq.num_prompt_tokens]
-        num_prompt_tokens, num_decodes = sum(prefills), len(ordered) - len(prefills)
-        logits = self.runner.run(ordered)
+        if ended and not plan.scheduled:
+            self._update_gauges()
+        return ended
+
+    def _postprocess(self, plan: SchedulerOutput, ordered: list[ScheduledSeq],
+                     logits: torch.Tensor) -> list[StepOutput]:
+        """Sample, accept what speculation guessed right, advance the sequences, collect their new tokens."""
         sampling_items = [item for item in ordered if item.samples]
-        # A row per sampling item, plus one per guess: row j of a verified decode is sampled as if
-        # its first j guesses were already accepted (speculative.py says why that is exact).
-        rows = [Guessed(item.seq, list(item.guesses[:j])) if j else item.seq
-                for item in sampling_items for j in range(len(item.guesses) + 1)]
-        sampled = self.sampler(logits, rows)
-        token_by_seq, logprobs_by_seq, row = {}, {}, 0
-        for item in sampling_items:
-            num_rows = len(item.guesses) + 1
-            tokens = sampled.token_ids[row:row + num_rows]
-            num_accepted = accepted_prefix(item.guesses, tokens)
-            token_by_seq[item.seq.seq_id] = tokens[:num_accepted + 1]
-            logprobs_by_seq[item.seq.seq_id] = sampled.logprobs[row:row + num_accepted + 1]
-            if item.guesses:
-                self.metrics.add_speculation(len(item.guesses), num_accepted)
-            row += num_rows
+        sampled = self.sampler(logits, verify_rows(sampling_items))
+        accepted = accept(sampling_items, sampled.token_ids, sampled.logprobs)
+        for num_guesses, num_accepted in accepted.speculation:
+            self.metrics.add_speculation(num_guesses, num_accepted)
         lengths = {item.seq.seq_id: item.seq.num_tokens for item in sampling_items}
-        self.scheduler.update(plan, token_by_seq)
-        outputs = ended + self._collect([item.seq for item in sampling_items], lengths, logprobs_by_seq)
+        self.scheduler.update(plan, accepted.token_ids)
+        outputs = self._collect([item.seq for item in sampling_items], lengths, accepted.logprobs)
         if self.proposer is not None:
             self._propose()
-        self.metrics.observe_step(time.perf_counter() - started, num_prompt_tokens, num_decodes)
         return outputs
 
     def _propose(self) -> None:
@@ -322,3 +318,9 @@ def _eos_ids(hf_config, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def count_work(ordered: Seq[ScheduledSeq]) -> tuple[int, int]:
+    """A step's prompt tokens (a prompt's chunk, or a preempted sequence's recompute) and its decodes."""
+    prefills = [item.num_new_tokens for item in ordered if item.seq.num_computed_tokens < item.seq.num_prompt_tokens]
+    return sum(prefills), len(ordered) - len(prefills)

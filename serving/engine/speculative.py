@@ -41,7 +41,7 @@ import numpy as np
 from serving.engine.block_manager import BlockManager
 from serving.engine.model_runner import ModelRunner
 from serving.engine.models.llama import LlamaModel
-from serving.engine.sampler import greedy_ids
+from serving.engine.sampler import TokenLogprobs, greedy_ids
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
@@ -86,6 +86,40 @@ def accepted_prefix(guesses: Seq[int], sampled: Seq[int]) -> int:
     while count < len(guesses) and guesses[count] == sampled[count]:
         count += 1
     return count
+
+
+def verify_rows(items: Seq[ScheduledSeq]) -> list[Sequence | Guessed]:
+    """What the sampler reads for a step's sampling *items*: a row per item, plus one per guess. Row j of
+    a verified decode is sampled as if its first j guesses were already accepted, which is exact: a guess
+    is kept only when it equals the token sampled at its position (:func:`accept`)."""
+    return [Guessed(item.seq, list(item.guesses[:j])) if j else item.seq
+            for item in items for j in range(len(item.guesses) + 1)]
+
+
+@dataclass(slots=True)
+class Accepted:
+    """The tokens a step adds to each sequence: the guesses confirmed, then the one sampled after them."""
+
+    token_ids: dict[int, list[int]]
+    logprobs: dict[int, list[TokenLogprobs | None]]
+    #: (guesses verified, guesses accepted) per sequence that had guesses: the engine's speculation metrics.
+    speculation: list[tuple[int, int]]
+
+
+def accept(items: Seq[ScheduledSeq], token_ids: Seq[int], logprobs: Seq[TokenLogprobs | None]) -> Accepted:
+    """Read the sampled rows of :func:`verify_rows` back per sequence, keeping each one's accepted prefix."""
+    accepted = Accepted({}, {}, [])
+    row = 0
+    for item in items:
+        num_rows = len(item.guesses) + 1
+        tokens = token_ids[row:row + num_rows]
+        num_accepted = accepted_prefix(item.guesses, tokens)
+        accepted.token_ids[item.seq.seq_id] = list(tokens[:num_accepted + 1])
+        accepted.logprobs[item.seq.seq_id] = list(logprobs[row:row + num_accepted + 1])
+        if item.guesses:
+            accepted.speculation.append((len(item.guesses), num_accepted))
+        row += num_rows
+    return accepted
 
 
 class PromptLookup:
