@@ -5,7 +5,7 @@
         ...
     appender.close()                         # or engine.dispose()
 
-The locking append (store/audit.py) takes the chain head's row lock, reads the
+The locking append (store/audit_locking_append.py) takes the chain head's row lock, reads the
 head, hashes the records onto it and inserts them: six round trips and a
 commit per request. Here the writer remembers the head it last saw, hashes onto
 that, and sends the records (as the canonical JSON their hashes cover), their
@@ -24,7 +24,7 @@ was lost misses the compare-and-set, and its records then collide with
 themselves on their ids. The connection is closed by :meth:`close` or when
 the engine is disposed.
 
-The server's writes come from the event loop (AuditStore.awrite_batch), where
+The server's writes come from the event loop (AuditWriter.awrite_batch), where
 a thread hop costs as much as the write: :class:`AsyncOneTripAppender` sends
 the same call on an async psycopg connection, and :class:`SqliteLoopWriter`
 runs a SQLite file's locking append on the loop when it needs no waiting.

@@ -1,6 +1,6 @@
 """The audit record's shape and its hash: ids, validation, canonical JSON, signatures.
 
-Pure functions, no database: the writer (store/audit.py) and the verifier
+Pure functions, no database: the writer (store/audit_writer.py) and the verifier
 (store/audit_verify.py) must compute byte-identical canonical forms, so both
 go through :func:`record_hash` over the values as the database returns them.
 """

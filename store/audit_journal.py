@@ -2,7 +2,7 @@
 
     journal = Journal.open(Path("audit-journal"))   # audit-journal.<pid>-<random>.jsonl, locked by this process
     journal.append([json_line(row, stages), ...])   # one write and one fdatasync for the batch
-    ...                                             # the records reach the chain (AuditStore)
+    ...                                             # the records reach the chain (AuditWriter)
     journal.truncate()                              # nothing journaled is still unwritten
     journal.append(lines, empty_first=True)         # or emptied by the next batch's append
     journal.close()                                 # removes the file when it is empty
@@ -10,7 +10,7 @@
 The server's audit sink (serving/backends/audit_sink.py) answers a request once its record is here, and
 chains the record into the database right after, off the response's path. A crash in between
 leaves the record in the file; the next start replays every journal no live process holds
-(:func:`leftover_journals`, then ``AuditStore.replay_file``), skipping ids already chained, so each
+(:func:`leftover_journals`, then ``AuditWriter.replay_file``), skipping ids already chained, so each
 record is chained exactly once. The lines have the spool's format (store/audit_spool.py).
 
 Each process has its own file (its pid and a random part in the name) and holds an exclusive

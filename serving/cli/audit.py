@@ -26,10 +26,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from serving.backends.audit_sink import open_store
 from serving.cli.keys import ENV_DATABASE, database_url
 from serving.runtime.workspace import Workspace, open_workspace
-from store.audit import AuditStore
+from store.audit import AuditMaintenance, AuditReader
 from store.audit_access import ACCESS_FIELDS, parse_access_filters
 from store.audit_filters import (
     FILTER_FIELDS,
@@ -159,11 +158,29 @@ def _format_option(parser: argparse.ArgumentParser) -> None:
                         help="table (default on a terminal), jsonl (default otherwise) or csv")
 
 
-def _store(args: argparse.Namespace) -> AuditStore:
+def _reader(args: argparse.Namespace) -> AuditReader:
+    """What the listings and verify need: no spool; the config's checkpoint key checks checkpoints."""
+    workspace, engine = _open(args)
+    return AuditReader(engine, checkpoint_key=_checkpoint_key(workspace))
+
+
+def _maintenance(args: argparse.Namespace) -> AuditMaintenance:
+    """What prune and hold need: the config's checkpoint key signs a checkpoint that a prune marker lands on."""
+    workspace, engine = _open(args)
+    return AuditMaintenance(engine, checkpoint_key=_checkpoint_key(workspace),
+                            checkpoint_every=workspace.server.audit.checkpoint_every)
+
+
+def _open(args: argparse.Namespace) -> tuple[Workspace, sa.Engine]:
     workspace = open_workspace(args.config)
     engine = make_engine(database_url(args))
     create_schema(engine)
-    return open_store(workspace.server, workspace.root, engine)
+    return workspace, engine
+
+
+def _checkpoint_key(workspace: Workspace) -> bytes | None:
+    key = workspace.server.audit.checkpoint_key
+    return key.encode() if key else None
 
 
 def _filters(args: argparse.Namespace, fields: Sequence[str] = tuple(FILTER_FIELDS)) -> AuditFilters:
@@ -210,7 +227,7 @@ def _record_cells(row: dict[str, Any]) -> dict[str, str]:
 
 
 def _query(args: argparse.Namespace) -> int:
-    page = _store(args).query(_filters(args), sort=args.sort, cursor=args.cursor, limit=args.limit)
+    page = _reader(args).query(_filters(args), sort=args.sort, cursor=args.cursor, limit=args.limit)
     _print_rows(page.records, _format(args), _record_cells)
     if page.next_cursor:
         print(f"more: --cursor {page.next_cursor}", file=sys.stderr)
@@ -218,7 +235,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    found = _store(args).get(args.record_id)
+    found = _reader(args).get(args.record_id)
     if found is None:
         print(f"inferline: no audit record {args.record_id!r}", file=sys.stderr)
         return 1
@@ -227,7 +244,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace) -> int:
-    groups = _store(args).summary(_filters(args), args.group_by)
+    groups = _reader(args).summary(_filters(args), args.group_by)
 
     def cells(group: dict[str, Any]) -> dict[str, str]:
         key = _key(group) if args.group_by == "key_id" else str(group[args.group_by] or "-")
@@ -240,7 +257,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     filters = _filters(args, RANGE_FIELDS)
-    report = _store(args).verify(filters.since, filters.until, workers=args.workers)
+    report = _reader(args).verify(filters.since, filters.until, workers=args.workers)
     for finding in report.findings:
         print(f"{finding.kind}: seq {finding.seq} record {finding.record_id}: {finding.detail}")
     verdict = "ok" if report.ok else f"FAILED ({len(report.findings)} finding(s))"
@@ -250,7 +267,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     count = 0
-    for line in _store(args).export(_filters(args), args.format):
+    for line in _reader(args).export(_filters(args), args.format):
         sys.stdout.write(line if line.endswith("\n") else line + "\n")
         count += 1
     if count <= (1 if args.format == "csv" else 0):  # the CSV header alone
@@ -260,7 +277,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _access(args: argparse.Namespace) -> int:
     filters = parse_access_filters({name: getattr(args, name) for name in ACCESS_FIELDS})
-    page = _store(args).access(filters, cursor=args.cursor, limit=args.limit)
+    page = _reader(args).access(filters, cursor=args.cursor, limit=args.limit)
 
     def cells(entry: dict[str, Any]) -> dict[str, str]:
         return {"at (UTC)": str(entry["at"])[:19].replace("T", " "), "key": _key(entry), "role": entry["role"] or "-",
@@ -272,13 +289,13 @@ def _access(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    report = _store(args).prune(retention_days(open_workspace(args.config)))
+    report = _maintenance(args).prune(retention_days(open_workspace(args.config)))
     print(f"pruned {report.deleted} record(s); marker {report.marker_id}")
     return 0
 
 
 def _hold(args: argparse.Namespace) -> int:
-    count = _store(args).set_hold(pipeline=args.pipeline, record_ids=args.records, on=not args.release)
+    count = _maintenance(args).set_hold(pipeline=args.pipeline, record_ids=args.records, on=not args.release)
     print(f"{'released' if args.release else 'held'} {count} record(s)")
     return 0
 

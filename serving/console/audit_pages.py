@@ -26,7 +26,7 @@ from serving.console.session import CSRF_FIELD, Session
 from serving.console.state import Console
 from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query
 from serving.http.problems import Problem
-from store.audit import AccessFilters, AuditFilters, AuditStore
+from store.audit import AccessFilters, AuditFilters, AuditReader
 from store.audit_access import ACCESS_FIELDS
 from store.audit_filters import FILTER_FIELDS
 from store.audit_filters import parse_time as store_parse_time
@@ -69,18 +69,18 @@ def parse_limit(value: str | None, default: int = 25) -> int:
 
 
 async def reviewer(console: Console, request: Request, action: str, query: Mapping[str, Any],
-                   session: Session | None = None) -> tuple[AuditStore, Session]:
-    """The store, for a reviewer's session, with this read written to the access log (as the API does)."""
+                   session: Session | None = None) -> tuple[AuditReader, Session]:
+    """The store's reader, for a reviewer's session, with this read written to the access log (as the API does)."""
     session = session or await console.session(request, _ROLES, _WHAT)
-    store = console.state.audit
-    if store is None:
+    if console.state.audit is None:
         raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
+    reader = console.state.audit.reader
     principal = session.principal
     logged = {k: v for k, v in query.items() if v not in (None, "")} | {"via": "console"}
-    await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
+    await asyncio.to_thread(reader.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, logged)
     await console.state.audit_read_barrier()
-    return store, session
+    return reader, session
 
 
 async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -184,7 +184,7 @@ async def find_record(console: Console, request: Request, session: Session, iden
     return found
 
 
-def _record_id_of(store: AuditStore, ident: str) -> str | None:
+def _record_id_of(store: AuditReader, ident: str) -> str | None:
     # The audit API filters neither by request id nor by trace id; request_id is indexed, and trace ids
     # (32 hex digits) are looked up only when the request id finds nothing.
     table = AuditRecord.__table__

@@ -23,7 +23,7 @@ from serving.http.audit_params import access_filters, audit_filters, refuse_unkn
 from serving.http.openapi import JsonLinesOrCsv, problems
 from serving.http.problems import Problem
 from serving.http.state import AppState
-from store.audit import AccessFilters, AuditFilters, AuditStore
+from store.audit import AccessFilters, AuditFilters, AuditReader
 from store.audit_query import MAX_LIMIT, SORT_FIELDS
 
 _ROLES = ("auditor",)
@@ -33,17 +33,17 @@ _Sort = Annotated[str, QueryParameter(schema_extra={"enum": [f"{sign}{name}" for
 _Limit = Annotated[int, QueryParameter(schema_extra={"minimum": 1, "maximum": MAX_LIMIT})]
 
 
-async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tuple[AuditStore, Principal | None]:
+async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tuple[AuditReader, Principal | None]:
     state = AppState.of(request)
     principal = await state.auth.authorize(request, _ROLES, "read the audit log")
-    store = state.audit
-    if store is None:
+    if state.audit is None:
         raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
+    reader = state.audit.reader
     clean = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in query.items() if v is not None}
-    await asyncio.to_thread(store.log_access, principal.key_id if principal else None,
+    await asyncio.to_thread(reader.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, clean)
     await state.audit_read_barrier()
-    return store, principal
+    return reader, principal
 
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -327,7 +327,7 @@ def test_separate_stores_share_the_chain_through_the_head_lock(engine, tmp_path)
         thread.join()
     for e in engines:
         e.dispose()
-    assert all(store._spool.is_empty() for store in stores)
+    assert all(store.writer._spool.is_empty() for store in stores)
     assert AuditStore(engine, spool_path=tmp_path / "v.spool").verify() == VerifyReport(True, 90, 90, [])
 
 

@@ -116,7 +116,7 @@ def test_a_connection_killed_between_writes_is_replaced(pg, pg_url, tmp_path):
     audit.write(make_record(0))
     assert kill_connections(pg_url) >= 1
     record_id = audit.write(make_record(1))
-    assert audit._spool.is_empty()  # written to the database, on a fresh connection
+    assert audit.writer._spool.is_empty()  # written to the database, on a fresh connection
     assert audit.get(record_id)["seq"] == 2
     assert audit.verify().ok
 
@@ -135,7 +135,7 @@ def test_rows_look_as_the_locking_append_writes_them(pg, tmp_path):
     one_call = AuditStore(pg, spool_path=tmp_path / "s")
     first = one_call.write(make_record(0, route=None, retrieval=None))
     spooled = normalize(make_record(0, route=None, retrieval=None), utcnow())
-    one_call._spool.append(json_line(*spooled))
+    one_call.writer._spool.append(json_line(*spooled))
     assert one_call.replay_spool() == 1  # replay goes through the locking append
     second = spooled[0]["id"]
     query = sa.text("SELECT route IS NULL, route::text, retrieval::text, pruned::text, legal_hold, received_at "

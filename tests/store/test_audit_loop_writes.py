@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-import store.audit
+import store.audit_writer
 from store.audit import AuditStore, VerifyReport
 from store.audit_append import SqliteLoopWriter
 from store.db import make_engine
@@ -84,7 +84,7 @@ async def test_postgres_a_killed_async_connection_costs_no_record(pg, pg_url, tm
     assert len(blocking_calls) == 1
     second = (await audit.awrite_batch([make_record(2)]))[0]  # and back on a fresh async connection
     assert len(blocking_calls) == 1
-    assert audit._spool.is_empty()
+    assert audit.writer._spool.is_empty()
     assert (audit.get(first)["seq"], audit.get(second)["seq"]) == (2, 3)
     assert audit.verify() == VerifyReport(True, 3, 3, [])
     await audit.aclose()
@@ -92,14 +92,14 @@ async def test_postgres_a_killed_async_connection_costs_no_record(pg, pg_url, tm
 
 @pytest.mark.integration
 async def test_postgres_an_outage_spools_and_the_next_write_replays(pg, dead_engine, tmp_path, monkeypatch):
-    monkeypatch.setattr(store.audit, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(store.audit_writer, "RETRY_AFTER_S", 0.0)
     down = AuditStore(dead_engine, spool_path=tmp_path / "s")
     ids = [(await down.awrite_batch([make_record(i)]))[0] for i in range(3)]
-    assert len(down._spool.path.read_text().splitlines()) == 3
+    assert len(down.writer._spool.path.read_text().splitlines()) == 3
     up = AuditStore(pg, spool_path=tmp_path / "s")  # the database is back
     ids += await up.awrite_batch([make_record(3)])  # a spool to replay first: the blocking path does both
     assert [up.get(record_id)["seq"] for record_id in ids] == [1, 2, 3, 4]
-    assert up._spool.is_empty()
+    assert up.writer._spool.is_empty()
     assert up.verify().ok
     await up.aclose()
     await down.aclose()
@@ -121,10 +121,10 @@ def test_postgres_the_async_connection_follows_the_event_loop(pg, tmp_path):
 
 async def test_sqlite_writes_on_the_loop(sqlite_file, tmp_path):
     audit = AuditStore(sqlite_file, spool_path=tmp_path / "s")
-    assert audit._loop_writer is not None
+    assert audit.writer._loop_writer is not None
     for i in range(4):
         await audit.awrite_batch([make_record(i)])
-    assert audit._loop_writer._writes == 4
+    assert audit.writer._loop_writer._writes == 4
     assert audit.verify() == VerifyReport(True, 4, 4, [])
     await audit.aclose()
 
@@ -133,7 +133,8 @@ async def test_sqlite_a_held_lock_sends_the_write_to_a_thread_and_the_loop_goes_
     audit = AuditStore(sqlite_file, spool_path=tmp_path / "s")
     await audit.awrite_batch([make_record(0)])
     # What keeps the loop from waiting: its connection gives up on a held lock at once.
-    assert audit._loop_writer._conn.connection.driver_connection.execute("PRAGMA busy_timeout").fetchone() == (0,)
+    loop_conn = audit.writer._loop_writer._conn.connection.driver_connection
+    assert loop_conn.execute("PRAGMA busy_timeout").fetchone() == (0,)
     holder = sqlite3.connect(sqlite_file.url.database, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")  # another process's writer, holding the lock
     writing = asyncio.create_task(audit.awrite_batch([make_record(1)]))
@@ -142,11 +143,11 @@ async def test_sqlite_a_held_lock_sends_the_write_to_a_thread_and_the_loop_goes_
     holder.execute("COMMIT")
     record_id = (await writing)[0]
     holder.close()
-    assert audit._spool.is_empty()  # it waited for the lock rather than spooling
-    assert audit._loop_writer._writes == 1  # the first write only
+    assert audit.writer._spool.is_empty()  # it waited for the lock rather than spooling
+    assert audit.writer._loop_writer._writes == 1  # the first write only
     assert audit.get(record_id)["seq"] == 2
     await audit.awrite_batch([make_record(2)])  # and the next one on the loop again
-    assert audit._loop_writer._writes == 2
+    assert audit.writer._loop_writer._writes == 2
     assert audit.verify() == VerifyReport(True, 3, 3, [])
     await audit.aclose()
 
@@ -181,5 +182,5 @@ async def test_sqlite_checkpoints_run_in_a_thread(sqlite_file, tmp_path, monkeyp
 def test_in_memory_sqlite_has_no_loop_writer(tmp_path):
     engine = make_engine("sqlite://")
     create_schema(engine)
-    assert AuditStore(engine, spool_path=tmp_path / "s")._loop_writer is None
+    assert AuditStore(engine, spool_path=tmp_path / "s").writer._loop_writer is None
     engine.dispose()

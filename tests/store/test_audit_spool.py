@@ -12,7 +12,7 @@ import shutil
 import pytest
 import sqlalchemy as sa
 
-import store.audit
+import store.audit_writer
 from store.audit import AuditStore, AuditUnavailable
 from store.db import make_engine
 from tests.store.test_audit import make_record
@@ -43,17 +43,17 @@ def go_down(audit: AuditStore, dead_engine: sa.Engine) -> sa.Engine:
 
 
 def test_an_outage_spools_and_replay_chains_in_order(audit, dead_engine, monkeypatch):
-    monkeypatch.setattr(store.audit, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(store.audit_writer, "RETRY_AFTER_S", 0.0)
     audit.write(make_record(0))
     real = go_down(audit, dead_engine)
     ids = [audit.write(make_record(i)) for i in (1, 2, 3)]
-    lines = audit._spool.path.read_text().splitlines()
+    lines = audit.writer._spool.path.read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ids
     assert all("seq" not in json.loads(line) for line in lines)
     audit.engine = real
     audit.write(make_record(4))  # replays the spool first: spooled records happened first
     assert seqs(real) == [(i + 1, f"req-{i}") for i in range(5)]
-    assert audit._spool.is_empty()
+    assert audit.writer._spool.is_empty()
     assert audit.get(ids[0])["stages"][1]["stage_id"] == "gen"
     assert audit.verify().ok
 
@@ -64,9 +64,9 @@ def test_replay_spool_is_exactly_once_even_after_a_crash_before_truncation(audit
         audit.write(make_record(i))
     audit.engine = real
     saved = tmp_path / "copy"
-    shutil.copy(audit._spool.path, saved)
+    shutil.copy(audit.writer._spool.path, saved)
     assert audit.replay_spool() == 4
-    shutil.copy(saved, audit._spool.path)  # as if the process died after the commit, before truncating
+    shutil.copy(saved, audit.writer._spool.path)  # as if the process died after the commit, before truncating
     assert audit.replay_spool() == 0
     assert audit.replay_spool() == 0
     assert [seq for seq, _ in seqs(real)] == [1, 2, 3, 4]
@@ -86,18 +86,18 @@ def test_the_backoff_sends_writes_straight_to_the_spool(audit, dead_engine, monk
     real = go_down(audit, dead_engine)
     audit.write(make_record(0))
     calls = []
-    monkeypatch.setattr(audit, "_append", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(audit.writer, "_append", lambda *a, **k: calls.append(1))
     audit.engine = real
     audit.write(make_record(1))  # within RETRY_AFTER_S of the failure: no database attempt
     assert calls == []
-    assert len(audit._spool.path.read_text().splitlines()) == 2
+    assert len(audit.writer._spool.path.read_text().splitlines()) == 2
 
 
 def test_a_locked_database_spools_too(audit, monkeypatch):
     def locked(*args, **kwargs):
         raise sa.exc.OperationalError("INSERT", {}, Exception("database is locked"))
 
-    monkeypatch.setattr(audit, "_append", locked)
+    monkeypatch.setattr(audit.writer, "_append", locked)
     record_id = audit.write(make_record(0))
     monkeypatch.undo()
     assert audit.replay_spool() == 1
@@ -119,21 +119,21 @@ def test_required_mode_is_durable_with_a_spool(dead_engine, tmp_path):
     audit = AuditStore(dead_engine, spool_path=tmp_path / "audit.jsonl", mode="required")
     audit.write(make_record(0))
     assert audit.is_durable()
-    assert len(audit._spool.path.read_text().splitlines()) == 1
+    assert len(audit.writer._spool.path.read_text().splitlines()) == 1
 
 
 def test_torn_and_unreadable_lines_do_not_block_replay(audit, dead_engine):
     real = go_down(audit, dead_engine)
     audit.write(make_record(0))
     audit.engine = real
-    with open(audit._spool.path, "a") as spool:
+    with open(audit.writer._spool.path, "a") as spool:
         spool.write("not json\n")
         spool.write(json.dumps({"id": "x", "status": "weird"}) + "\n")
         spool.write('{"id": "torn", "pipel')
     assert audit.replay_spool() == 1
-    rejected = audit._spool.path.with_name("audit.jsonl.rejected").read_text().splitlines()
+    rejected = audit.writer._spool.path.with_name("audit.jsonl.rejected").read_text().splitlines()
     assert len(rejected) == 2
-    assert audit._spool.is_empty()
+    assert audit.writer._spool.is_empty()
 
 
 @pytest.mark.parametrize("mode", ["", "always"])
@@ -145,7 +145,7 @@ def test_bad_options_are_refused(engine, tmp_path, mode):
 
 
 def test_an_unreadable_spool_does_not_cost_the_record_in_hand(audit, dead_engine, monkeypatch, caplog):
-    monkeypatch.setattr(store.audit, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(store.audit_writer, "RETRY_AFTER_S", 0.0)
     real = go_down(audit, dead_engine)
     spooled = audit.write(make_record(1))
     audit.engine = real
@@ -153,7 +153,7 @@ def test_an_unreadable_spool_does_not_cost_the_record_in_hand(audit, dead_engine
     def unreadable():
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(audit._spool, "claimed", unreadable)
+    monkeypatch.setattr(audit.writer._spool, "claimed", unreadable)
     written = audit.write(make_record(2))
     assert audit.get(written) is not None  # written, though the spool could not be replayed first
     assert "could not be replayed" in caplog.text

@@ -1,0 +1,93 @@
+"""Reading the audit log: queries, summaries, export, verification, and the reviewers' access log.
+
+    reader = AuditReader(engine)                      # checkpoint_key=... to check checkpoints too
+    reader.query(AuditFilters(pipeline="support"), sort="-cost_usd", limit=50)
+    reader.verify()                                   # VerifyReport(ok=True, checked=..., ...)
+    reader.log_access("key-1", "auditor", "query", {"pipeline": "support"})
+
+What a reviewer's tool needs, and nothing of the writer's (store/audit_writer.py):
+no spool, no lock, and the checkpoint key only to check the checkpoints'
+signatures; without one, verify still walks the whole chain. The access log is
+written here, not by the writer: each entry records a reviewer's read, is
+written by whoever serves that read, and is a plain row outside the chain
+(no head lock, no spool), so a process that only reads can keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from store.audit_access import AccessFilters, access_page
+from store.audit_chain import row_to_dict
+from store.audit_filters import AuditFilters
+from store.audit_models import AuditAccess
+from store.audit_query import Page, export_lines, get_record, query_page, summarize
+from store.audit_verify import VerifyReport, verify_chain
+from store.db import utcnow
+
+__all__ = ["AuditReader"]
+
+
+class AuditReader:
+    """Queries, summarizes, exports and verifies the audit log; keeps the log of who read it. Thread-safe."""
+
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None = None) -> None:
+        self.engine = engine
+        self._checkpoint_key = checkpoint_key
+
+    def verify(self, since: datetime | None = None, until: datetime | None = None,
+               checkpoint_key: bytes | None = None, workers: int | None = None) -> VerifyReport:
+        """Check the chain (records received in [since, until), or all); checkpoints too with a key.
+
+        Without *checkpoint_key*, the reader's own key (if configured) checks the checkpoints.
+        *workers*: processes hashing in parallel (None: one per CPU for long spans; 1: none).
+        """
+        return verify_chain(self.engine, since, until, checkpoint_key or self._checkpoint_key, workers)
+
+    def query(self, filters: AuditFilters, *, sort: str = "-received_at", cursor: str | None = None,
+              limit: int = 50) -> Page:
+        """A page of matching records; ValueError for an unknown sort, a bad cursor or limit."""
+        with self.engine.connect() as conn:
+            return query_page(conn, filters, sort, cursor, limit)
+
+    def get(self, record_id: str) -> dict[str, Any] | None:
+        """One record with its key's ``key_name`` and its ``stages`` list; None if there is no such record."""
+        if not isinstance(record_id, str):
+            return None
+        with self.engine.connect() as conn:
+            return get_record(conn, record_id)
+
+    def summary(self, filters: AuditFilters,
+                group_by: Literal["pipeline", "model", "key_id", "day"]) -> list[dict[str, Any]]:
+        """Per group: count, denied, block_rate, input/output tokens and cost_usd."""
+        with self.engine.connect() as conn:
+            return summarize(conn, filters, group_by)
+
+    def export(self, filters: AuditFilters, fmt: Literal["jsonl", "csv"]) -> Iterator[str]:
+        """Matching records (with stages) as JSON lines or CSV rows, streamed in seq order."""
+        if fmt not in ("jsonl", "csv"):
+            raise ValueError(f"unknown export format {fmt!r}; use jsonl or csv")
+        return export_lines(self.engine, filters, fmt)
+
+    def log_access(self, key_id: str | None, role: str | None, action: str, query: Mapping[str, Any]) -> None:
+        """Record that *key_id* read the audit log (*action*, with the *query* it asked)."""
+        safe_query = {str(k): v if isinstance(v, str | int | float | bool | type(None)) else str(v)
+                      for k, v in query.items()}
+        with self.engine.begin() as conn:
+            conn.execute(sa.insert(AuditAccess).values(at=utcnow(), key_id=key_id, role=role, action=action,
+                                                       query=safe_query))
+
+    def access(self, filters: AccessFilters, *, cursor: str | None = None, limit: int = 50) -> Page:
+        """A page of the access log matching *filters*, newest first; ValueError for a bad cursor or limit."""
+        with self.engine.connect() as conn:
+            return access_page(conn, filters, cursor, limit)
+
+    def access_log(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest accesses, newest first."""
+        statement = sa.select(AuditAccess.__table__).order_by(AuditAccess.id.desc()).limit(max(1, min(limit, 10_000)))
+        with self.engine.connect() as conn:
+            return [row_to_dict(dict(row)) for row in conn.execute(statement).mappings()]
