@@ -2,12 +2,11 @@
 
 ``asyncio.create_task`` runs nothing until the event loop reaches the new task at the back of its ready
 queue. When a burst of requests arrives together, that queue holds every other request's HTTP handling,
-so each request's pipeline started only after all of them had been parsed (15 ms at the median of 32
-streamed requests, measured in the server). :func:`start_eagerly` creates the task, then runs its
-coroutine at once, up to its first real wait (for the chat pipeline: the engine's first token), as
-``asyncio.eager_task_factory`` does: in the task's own context, with the task as ``current_task()``
-(``asyncio.timeout`` cancels that task, not the caller). When the loop reaches the task, it takes up
-the wait the coroutine stopped at.
+so each request's pipeline would start only after all of them had been parsed. :func:`start_eagerly`
+creates the task, then runs its coroutine at once, up to its first real wait (for the chat pipeline:
+the engine's first token), as ``asyncio.eager_task_factory`` does: in the task's own context, with the
+task as ``current_task()`` (``asyncio.timeout`` cancels that task, not the caller). When the loop reaches
+the task, it takes up the wait the coroutine stopped at.
 """
 
 from __future__ import annotations

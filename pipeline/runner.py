@@ -123,7 +123,7 @@ class Runner:
         """Events of one request, as they happen; the last is :class:`Done` or :class:`Error`."""
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
         # Started here, in the caller's step, rather than behind whatever else the loop has ready: in a
-        # burst, that was every other request's HTTP handling (pipeline/eager.py).
+        # burst, that is every other request's HTTP handling (pipeline/eager.py).
         task = start_eagerly(self._execute(pipeline, ctx, queue.put_nowait))
         # A None after the task ends unblocks us should the task die of a bug
         # before it could emit its final event.
@@ -195,8 +195,8 @@ class Runner:
 
     def _stage_span(self, spec: StageSpec, request_span: Span) -> AbstractContextManager[Span]:
         """The stage's span, current while it runs. Under a request span that records nothing (no
-        exporter), the request's own no-op span: a stage span would record nothing either, and cost
-        ~7 us of the event loop's time to make."""
+        exporter), the request's own no-op span: a stage span would record nothing either, and still
+        cost the event loop's time to make and make current."""
         if not request_span.is_recording():
             return nullcontext(request_span)
         return self.tracer.start_as_current_span(f"stage {spec.id}",

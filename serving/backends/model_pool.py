@@ -85,7 +85,7 @@ class ModelPool:
         config = engine_config(spec, self._root, self._specs[draft] if draft else None)
         replicas: list[AsyncEngine] = []
         try:
-            # Several replicas share one copy of the weights; one replica loads its own, as it always has.
+            # Several replicas share one copy of the weights, loaded here once; a single replica loads its own.
             loaded = None
             if spec.replicas > 1:
                 loaded = await asyncio.to_thread(load_model, config.model, config.dtype, config.device)

@@ -41,9 +41,9 @@ from serving.capacity.workload import LoadRequest
 from serving.runtime.slo import ALL, REQUIRED, RequestFigures, attainment
 
 #: How much faster and slower than the profile a plan also simulates, to show how far its attainment moves
-#: with the machine's speed (``attainment_if_steps``): a shared machine here ran the same steps 5-20% apart
-#: within an hour, and where many requests sit near an objective's edge, 2% of step time moved the
-#: attainment of all objectives by 9 points (docs/capacity.md).
+#: with the machine's speed (``attainment_if_steps``): a shared machine runs the same steps at different
+#: speeds from one hour to the next, and where many requests sit near an objective's edge, a few percent
+#: of step time move the attainment of all objectives by many points (docs/capacity.md).
 STEP_TIME_SENSITIVITY = 0.05
 
 

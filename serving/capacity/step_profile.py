@@ -64,14 +64,13 @@ def profile_engine(engine: SteppingEngine, make_prompt: Callable[[int, int], lis
     size's; step times are then made non-decreasing in the batch size (more work is never faster: a
     dip is noise).
 
-    Each figure is the **mean** of its samples, not the median: the plan adds step times up (a
-    request's inter-token latency and end-to-end time are sums of steps) and divides its tokens by the
-    mean tokens per step, and a sum is the count times the mean. Step times are skewed to the right
-    (a step that verifies speculative guesses is longer, and it is the one that gains them; a machine
-    shared with other work has slow steps, which a server meets too): the median of decode steps at
-    batches 1-8 was 0.6% above to 9% below their mean (4% below on average, 12 sizes, AVX2 Zen 3),
-    and near an objective's edge a few percent of step time move the predicted attainment by tens of
-    points (docs/capacity.md).
+    Each figure is the **mean** of its samples, not the median: the plan adds step times up (a request's
+    inter-token latency and end-to-end time are sums of steps) and divides its tokens by the mean tokens
+    per step, and a sum is the count times the mean. Step times are skewed to the right (a step that
+    verifies speculative guesses is longer, and it is the one that gains them; a machine shared with
+    other work has slow steps, which a server meets too), so their median tends to fall below their
+    mean, and near an objective's edge a few percent of step time move the predicted attainment by tens
+    of points (docs/capacity.md).
 
     *small_rows*, the engine's small-batch kernel limit, adds sizes on both sides of it
     (:func:`sizes_around_limit`); ``inferline profile`` records it as ``engine.small_rows``.
@@ -122,8 +121,8 @@ def sizes_around_limit(prefill_sizes: Sequence[int], mixed_sizes: Sequence[int],
     """The prefill and mixed prompt sizes, with the sizes on both sides of a small-batch limit added.
 
     A step of r rows runs on the small-batch kernel while r <= *small_rows*, on oneDNN above; where
-    start-up's scan stopped at its last row count while our kernel was still ahead, the step past it is
-    25-30 ms dearer (an Intel Sapphire Rapids, 129-132 rows: docs/capacity.md run 27). A prefill alone of
+    start-up's scan stopped at its last row count while our kernel was still ahead, the step past it
+    costs markedly more (docs/capacity.md, run 27). A prefill alone of
     ``small_rows`` and ``small_rows + 1`` tokens; beside b decodes, ``small_rows - max(b)`` tokens (every
     batch measured stays on the kernel) and ``small_rows`` (every batch is past it).
     """

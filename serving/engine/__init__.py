@@ -12,8 +12,8 @@ Imports torch and transformers; nothing else of Inferline's.
 import os
 
 # OpenMP's default spin-waiting turns every small parallel op (an index, an
-# attention call) into milliseconds when another process holds one of the
-# cores — common on the small shared machines we run on (measured: 8 ms vs
-# 15 µs per op on 2 cores under load). It only applies if set before torch
+# attention call) from microseconds into milliseconds when another process
+# holds one of the cores, common on the small shared machines we run on
+# (docs/engine.md, "OpenMP's wait policy"). It only applies if set before torch
 # loads OpenMP, so it lives here, at the top of the engine package.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 #: The interpreter's GIL switch interval while an engine runs (the default is 5 ms). A step is a few
 #: hundred torch calls, each of which gives the GIL up and takes it back; when it is back the event
 #: loop may hold it, streaming tokens, and the engine thread then waits for the loop to give it up,
-#: or for up to a whole switch interval. Measured on 2 cores, one torch thread, 0.33 req/s of chat:
-#: mean inter-token latency 86 ms at 5 ms, 71 ms at 0.5 ms (the bare engine steps in 60 ms).
+#: or for up to a whole switch interval, at each of those calls: a shorter interval bounds that wait
+#: (docs/engine.md, "The GIL switch interval").
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 #: Before its first step after an idle spell, how long at most the engine waits for the event loop to run
@@ -144,7 +144,7 @@ class AsyncEngine:
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # The loaded model and everything before it live as long as the engine: out of the collector's
-        # sight, an oldest-generation collection no longer stops the loop and the step for ~0.3 s.
+        # sight, an oldest-generation collection does not walk them, so it does not stop the loop and the step.
         freeze_startup_heap()
         self._frozen = True
         self._thread = threading.Thread(target=self._run, name="inferline-engine", daemon=True)

@@ -153,7 +153,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     group = num_heads // num_kv_heads
     # The query heads of one KV head ride along in the query dimension, as in
     # _decode: with an explicit mask, SDPA's enable_gqa path falls back to a
-    # slow reference implementation on CPU (measured 3x on a 24-token chunk).
+    # slow reference implementation on CPU.
     q_g = q[rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n,
                                                                                       head_dim)
     attn = F.scaled_dot_product_attention(q_g[None], keys[None], values[None], attn_mask=chunk.mask[None, None])

@@ -3,9 +3,9 @@
 Compilation is llguidance's (see bench/constraints.py for the comparison with xgrammar and outlines-core):
 a JSON schema or regex becomes a grammar over bytes, and the matcher computes, at each step, which of the
 model's tokens may come next. It never builds a whole-vocabulary automaton up front, so compiling takes
-milliseconds; a token mask takes some 2-150 µs on the CPU depending on the state.
+milliseconds; a token mask is computed at each step, its cost depending on the matcher's state.
 
-    compiler = ConstraintCompiler(tokenizer, vocab_size)         # once per model: ~0.5 s for 49k tokens
+    compiler = ConstraintCompiler(tokenizer, vocab_size)         # once per model: reads the whole vocabulary
     grammar = compiler.compile(Constraint("json_schema", schema)) # before queueing; raises ConstraintError
     matcher = grammar.start()                                     # per request
     # every step, for that request's row only:
@@ -49,7 +49,8 @@ _BIAS_TABLE = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1, 0.0, -np.inf
 ).astype(np.float32)
 """Row ``b``: the additive logit bias of the 8 tokens whose allowed-bits are byte ``b`` (0 or -inf).
-Gathering these rows and adding them costs ~15 µs for 49k logits; ``masked_fill_`` of a bool mask ~60-120."""
+Gathering these rows and adding them is cheaper on the CPU than unpacking the bits into a bool mask for
+``masked_fill_``."""
 
 
 class ConstraintError(ValueError):
@@ -108,8 +109,8 @@ def _apply_bitmask_with_shifts(logits: torch.Tensor, bitmask: torch.Tensor) -> N
 class ConstraintCompiler:
     """Compiles constraints for one tokenizer and one logits width; keep one per model and share it.
 
-    Building the token table (``__init__``) takes ~0.5 s for SmolLM2's 49k tokens; each compile takes
-    milliseconds, and the last ``max_cached`` grammars are kept by ``Constraint.key()``. Thread-safe:
+    Building the token table (``__init__``) reads the whole vocabulary, so it is done once; each compile
+    takes milliseconds, and the last ``max_cached`` grammars are kept by ``Constraint.key()``. Thread-safe:
     request handlers may compile while the engine loop runs matchers.
     """
 

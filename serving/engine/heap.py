@@ -1,14 +1,13 @@
 """The garbage collector and a serving process's long-lived heap.
 
-Once a model is loaded the process holds some 600,000 objects the collector tracks (torch,
-transformers, the tokenizer's Python side, pydantic models, the app), nearly all of them there
-for the process's whole life. CPython's collection of its oldest generation walks every one: in
-``inferline serve`` on a 2-core Zen 3 it took 300-380 ms, with the GIL held throughout, so the
-event loop and the engine's step both stood still, about once in three rounds of 32 streamed
-requests (measured with ``gc.callbacks``). ``gc.freeze()`` moves what exists at that moment into
-a permanent generation that collections skip; vLLM does the same once its engine has started.
-Objects made later are collected as always, and ``thaw`` gives the frozen ones back to the
-collector (a process that starts and stops many engines, as a test run does, collects them then).
+Once a model is loaded the process holds a great many objects the collector tracks (torch,
+transformers, the tokenizer's Python side, pydantic models, the app), nearly all of them there for
+the process's whole life. CPython's collection of its oldest generation walks every one with the GIL
+held, so the event loop and the engine's step both stand still while it runs (docs/engine.md, "The
+garbage collector"). ``gc.freeze()`` moves what exists at that moment into a permanent generation
+that collections skip; vLLM does the same once its engine has started. Objects made later are
+collected as always, and ``thaw`` gives the frozen ones back to the collector (a process that starts
+and stops many engines, as a test run does, collects them then).
 """
 
 from __future__ import annotations

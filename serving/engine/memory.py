@@ -2,9 +2,8 @@
 
 Both are read at memory speed every step: the weights front to back (540 MB for SmolLM2-135M at
 batch-1 decode), the KV pool in 12 KB pieces spread over tens of MB (a sequence's blocks lie
-anywhere in it). With 4 KB pages nearly every piece also misses the TLB. Measured on an AVX2 Zen 3
-(2 cores), in one process: 64 mixed decodes over a cold pool, one layer, 7.1 ms against 8.2; the
-121 matrix-vector products of a decode step from one huge-page arena 21.1 ms against 22.4.
+anywhere in it). With 4 KB pages nearly every piece also misses the TLB; on 2 MB pages both read
+faster (docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -20,39 +20,32 @@ streams a quarter of float32's bytes and keeps float32 activations (weight-only
 quantization). Larger batches go to fbgemm's dynamic quantized linear
 (``quantized::linear_dynamic``): it quantizes the activations to uint8 on the
 fly and multiplies in integers (AVX512-VNNI), which is compute that a prefill
-needs and a decode does not. Measured on the 2-core AMD EPYC machines here at
-batch 1, fbgemm alone: about 2x the speed of the oneDNN float32 linear on a
-layer's shapes, 9x on the 49152x576 LM head, and 2.0-2.2x for a whole decode
-step; the kernel's figures are in docs/engine.md. Two alternatives lost for the
-larger batches: ``torch._weight_int8pack_mm`` (int8 weight, float activations)
-was 5-10x slower than float32, and ``torch._int_mm`` with our own per-row
-activation scales 1.3-3x slower than fbgemm.
+needs and a decode does not. fbgemm rather than ``torch._weight_int8pack_mm``
+(int8 weight, float activations), which is slower than float32 itself, or
+``torch._int_mm`` with our own per-row activation scales, which is slower than
+fbgemm (the figures of both paths: docs/measurements.md).
 
-Quantized activations cost more quality than the weights' rounding alone:
-perplexity of the default model on ``bench/quality.py``'s passage is 35.26 in
-float32, 35.40 with int8 weights and float activations, 36.77 through fbgemm
-(a prefill's rows). Most of the difference comes from the q/k/v input, which
-has a few large channels; SmoothQuant-style rescaling calibrated on a short
-text gained 0.4 to 1.1 and was not kept (it varied with the calibration text
-and needs a pass at load).
+Quantized activations cost more quality than the weights' rounding alone
+(``bench/quality.py``'s perplexity, docs/engine.md "Precision"). Most of the
+difference comes from the q/k/v input, which has a few large channels. There is
+no SmoothQuant-style rescaling: its gain depends on the calibration text, and it
+needs a pass at load.
 
 Per-row activation ranges: fbgemm picks one range for the whole input tensor.
-Used as is, one token with large activations coarsens every other token's
-(perplexity 59 instead of 36.8 over a 512-token prefill) and a row's result
-depends on the rest of the batch. With more than one row, :func:`int8_linear`
-divides each row by its max ``|x|`` and appends a fixed row holding +1 and -1,
-which pins the tensor's range to [-1, 1]: each row is quantized against its
-own maximum, and its output is bit-identical whatever else is in the batch
-(tested). The small-batch kernel's rows are independent of each other by
-construction; a row there and the same row in a larger batch (fbgemm) differ by
-fbgemm's activation rounding. Without the kernel a single row goes to fbgemm as
-it is: its range is already its own.
+Used as is, one token with large activations coarsens every other token's, and
+a row's result depends on the rest of the batch. With more than one row,
+:func:`int8_linear` divides each row by its max ``|x|`` and appends a fixed row
+holding +1 and -1, which pins the tensor's range to [-1, 1]: each row is
+quantized against its own maximum, and its output is bit-identical whatever
+else is in the batch (tested). The small-batch kernel's rows are independent of
+each other by construction; a row there and the same row in a larger batch
+(fbgemm) differ by fbgemm's activation rounding. Without the kernel a single
+row goes to fbgemm as it is: its range is already its own.
 
 The engine as a whole is not bit-for-bit batch-invariant in int8: batched
 decode attention (padded SDPA groups) differs from single decode in the last
 bits, as in float32, but int8's rounding turns more of those differences into
-another greedy token (8 chat prompts run together vs one at a time: about two
-thirds of greedy tokens equal in int8, all of them in float32).
+another greedy token than float32's does.
 
 fbgemm's quantized ops are deprecated upstream. Where they are missing (for
 the batches the kernel does not take), and on CUDA, the weight is dequantized
@@ -164,10 +157,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 _TINY = torch.finfo(torch.float32).tiny
 
-#: Rows up to this go to the small-batch kernel when it is built; more go to fbgemm. The 121 matmuls of a
-#: SmolLM2-135M decode step (2 threads, AVX-512 Zen 4, weights streamed from memory): 1 row 5.3-7.9 ms against
-#: fbgemm's 6.9-7.4, 2 rows 6.7 against 7.7-9.2, 3 rows 8.0-8.5 against 7.3-7.5, 4 rows 9.0-9.6 against
-#: 8.0-8.1. Not measured on an AVX2-only machine, where fbgemm has no VNNI and the kernel half the lanes.
+#: Rows up to this go to the small-batch kernel when it is built; more go to fbgemm, which catches up
+#: within a few rows on an AVX-512 machine with VNNI (docs/measurements.md). Not tuned for AVX2-only
+#: machines, where fbgemm has no VNNI and the kernel half the lanes.
 SMALL_ROWS = 3
 
 #: fbgemm's 7-bit activation range guards against int16 overflow on CPUs without VNNI.

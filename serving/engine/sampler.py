@@ -31,8 +31,9 @@ _MIN_TEMPERATURE = 1e-5
 """Rows below it are greedy, as in vLLM: far smaller divisors overflow float32 logits to inf, and
 the tempered distribution is all but one-hot long before that."""
 _NUM_CANDIDATES = (256, 4096)
-"""Top-p is first resolved on the 256 most likely tokens, then 4096, then a full sort. With a real
-model the nucleus almost always fits the first; a full sort of [64, 49152] costs some 30x a top-256."""
+"""Top-p is first resolved on the 256 most likely tokens, then 4096, then a full sort. With a real model
+the nucleus almost always fits the first, and a full sort of a batch's vocabulary costs many times a
+top-256."""
 _CDF_BLOCK = 256
 _MASK64 = (1 << 64) - 1
 
@@ -143,8 +144,7 @@ def _has_penalty(params: SamplingParams) -> bool:
 def greedy_ids(logits: torch.Tensor) -> list[int]:
     """Each row's most likely token id, the lowest on a tie (``torch.max`` over a dimension returns the
     first maximum's index, as ``argmax`` does). ``max`` rather than ``argmax``: on the CPU it is the
-    faster reduction (32 rows of SmolLM2's 49,152 logits, 2 threads, Sapphire Rapids: 0.46 against
-    1.1 ms, and about 2 ms a step under the profiler in a batch-32 decode)."""
+    faster reduction."""
     return logits.max(dim=-1).indices.tolist()
 
 
@@ -224,7 +224,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token per row drawn from the (unnormalized) ``probs`` with one uniform in [0, 1) per row.
 
     Exact multinomial sampling like the Gumbel / exponential trick, but one random number per row
-    instead of one per vocabulary entry (on CPU, 64 x 49152 exponentials cost ~60 ms a step). The
+    instead of one per vocabulary entry, which a whole batch's vocabulary makes costly on the CPU. The
     CDF is two-level, over blocks and then within the chosen block, so that it is float64 without
     converting the whole batch: zeroed tokens span empty intervals and are never picked.
     """

@@ -53,7 +53,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     is collected and frozen (serving/engine/heap.py) until shutdown. A local engine freezes its own
     on start; this covers what the app loads besides, and a process with no engine of its own (the
     Ray ingress: tokenizers, the app, Ray's client side), where one collection of the oldest
-    generation would stop every stream for a few hundred milliseconds.
+    generation would stop every stream while it walks the heap.
     """
     server = workspace.server
     check_bind(workspace)

@@ -111,8 +111,8 @@ def failure(final: Error, ctx: RequestContext) -> Problem:
 
 async def _sse(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     """*head* (what :func:`head_of_stream` read) as one chunk, then each later event as it comes. One chunk is
-    one write to the socket: the head's six or so stage events in one saved 5-6 writes of ~17 us each
-    per request, on the event loop, right after a burst's first prefill step."""
+    one write to the socket: the head's six or so stage events in one chunk save a write each, on the event
+    loop, right after a burst's first prefill step, when every request of the burst needs the loop."""
     # A client disconnect stops this generator; closing ``events`` cancels the request.
     try:
         yield b"".join(_message(event) for event in head)

@@ -129,8 +129,8 @@ def event_stream(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> Strea
 
 def sse_event(event: str, payload: object) -> bytes:
     """One Server-Sent Event, its data *payload* as one line of JSON (msgspec writes no line breaks; it
-    also writes UTF-8 rather than ``\\u`` escapes, and no spaces: 1.1 against 9.4 us for a ``done``
-    event's summary with ``json.dumps``, 0.1 against 1.6 us for a delta, on the event loop)."""
+    also writes UTF-8 rather than ``\\u`` escapes, and no spaces), encoded on the event loop several times
+    faster than with ``json.dumps``."""
     return b"event: " + event.encode() + b"\r\ndata: " + encode_json(payload) + b"\r\n\r\n"
 
 

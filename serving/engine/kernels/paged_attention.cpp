@@ -53,8 +53,8 @@ struct Scratch {
 // vectors; for the values, VALUE_ROWS rows x VALUE_COLS vectors of the head (broadcast weights times
 // value rows). With AVX-512's 32 registers: 8 keys x 3 vectors (48 rows: 16 tokens x 3 grouped heads,
 // SmolLM2's chunk groups) and 4 rows x the whole head (4 vectors for 64), 24 and 16 accumulators, where
-// 8 x 1 and 4 x 2 loaded a vector or a broadcast for each FMA or two. With AVX2's 16: 8 accumulators,
-// the 12 of 6 keys x 2 vectors measured no faster there (Zen 3).
+// 8 x 1 and 4 x 2 would load a vector or a broadcast for each FMA or two. With AVX2's 16: 8 accumulators
+// (12, as 6 keys x 2 vectors, are no faster there).
 constexpr int SCORE_VECS = NREGS == 32 ? 3 : 2;
 template <int RV>
 constexpr int score_keys_for() { return NREGS == 32 ? 8 : 8 / RV; }
@@ -238,7 +238,7 @@ inline void weigh_rows(const float* w, int64_t w_stride, const float* v, int64_t
 }
 
 // Vectors of score columns per softmax pass: the max and the sum of each take a register, and the
-// exp's polynomial needs a few more (on AVX2, 6 were no faster than 4 and 3).
+// exp's polynomial needs a few more (more vectors are no faster on AVX2).
 constexpr int SOFTMAX_VECS = NREGS / 4;
 
 // Columns [0, vecs * NW) of scores (stride apart, len rows) become exp(x - column max), and inv their
@@ -297,9 +297,8 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
     for (int64_t row = 0; row < (p - len0 + 1) * groups; row++) s.scores[p * padded + row] = -INFINITY;
   // Softmax down each column, exact: the max, then exp and the sum. Row by row over up to
   // SOFTMAX_VECS vectors of columns, kept in registers, so the scores are read in address order; going
-  // down one vector of columns at a time read a new cache line at every step, from L2 (a 1,040-key
-  // context x 48 rows is 200 KB). 28 tokens after a 1,024-token prefix, SmolLM2-135M's 30 layers
-  // (AVX2 Zen 3, interleaved A/B in one process): 31.4-33.7 ms against 35.0-36.7.
+  // down one vector of columns at a time would read a new cache line at every step, from L2 (a 1,040-key
+  // context x 48 rows is 200 KB).
   for (int64_t c0 = 0; c0 < padded; c0 += SOFTMAX_VECS * NW)
     softmax_columns<SOFTMAX_VECS>(&s.scores[c0], padded, len, &s.inv[c0],
                                   static_cast<int>(std::min<int64_t>(SOFTMAX_VECS, (padded - c0) / NW)));
@@ -314,9 +313,7 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
 
 // attend() for an item of R <= DOT_ROWS rows: dot products along the head (score_rows), its scores row
 // by row (scores[r * stride + p]), so that each row's softmax runs along whole vectors of its own scores
-// (key-major, a decode spent a vector's exp on every key for R of its lanes), and weigh_rows. 32 decodes
-// at 192 tokens, 30 layers each with its own cache (Sapphire Rapids, 2 threads): about a fifth less time
-// than key-major dot products (see docs/engine.md).
+// (key-major, a decode would spend a vector's exp on every key for R of its lanes), and weigh_rows.
 template <int D, int R>
 void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
                  int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride, int64_t groups,
@@ -404,10 +401,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   // first and handed out one at a time in the pool's contiguous shares (pool.h): a thread takes its
   // share front to back, so one sequence's KV heads, whose K and V rows interleave in the cache, run
   // one after another on one core, and a thread done early takes the others' cheapest items from
-  // their backs. 32 decodes at 192 tokens, the 30 layers' attention, each layer its own cache (AVX-512
-  // Zen 4, both ways alternating in one process, best of 15): 18.7-18.9 against 19.2-22.1 ms; 48 mixed
-  // decodes unchanged. The pool rather than OpenMP: at batch 1 a layer's attention is a few
-  // microseconds of work, and OpenMP's sleeping worker took 30-40 us to wake for it, every layer.
+  // their backs. The pool rather than OpenMP: at batch 1 a layer's attention is a few microseconds of
+  // work, less than OpenMP's sleeping worker takes to wake for it, every layer.
   std::vector<int64_t> order(num_groups);
   for (int64_t i = 0; i < num_groups; i++) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {

@@ -4,9 +4,9 @@
 //
 // Through torch, each small matmul or attention call of a decode step is an OpenMP parallel region,
 // and with OMP_WAIT_POLICY=PASSIVE (which the engine sets; see docs/engine.md) OpenMP's worker
-// sleeps between regions and takes 30-40 us to wake for each: at batch 1 a quarter of the step. A
-// spinning OpenMP would fix that for this loop and hurt everything else on a shared machine, so
-// the kernels of a decode step run here instead:
+// sleeps between regions and takes tens of microseconds to wake for each: at batch 1 a large share of
+// the step. A spinning OpenMP would fix that for this loop and hurt everything else on a shared
+// machine, so the kernels of a decode step run here instead:
 //
 //   * The pool's helpers spin for a short while after each job (INFERLINE_POOL_SPIN_US,
 //     default 100 us: longer than the gaps between the matmuls of one step, far shorter
@@ -17,17 +17,13 @@
 //     is left of the others' from their backs. A helper that is asleep only means the caller
 //     does more of the job itself. The caller waits only for chunks a helper has already
 //     claimed, and yields its core while it does. In a matmul each thread thus streams one long
-//     run of weights; the chunks went out one at a time from one ticket before, and the threads
-//     took every other panel: on an AMD Zen 4 a batch-1 pass over SmolLM2-135M's weights read
-//     53.2 against 44.0 GB/s on average at moments when x.sum() read 55-65 GB/s, and 36.2
-//     against 33.4 at moments when it read 31-36. A job of more chunks than a share's 16-bit
-//     bounds hold still goes out from the ticket.
+//     run of weights, where chunks handed out one at a time from one ticket would have the threads
+//     take every other panel, and read the weights more slowly. A job of more chunks than a
+//     share's 16-bit bounds hold still goes out from the ticket.
 //   * A helper that holds a claimed chunk for over a millisecond has lost its core to
 //     another process, and the scheduler, which favours threads that sleep, may keep a
 //     spinning one off it for a whole time slice: the next 50 ms of jobs then run on the
-//     caller's thread alone. Measured with a busy loop holding one of 2 cores, batch-1
-//     decode: 48-51 tokens/s here against 43-47 through oneDNN; batch 2: 80-82 against
-//     88-89 (idle: 65-85 against 44-46, and 118-125 against 82-87).
+//     caller's thread alone.
 //   * A call that finds the pool busy (another engine's thread) runs on its own thread.
 //
 // One pool per process (pool.cpp), shared by every kernel: the attention call that follows a
@@ -199,7 +195,7 @@ class Pool {
 
   using Clock = std::chrono::steady_clock;
   // A wait this long for a claimed chunk means a descheduled helper (another process took its
-  // core: measured with a busy loop on one of 2 cores); then SOLO without helpers.
+  // core); then SOLO without helpers.
   static constexpr std::chrono::microseconds STALL{1000};
   static constexpr std::chrono::milliseconds SOLO{50};
 

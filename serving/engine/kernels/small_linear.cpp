@@ -14,17 +14,13 @@
 // rows of x takes a panel's k-block while it is in L1, and only then does the panel move on, so a step
 // streams its weights from memory once, at an even pace, in one sequential run per panel that the
 // hardware prefetcher follows (and the next k-block is prefetched during the first block of rows).
-// It replaced dot products over the plain [N, K] matrix (NR rows of weights against MR rows of x, a
-// horizontal sum per output), which read a chunk of weights from memory for the first 4 rows of x
-// and from L2 for the others: the memory stream and the arithmetic took turns. The 120 layer matmuls
-// of SmolLM2-135M from memory (Ice Lake, 2 threads, best of 7): 1 row 23.1 against 24.4 ms, 4 rows
-// 25.8 against 27.7, 24 rows 43.0 against 57.6, 32 rows 53.2 against 72.6, 48 rows 61.8 against 92.7
-// (oneDNN: 85.2), 64 rows 81.3 against 132.6.
+// Dot products over the plain [N, K] matrix instead (NR rows of weights against MR rows of x, a
+// horizontal sum per output) would read a chunk of weights from memory for the first 4 rows of x
+// and from L2 for the others: the memory stream and the arithmetic would take turns.
 //
 // int8 (weight-only quantization, serving/engine/quant.py): dot products over the plain matrix, each
 // weight vector widened to float32 in registers, the activations float32; a step streams a quarter of
-// float32's bytes. With the next rows prefetched it reads SmolLM2-135M's 134 MB of int8 weights at
-// about 25 GB/s on two Zen 4 cores (121 products: 5.3 ms, fbgemm's 6.9).
+// float32's bytes, with the next rows prefetched so that the stream keeps up.
 //
 // Each output accumulates in float32 lanes in its own order: not the summation order of MKL or
 // oneDNN, so results differ from theirs in the last bits.
@@ -85,8 +81,7 @@ inline void dot_block(const float* x, int64_t x_stride, const int8_t* w, const f
   const int8_t* rows[NR];
   for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r) * k;
   // The next block's rows are prefetched, a slice at every step: NR interleaved row streams that each
-  // advance a quarter of a cache line a step leave the hardware prefetcher far behind (streaming a
-  // 28 MB int8 matrix on one core, AVX-512 Zen 4: 6.4 GB/s without, 19.9 with).
+  // advance a quarter of a cache line a step leave the hardware prefetcher far behind.
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + NR) * k);
   constexpr int64_t AHEAD_BYTES = NR * NW;
   int64_t i = 0;
@@ -158,8 +153,8 @@ at::Tensor run_linear(const at::Tensor& x, const int8_t* w, const float* scale, 
                       const float* bias) {
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
-  // Chunks of about 256 KB of weights (a multiple of 8 rows), 5-6 us of streaming each: long enough
-  // runs for the hardware prefetcher (64 KB chunks were 6-8% slower at batch 1), short enough that a
+  // Chunks of about 256 KB of weights (a multiple of 8 rows), microseconds of streaming each: long
+  // enough runs for the hardware prefetcher (smaller chunks are slower at batch 1), short enough that a
   // late or descheduled helper leaves little for the others to wait on.
   const int64_t chunk_rows = std::max<int64_t>(8, ((CHUNK_BYTES / k) + 7) / 8 * 8);  // k bytes a row
   const LinearJob job{x.data_ptr<float>(), x.stride(0), x.size(0), w, scale, k, n, bias, y.data_ptr<float>(),
@@ -192,22 +187,20 @@ at::Tensor small_linear_int8(const at::Tensor& x, const at::Tensor& weight, cons
 
 // Vectors per panel, and rows of x per register block: PANEL_ROWS x PANEL_VECS accumulators, the
 // panel's vectors and a broadcast fill the registers (AVX-512: 24 + 3 + 1 of 32; AVX2: 12 + 3 + 1 of
-// 16). On Ice Lake 4 vectors x 6 rows and 2 x 12 were no faster than 3 x 8.
+// 16). 4 vectors x 6 rows and 2 x 12 are no faster than 3 x 8.
 constexpr int PANEL_VECS = 3, PANEL_ROWS = NREGS == 32 ? 8 : 4;
 constexpr int64_t PANEL = PANEL_VECS * NW;
 // k per block: the panel's 64 x 48 floats (12 KB) and a block of rows' 64 floats each stay in L1
-// while every block of rows takes them. 128 and 256 were 0-6% slower on Ice Lake, 96 the same.
+// while every block of rows takes them (larger blocks are no faster).
 constexpr int64_t PANEL_K = 64;
 
 // How a block of rows asks for the panel's next k-block while it computes this one. One block of rows
 // (up to PANEL_ROWS rows: decode) asks for all of it, a step's worth at each step (ALL). With more
 // blocks of rows, every block asks for its share, spread evenly over its steps (SHARE): asked for in
-// the first block only, the next k-block came in a burst that the memory system did not finish while
-// the rest of the rows computed, and a step's time was the weights' streaming time plus the compute
-// (SmolLM2-135M's 120 layer matmuls, an AVX-512 + AMX Intel, 2 threads, best of 7, separate runs: 32 rows
-// 37.8 -> 32.0 ms, 64 rows 64.2 -> 55.2; 1 row 14.4 -> 15.0, noise). Shares at one block too cost the
-// bookkeeping there (1 row 17.2 ms), so one block keeps ALL. Where the hardware prefetchers alone stream
-// faster (an AMD Zen 4: 1 row about 7% faster without), the caller passes burst=false and one block asks for
+// the first block only, the next k-block would come in a burst that the memory system does not finish
+// while the rest of the rows compute, and a step's time would be the weights' streaming time plus the
+// compute. At one block, shares would add their bookkeeping and gain nothing, so it keeps ALL. Where
+// the hardware prefetchers alone stream faster, the caller passes burst=false and one block asks for
 // nothing (start-up measures which: llama.calibrate_burst).
 enum class Ahead { NONE, ALL, SHARE };
 

@@ -38,8 +38,7 @@ inline float hsum(vf v) {
 
 // The machine's own registers, for register-blocked loops (small_linear, attention's chunks): on
 // AVX2, GCC keeps a block of 16-float vf accumulators in memory, round-tripping every one through
-// the stack at each step (measured on a Zen 3 without AVX-512: 3 GFLOP/s in small_linear, a third
-// of oneDNN's speed at 1 row).
+// the stack at each step, which leaves such a loop far behind oneDNN (docs/engine.md, "CPU kernels").
 #ifdef __AVX512F__
 constexpr int NW = 16;      // floats per register
 constexpr int NREGS = 32;   // vector registers

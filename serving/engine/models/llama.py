@@ -6,16 +6,13 @@ small model's decode step on CPU. Q, K and V are one fused matmul, and so are
 the MLP's gate and up projections.
 
 On CPU, float32 linear layers run through oneDNN with weights packed once at
-load time instead of through ``F.linear`` (MKL): measured on the 2-core AMD
-EPYC machines here, 3x the throughput at batch 32 and 1.8x at batch 1, since
-MKL does not pick its fast kernels on AMD processors. Small batches instead
-go to our own kernel (``kernels/small_linear.cpp``) over a second copy of each
-weight, its columns in panels: decoding a few sequences, each matmul is a
-memory-bound pass over the weights, and oneDNN's per-call OpenMP wake-up is a
-quarter of the step (the 121 matmuls of a SmolLM2-135M step at batch 1:
-12.5-13 ms against 18-19 ms). How many rows "small" is depends on the machine
-(AVX-512 Zen 4: 3 with the kernel's earlier dot products; AVX2 Zen 3: 8;
-Sapphire Rapids: 48-64), so start-up measures it on the model's own weights
+load time instead of through ``F.linear`` (MKL), which does not pick its fast
+kernels on AMD processors. Small batches instead go to our own kernel
+(``kernels/small_linear.cpp``) over a second copy of each weight, its columns
+in panels: decoding a few sequences, each matmul is a memory-bound pass over
+the weights, and oneDNN's per-call OpenMP wake-up is a large share of the
+step. How many rows "small" is depends on the machine, from a few to dozens
+(docs/measurements.md), so start-up measures it on the model's own weights
 (:func:`calibrate_small_rows`), from ``SMALL_ROWS`` up. The panel copies double
 the linear weights' memory, so they are kept only for models whose linear
 weights fit in ``PANEL_COPY_MAX_BYTES``; they lie back to back in one buffer on
@@ -130,12 +127,9 @@ _PACK_FOR_BATCH = 64
 def _small_rows() -> int:
     """Rows up to this go to the small-batch kernel before start-up measures more (:func:`calibrate_small_rows`).
 
-    With AVX-512, the 121 matmuls of a SmolLM2-135M decode step, ours against oneDNN (2 threads,
-    PASSIVE OpenMP): 1 row 12.5 vs 18.3 ms, 2 rows 13.9 vs 19.0, 3 rows 14.9 vs 20.3, 4 rows 17.0 vs
-    18.0: at 4 the difference is noise. With AVX2 only (a Zen 3 without AVX-512), oneDNN's small-batch
-    kernels are slower and ours stays ahead to 8 rows (1536x576, 2 threads: 1 row 63 vs 127 us,
-    4 rows 83 vs 167, 8 rows 181 vs 214, 12 rows 258 vs 276); it covers a speculative decode's
-    verify step (a sequence and its 4 guesses) there.
+    3 with AVX-512, where oneDNN catches up with ours at 4 rows. 8 with AVX2 only, where oneDNN's
+    small-batch kernels are slower and ours stays ahead to 8 rows; it covers a speculative decode's
+    verify step (a sequence and its 4 guesses) there. The timings: docs/measurements.md.
     """
     from serving.engine.kernels import cpu_flags
 
@@ -156,8 +150,8 @@ def bucket_rows(rows: int) -> int:
     """*rows* rounded up to one of a few sizes: exact to 16, then 8 sizes per doubling (at most 12.5%
     more rows). oneDNN (and torch's ideep over it) builds and caches a kernel, with its scratch memory,
     for every row count it sees; a step's token count takes any value up to the batch budget, so
-    without buckets the caches grow by about 2 MB per new count until they reach their capacity
-    (measured: server memory +6-7% over a 3-10 minute load, flat with the caches capped)."""
+    without buckets the caches, and the server's memory, grow with every new count until they reach
+    their capacity."""
     if rows <= 16:
         return rows
     step = 1 << (rows.bit_length() - 4)
@@ -210,16 +204,12 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int, burst: bool =
     """The most rows for which our small-batch kernel beat oneDNN here, timed on *weights* (the layers'
     matmuls, :func:`layer_linears`; or the LM head alone, whose crossover is its own).
 
-    The crossover is the machine's, not the instruction set's: with AVX-512 on an AMD Zen 4, oneDNN
-    caught up at 4 rows; on an Intel Sapphire Rapids ours stayed ahead to 48-64 rows (a pass over SmolLM2-135M's
-    120 matmuls from memory, 27 rows: 46 against 54 ms), while oneDNN took SmolLM2's 49152 x 576 LM head
-    from 4 rows on there (32 rows: 7.4 against 9.1 ms). Those were the kernel's dot products; over panels,
-    on an Ice Lake, it beats oneDNN to 96 rows (120 matmuls: 64 rows 73 against 89 ms, 96 rows 122 against
-    138, 128 rows 136 against 127), the LM head included (32 rows: 42.6 against 45.7 ms for 4 heads).
-    Each candidate is a pass over *weights* (cold, as in a step), both paths interleaved, best of two;
-    the scan starts above ``SMALL_ROWS`` and stops where ours is clearly slower (:func:`scan_rows`).
-    Our kernel is timed with *burst* as the engine will run it (:func:`calibrate_burst`, measured first).
-    Measured once per process and model shape. ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
+    The crossover is the machine's, not the instruction set's: two AVX-512 machines put it at a few rows and at
+    dozens, and the LM head's can differ from the layers' (docs/measurements.md). Each candidate is a pass over
+    *weights* (cold, as in a step), both paths interleaved, best of two; the scan starts above ``SMALL_ROWS``
+    and stops where ours is clearly slower (:func:`scan_rows`). Our kernel is timed with *burst* as the engine
+    will run it (:func:`calibrate_burst`, measured first). Measured once per process and model shape.
+    ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
     override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
     if override:
@@ -287,13 +277,10 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
     """Whether a decode step's matmuls (one row, one block of rows) stream *weights* faster asking for the
     next k-block themselves (the burst, ``small_linear.cpp``) than leaving it to the hardware prefetchers.
 
-    Machine-dependent: on an AMD Zen 4 (2 threads, 1 row, the 121 matmuls of SmolLM2-135M, processes
-    alternating) without it 46.5-47.3 GB/s against 40.5-40.9 with it while ``x.sum()`` read 53-58 GB/s, and
-    32.6-34.7 against 31.4-32.7 while it read 33-35 (a decode step 14.2-14.4 against 16.6 ms, and 17.9-18.9
-    against 19.0-19.9); the Intel machines the burst was written on were never timed without it. Timed as
-    the row limit is: passes over *weights*, both ways interleaved, best of five; the burst stays unless
-    going without is more than :data:`BURST_MARGIN` faster. Once per process and model shape;
-    ``INFERLINE_PANEL_BURST`` (1 or 0) sets it instead.
+    Machine-dependent: on some machines the hardware prefetchers alone stream the weights faster
+    (docs/measurements.md). Timed as the row limit is: passes over *weights*, both ways interleaved, best of
+    five; the burst stays unless going without is more than :data:`BURST_MARGIN` faster. Once per process and
+    model shape; ``INFERLINE_PANEL_BURST`` (1 or 0) sets it instead.
     """
     override = os.environ.get("INFERLINE_PANEL_BURST", "").strip()
     if override:
@@ -321,14 +308,12 @@ def scan_rows(time_both: Callable[[int], tuple[float, float]], max_rows: int, de
     """The last of :data:`CALIBRATION_ROWS` above *default* and up to *max_rows* where ``time_both(rows)``
     (ours, oneDNN's) is in our favour, before the first where ours is clearly slower; *default* if none is.
 
-    Clearly slower is more than :data:`SCAN_TIE` slower, twice: a loss is timed again (each side's best
-    of the two) before it ends the scan, and a tie is passed over. A shared machine's bursts land on a
-    pass now and then, and oneDNN's time is not monotone in the rows: with "the first loss ends it",
-    five scans in one process on an AMD Zen 4 (2 threads) stopped at 48, 24, 64, 64 and 64 rows (the
-    24 on a pass at 28 rows 4% slower than oneDNN's, where the others were 7-25% faster), and with one
-    thread at 4 or 8 (6 rows a tie, 23.5 against 23.4 ms; 8 rows 24.9 against 31.3), so a server and
-    the profile planning for it chose different kernels for the same steps (bench/plan_vs_load.py:
-    4 rows against 20 and 24).
+    Clearly slower is more than :data:`SCAN_TIE` slower, twice: a loss is timed again (each side's best of the
+    two) before it ends the scan, and a tie is passed over. A shared machine's bursts land on a pass now and
+    then, and oneDNN's time is not monotone in the rows: if the first loss ended it, one slowed pass or a dip in
+    oneDNN's time could end a scan early, scans in one process would disagree, and a server and the profile
+    planning for it would choose different kernels for the same steps (bench/plan_vs_load.py;
+    docs/measurements.md).
     """
     limit = default
     for rows in CALIBRATION_ROWS:
@@ -505,7 +490,7 @@ class LlamaModel:
         if num_rows > num_tokens:
             # Pad the step once to oneDNN's row bucket (copies of the last token; their K/V are never
             # written and their rows never read), rather than each of the 120 matmul inputs: a pad is a
-            # fill and a copy, about 3.4 ms in all of a 28-token step's 71 (torch.profiler, AVX-512 Zen 4).
+            # fill and a copy, and 120 of them are a visible share of a short step.
             input_ids = torch.cat((input_ids, input_ids[-1:].expand(num_rows - num_tokens)))
             positions = torch.cat((positions, positions[-1:].expand(num_rows - num_tokens)))
         hidden = F.embedding(input_ids, self.embed)
