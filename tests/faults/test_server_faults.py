@@ -110,7 +110,7 @@ async def wait_idle(served: Served, timeout_s: float = 60.0) -> dict:
 def chained_rows(served: Served, pipelines: tuple[str, ...]) -> list[dict]:
     """The audit rows of *pipelines* in the database, once the server has chained every record of the
     requests it answered: its audit API waits for that before a read (the records go through its
-    journal first, README "The audit log")."""
+    journal first, docs/audit.md "When a record is written")."""
     httpx.get(f"{served.server.url}/audit/records", params={"limit": 1},
               headers={"Authorization": f"Bearer {served.auditor}"}, trust_env=False).raise_for_status()
     return audit_rows(served.db_url, pipelines)

@@ -205,7 +205,7 @@ def test_a_rag_answer_carries_its_sources_in_openai_responses(rag_client, path, 
     client = OpenAI(base_url=f"{rag_client.base_url}/v1", api_key="unused", http_client=rag_client)
     answer = (client.chat.completions.create(model="rag", **body) if "messages" in body
               else client.completions.create(model="rag", **body))
-    assert answer.model_extra["sources"] == SOURCES  # what the README tells openai package users to read
+    assert answer.model_extra["sources"] == SOURCES  # what docs/api.md tells openai package users to read
 
 
 def test_an_answer_without_retrieval_has_no_sources(client):
