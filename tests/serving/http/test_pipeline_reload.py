@@ -50,3 +50,32 @@ def test_the_served_pipelines_follow_the_folder(tmp_path, monkeypatch):
         (folder / "second.yaml").unlink()
         assert eventually(lambda: client.get("/pipelines/second").status_code == 404)
         assert client.post("/pipelines/second", json={"input": "Capital?"}).status_code == 404
+
+
+def test_each_record_leads_to_the_exact_yaml_that_served_it(tmp_path, monkeypatch, capsys):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    config.write_text(config.read_text() + "reload: {poll_s: 0.1}\n")
+    chat = tmp_path / "pipelines" / "chat.yaml"
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    with TestClient(app) as client:
+        first = client.post("/pipelines/chat", json={"input": "one"}).json()
+        edited = CHAT.replace("name: chat", "name: chat\nversion: '2'")
+        chat.write_text(edited)
+        assert eventually(lambda: client.get("/pipelines/chat").json()["version"] == "2")
+        second = client.post("/pipelines/chat", json={"input": "two"}).json()
+        records = {r["request_id"]: r for r in client.get("/audit/records").json()["records"]}
+        old = client.get(f"/audit/records/{records[first['request_id']]['id']}/spec").json()
+        new = client.get(f"/audit/records/{records[second['request_id']]['id']}/spec").json()
+        assert (old["version"], old["text"]) == ("1", CHAT) and old["spec_sha256"] == first["spec_sha256"]
+        assert (new["version"], new["text"]) == ("2", edited) and new["deployed_by"] == "file"
+        page = client.get(f"/ui/audit/records/{records[second['request_id']]['id']}/spec")
+        assert page.status_code == 200 and "version: &#39;2&#39;" in page.text
+        assert client.get("/audit/records/nope/spec").status_code == 404
+        record_id = records[first["request_id"]]["id"]
+    from serving.cli.main import main
+
+    assert main(["audit", "show", record_id, "--spec", "--config", str(config)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# chat version 1, sha256 ") and printed.endswith(CHAT if CHAT.endswith("\n") else CHAT + "\n")
