@@ -78,4 +78,4 @@ def test_each_record_leads_to_the_exact_yaml_that_served_it(tmp_path, monkeypatc
 
     assert main(["audit", "show", record_id, "--spec", "--config", str(config)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("# chat version 1, sha256 ") and printed.endswith(CHAT if CHAT.endswith("\n") else CHAT + "\n")
+    assert printed.startswith("# chat version 1, sha256 ") and printed.endswith(CHAT)  # CHAT ends with a newline
