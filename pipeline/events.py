@@ -54,6 +54,9 @@ class Summary:
     #: The retrieved documents the request ended with (those its prompt placed), numbered as cited; empty
     #: when the pipeline retrieved nothing.
     sources: tuple[Source, ...] = ()
+    #: The version that served the request: its ``version:`` label and the SHA-256 of its YAML text.
+    pipeline_version: str = ""
+    spec_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,8 @@ class LoadedPipeline:
     plans: tuple[StagePlan, ...]
     #: Line and column of its ``name:`` value, for errors that involve several files (two of one name).
     name_at: tuple[int, int] = (1, 1)
+    #: The YAML text it was loaded from (``sha256`` is its hash): what a pipeline version keeps.
+    text: str = ""
 
 
 def name_clash(pipeline: LoadedPipeline, earlier: LoadedPipeline) -> SpecIssue:
@@ -113,7 +115,7 @@ def load_pipeline_text(text: str, file: str, registry: StageRegistry,
     if checker.issues or spec is None:
         raise SpecError(sorted(checker.issues, key=lambda i: (i.line, i.col)))
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)))
+    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)), text)
 
 
 def dump_pipeline(spec: PipelineSpec) -> str:

@@ -61,6 +61,21 @@ class Pipeline:
         self.stages = tuple(
             BoundStage(plan, plan.cls(plan.spec.id, plan.config, resources)) for plan in loaded.plans
         )
+        #: Requests running on this pipeline now: a version replaced by a reload is closed once it is 0.
+        self.in_flight = 0
+        self._idle: asyncio.Event | None = None
+
+    async def idle(self) -> None:
+        """Return once no request runs on this pipeline."""
+        while self.in_flight:
+            self._idle = self._idle or asyncio.Event()
+            await self._idle.wait()
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     async def aclose(self) -> None:
         """Let stages that hold connections (a cache's Redis client) close them; at shutdown."""
@@ -128,6 +143,7 @@ class Runner:
         # A None after the task ends unblocks us should the task die of a bug
         # before it could emit its final event.
         task.add_done_callback(lambda _: queue.put_nowait(None))
+        pipeline.in_flight += 1
         try:
             while (event := await queue.get()) is not None:
                 yield event
@@ -138,7 +154,10 @@ class Runner:
             if not task.done():
                 task.cancel()
             # Wait for the always-stages (audit) even if our caller is being cancelled.
-            await asyncio.wait([task])
+            try:
+                await asyncio.wait([task])
+            finally:
+                pipeline.request_ended()
 
     async def _execute(self, pipeline: Pipeline, ctx: RequestContext, emit: Emit) -> None:
         clock = _Clock()
@@ -290,6 +309,7 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: _Clock) -> Done | Err
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         cost_usd=ctx.ledger.total_usd, stages=tuple(ctx.stages), usage=ctx.usage,
         output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
+        pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256,
     )
     if ctx.status == "ok":
         return Done(summary)

@@ -278,6 +278,15 @@ class LimitsSpec(Strict):
     prefix: str = "inferline"
 
 
+class ReloadSpec(Strict):
+    """How ``inferline serve`` follows its ``pipelines:`` folder (the server file itself is not reloaded)."""
+
+    #: Watch the folder: a changed file is validated and swapped in, a new one added, a deleted one retired.
+    watch: bool = True
+    #: How often the folder is looked at, in seconds (SIGHUP looks at once).
+    poll_s: float = Field(1.0, gt=0, le=3600)
+
+
 class HttpSpec(Strict):
     """Where and how ``inferline serve`` listens."""
 
@@ -302,6 +311,7 @@ class ServerSpec(Strict):
     http: HttpSpec = Field(default_factory=HttpSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    reload: ReloadSpec = Field(default_factory=ReloadSpec)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.

@@ -41,6 +41,7 @@ from store.audit_filters import (
 )
 from store.db import make_engine
 from store.migrate import create_schema
+from store.pipeline_versions import PipelineVersions
 
 FORMATS = ("table", "jsonl", "csv")
 NO_MATCH = "no records match"
@@ -69,6 +70,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     show = actions.add_parser("show", parents=[common], help="one record with its stages")
     show.add_argument("record_id")
+    show.add_argument("--spec", action="store_true",
+                      help="print the pipeline file (YAML) that served the record instead, as it was then")
     show.set_defaults(handler=_reporting(_show))
 
     summary = actions.add_parser("summary", parents=[common], help="counts, block rate, tokens and cost, grouped")
@@ -235,11 +238,22 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    found = _reader(args).get(args.record_id)
+    reader = _reader(args)
+    found = reader.get(args.record_id)
     if found is None:
         print(f"inferline: no audit record {args.record_id!r}", file=sys.stderr)
         return 1
-    print(json.dumps(found, indent=2, default=str))
+    if not args.spec:
+        print(json.dumps(found, indent=2, default=str))
+        return 0
+    version = PipelineVersions(reader.engine).by_sha256(found["spec_sha256"], found["pipeline"])
+    if version is None:
+        print(f"inferline: version {found['spec_sha256'][:12]} of pipeline {found['pipeline']!r} is not in the "
+              "database (only pipelines loaded by a server since versions are kept are)", file=sys.stderr)
+        return 1
+    print(f"# {version.name} version {version.label}, sha256 {version.spec_sha256}, from {version.source}, "
+          f"deployed by {version.deployed_by} at {version.deployed_at.isoformat()}")
+    sys.stdout.write(version.text if version.text.endswith("\n") else version.text + "\n")
     return 0
 
 

@@ -25,6 +25,7 @@ from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, Session
 from serving.console.state import Console
 from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query
+from serving.http.audit_routes import spec_of
 from serving.http.problems import Problem
 from store.audit import AccessFilters, AuditFilters, AuditReader
 from store.audit_access import ACCESS_FIELDS
@@ -174,6 +175,18 @@ async def export(request: Request, filters: NamedDependency[AuditFilters],
                   headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="audit.{fmt}"'})
 
 
+@get("/audit/records/{record_id:str}/spec", name="console-audit-record-spec", **_GUARDED)
+async def record_spec_page(request: Request, record_id: FromPath[str]) -> Response[str]:
+    """The pipeline file that served one record, as it was then."""
+    console = Console.of(request)
+    store, session = await reviewer(console, request, "show spec", {"record_id": record_id})
+    record = await call(store.get, record_id)
+    if record is None:
+        raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
+    version = await asyncio.to_thread(spec_of, store.engine, record)
+    return console.page(request, session, "spec.html", record=record, version=version)
+
+
 async def find_record(console: Console, request: Request, session: Session, ident: str) -> dict[str, Any] | None:
     """The audit record of a request, by record id, request id or trace id (reviewers only)."""
     store, _ = await reviewer(console, request, "show", {"trace": ident}, session)
@@ -202,4 +215,4 @@ async def async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
         yield line.encode() if isinstance(line, str) else line
 
 
-ROUTES = [audit_page, access_page, record_page, verify_page, export]
+ROUTES = [audit_page, access_page, record_page, record_spec_page, verify_page, export]

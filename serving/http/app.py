@@ -9,8 +9,10 @@ closes the engines.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,8 +37,9 @@ from serving.http.refusals import RefusalRecorder
 from serving.http.served import Executor
 from serving.http.state import AppState
 from serving.runtime.calls import check_calls
+from serving.runtime.reloader import PipelineReloader
 from serving.runtime.resources import Runtime, RuntimeOptions
-from serving.runtime.workspace import Workspace
+from serving.runtime.workspace import DEFAULT_CONFIG, Workspace
 from store.keys import KeyStore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     runtime.calls.run = executor.run  # the score stages' judges, counted in the app's metrics
     state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), runtime.pool, registry)
     state.refusals = refusals = RefusalRecorder(server.audit.refusals, state.auth, pipelines, registry)
+    state.reloader = reloader = PipelineReloader(
+        runtime, registry=registry, on_swap=lambda name, new: metrics.set_slo(name, new.spec.slo if new else None))
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -76,6 +81,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             state.audit = runtime.audit
             state.audit_sink = refusals.sink = runtime.audit_sink
             frozen = False
+            watcher = asyncio.create_task(reloader.watch(server.reload.poll_s if server.reload.watch else None))
+            on_sighup = _reload_on_sighup(reloader.trigger)
             try:
                 if freeze_heap:
                     freeze_startup_heap()
@@ -85,9 +92,12 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                 yield
             finally:
                 state.ready = False
+                watcher.cancel()
+                on_sighup()
                 if not await executor.drain(server.http.shutdown_grace_s):
                     logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
                                    server.http.shutdown_grace_s)
+                await reloader.aclose()
                 await refusals.settled(server.http.shutdown_grace_s)
                 if frozen:
                     thaw()
@@ -132,12 +142,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _reload_on_sighup(reload: Callable[[], None]) -> Callable[[], None]:
+    """SIGHUP reloads the pipelines folder, as it reloads nginx's and gunicorn's config; returns the undo.
+    Only a process's main thread can take signals (an app in a test client's thread does without)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)
+
+
 def _log_start(workspace: Workspace) -> None:
     server = workspace.server
     if not server.auth.enabled:
         logger.warning("auth is OFF: every request is allowed (only permitted on loopback, here %s)",
                        server.http.host)
     logger.info("serving %s on http://%s:%d", workspace.pipelines_dir, server.http.host, server.http.port)
+    reload = (f"watched every {server.reload.poll_s:g} s and on SIGHUP" if server.reload.watch else "on SIGHUP")
+    logger.info("pipelines reload %s; changes to %s (models, indexes, database) need a restart", reload,
+                DEFAULT_CONFIG)
 
 
 def _handle(request: Request, exc: Exception) -> Response[Any]:

@@ -25,6 +25,7 @@ from serving.http.problems import Problem
 from serving.http.state import AppState
 from store.audit import AccessFilters, AuditFilters, AuditReader
 from store.audit_query import MAX_LIMIT, SORT_FIELDS
+from store.pipeline_versions import PipelineVersion, PipelineVersions
 
 _ROLES = ("auditor",)
 # Documented for clients, checked by the store (a value outside them is its 400, naming what is allowed).
@@ -75,6 +76,33 @@ async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
     return found
 
 
+@get("/audit/records/{record_id:str}/spec", summary="The pipeline file (YAML) that served one record", **_ROUTE,
+     responses=problems(400, 401, 403, 404, 503))
+async def record_spec(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
+    store, _ = await _reviewer(request, "show spec", {"record_id": record_id})
+    found = await _call(store.get, record_id)
+    if found is None:
+        raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
+    return version_json(await asyncio.to_thread(spec_of, store.engine, found))
+
+
+def spec_of(engine: Any, record: dict[str, Any]) -> PipelineVersion:
+    """The pipeline version that served *record* (by its spec hash); 404 if it was never recorded (a
+    record older than pipeline versions, or written by a process that did not record them)."""
+    version = PipelineVersions(engine).by_sha256(record["spec_sha256"], record["pipeline"])
+    if version is None:
+        raise Problem(404, "Not found", f"version {record['spec_sha256'][:12]} of pipeline {record['pipeline']!r} "
+                      "is not in the database (only pipelines loaded by a server since versions are kept are)",
+                      "version_not_found")
+    return version
+
+
+def version_json(version: PipelineVersion) -> dict[str, Any]:
+    return {"pipeline": version.name, "version": version.label, "spec_sha256": version.spec_sha256,
+            "source": version.source, "deployed_by": version.deployed_by,
+            "deployed_at": version.deployed_at.isoformat(), "text": version.text}
+
+
 @get("/audit/summary", summary="Counts, block rate, tokens and cost, grouped", **_ROUTE,
      dependencies={"filters": audit_filters}, responses=problems(400, 401, 403, 422, 503))
 async def summary(request: Request, filters: NamedDependency[AuditFilters],
@@ -121,4 +149,4 @@ async def _async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
         yield line.encode() if isinstance(line, str) else line
 
 
-ROUTES = [records, record, summary, verify, export, access]
+ROUTES = [records, record, record_spec, summary, verify, export, access]

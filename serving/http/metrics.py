@@ -71,6 +71,12 @@ class HttpMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def set_slo(self, pipeline: str, slo: Any) -> None:
+        """Follow a reloaded pipeline's ``slo:`` (None: it has none, or it was retired): a new window."""
+        self.slo_windows.pop(pipeline, None)
+        if slo is not None:
+            self.slo_windows[pipeline] = SloWindow(slo)
+
     def slo_report(self, pipeline: str) -> dict[str, Any] | None:
         """The pipeline's objectives and their attainment over the window; None without ``slo:``."""
         window = self.slo_windows.get(pipeline)

@@ -56,6 +56,7 @@ def summary_json(summary: Summary) -> dict[str, Any]:
         "duration_ms": round(summary.duration_s * 1e3, 3),
         "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
         "stages": [stage_json(s) for s in summary.stages], "sources": sources_json(summary),
+        "pipeline_version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,
     }
 
 
@@ -97,8 +98,10 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
 
 
 def response_headers(ctx: RequestContext) -> dict[str, str]:
-    """The request id and what the policy stage counted (rate-limit and budget headers)."""
-    return {"X-Request-Id": ctx.request_id, **limit_headers(ctx.facts.get("limits"))}
+    """The request id, the pipeline version that serves it, and what the policy stage counted (rate-limit
+    and budget headers)."""
+    return {"X-Request-Id": ctx.request_id, "X-Pipeline-Version": ctx.pipeline_version,
+            "X-Pipeline-Spec-Sha256": ctx.spec_sha256, **limit_headers(ctx.facts.get("limits"))}
 
 
 def failure(final: Error, ctx: RequestContext) -> Problem:
@@ -144,19 +147,29 @@ def _message(event: Event) -> bytes:
 async def list_pipelines(request: Request) -> dict[str, Any]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("caller", "auditor"), "list pipelines")
-    metrics = state.executor.metrics
-    return {"pipelines": [describe(p, metrics.slo_report(name)) for name, p in state.executor.pipelines.items()]}
+    metrics, reloader = state.executor.metrics, state.reloader
+    errors = [error.to_json() for error in reloader.errors.values()] if reloader else []
+    return {"pipelines": [describe(p, metrics.slo_report(name), _reload_error(state, name))
+                          for name, p in state.executor.pipelines.items()],
+            "reload_errors": errors}
 
 
 @get("/pipelines/{name:str}", summary="Describe one pipeline", responses=problems(400, 401, 403, 404, 503))
 async def get_pipeline(name: FromPath[str], request: Request) -> dict[str, Any]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("caller", "auditor"), "describe pipelines")
-    return describe(state.executor.get(name), state.executor.metrics.slo_report(name))
+    return describe(state.executor.get(name), state.executor.metrics.slo_report(name), _reload_error(state, name))
 
 
-def describe(pipeline: Pipeline, slo: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The pipeline's spec as served; *slo*: its objectives with their attainment (serving/runtime/slo.py)."""
+def _reload_error(state: AppState, name: str) -> dict[str, Any] | None:
+    error = state.reloader.error_for(name) if state.reloader else None
+    return None if error is None else error.to_json()
+
+
+def describe(pipeline: Pipeline, slo: dict[str, Any] | None = None,
+             reload_error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline's spec as served; *slo*: its objectives with their attainment (serving/runtime/slo.py);
+    *reload_error*: its file's last edit, which failed to load (the version described keeps serving)."""
     spec = pipeline.spec
     return {
         "name": spec.name, "description": spec.description, "version": spec.version,
@@ -164,7 +177,7 @@ def describe(pipeline: Pipeline, slo: dict[str, Any] | None = None) -> dict[str,
         "stages": [{"id": s.id, "type": s.type, "with": s.with_, "when": s.when, "always": s.always,
                     "on_error": s.on_error, "timeout_s": s.timeout_s} for s in spec.stages],
         "endpoint": f"/pipelines/{spec.name}", "input_schema": PipelineRequest.model_json_schema(),
-        "slo": slo,
+        "slo": slo, "reload_error": reload_error,
     }
 
 

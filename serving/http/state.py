@@ -13,6 +13,7 @@ from serving.http.auth import Authenticator
 from serving.http.problems import Problem
 from serving.http.refusals import RefusalRecorder
 from serving.http.served import Executor
+from serving.runtime.reloader import PipelineReloader
 from serving.runtime.workspace import Workspace
 from store.audit import AuditStore
 
@@ -32,6 +33,8 @@ class AppState:
     audit_sink: StoreSink | None = None
     #: Records the refused pipeline calls that no audit stage recorded (401, 403, 413, 429).
     refusals: RefusalRecorder | None = None
+    #: Follows the pipelines folder (hot reload); its failed edits are shown with the pipelines.
+    reloader: PipelineReloader | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
 

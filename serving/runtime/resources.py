@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import sqlalchemy as sa
@@ -41,6 +42,7 @@ from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
 from store.db import make_engine
 from store.migrate import create_schema
+from store.pipeline_versions import PipelineVersions
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +62,14 @@ class RuntimeOptions:
     #: Open every index of the config and reload each when it changes on disk; otherwise open only the
     #: indexes the pipelines read, once (loading the embedding model takes seconds).
     all_indexes: bool = False
+    #: Keep each pipeline loaded as a version in the database (its YAML text, by spec hash).
+    record_versions: bool = False
 
     @classmethod
     def server(cls, engines: EngineProvider | None = None,
                metrics_registry: CollectorRegistry | None = None) -> RuntimeOptions:
-        return cls(engines, metrics_registry, start_models=True, journal=True, all_indexes=True)
+        return cls(engines, metrics_registry, start_models=True, journal=True, all_indexes=True,
+                   record_versions=True)
 
 
 class Runtime:
@@ -91,6 +96,7 @@ class Runtime:
         self.audit: AuditStore | None = None
         self.audit_sink: StoreSink | None = None
         self.counters: SqlCounters | RedisCounters | None = None
+        self.versions: PipelineVersions | None = None
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> Runtime:
@@ -120,6 +126,10 @@ class Runtime:
         self.db = db = make_engine(self.workspace.database_url)
         stack.callback(db.dispose)
         create_schema(db)
+        if options.record_versions:
+            self.versions = PipelineVersions(db)
+            for pipeline in self.pipelines.values():
+                await self.record_version(pipeline.loaded)
         self.audit = open_store(server, root, db)
         if options.journal:
             replayed = await asyncio.to_thread(self.audit.replay_spool)
@@ -139,11 +149,34 @@ class Runtime:
             stack.callback(watcher.cancel)
         elif used := self._indexes_read():
             await asyncio.to_thread(self.indexes.refresh, used)
-        for pipeline in self.pipelines.values():
-            stack.push_async_callback(pipeline.aclose)
+        stack.push_async_callback(self._close_pipelines)
         stack.push_async_callback(self.pool.close)
         if options.start_models and options.engines is None:
             await self.pool.start_all()
+
+    async def _close_pipelines(self) -> None:
+        # Those served at close: a hot reload may have replaced the ones opened here (and closed those).
+        for pipeline in reversed(list(self.pipelines.values())):
+            try:
+                await pipeline.aclose()
+            except Exception:
+                logger.exception("pipeline %s: closing failed", pipeline.name)
+
+    async def record_version(self, loaded: LoadedPipeline, deployed_by: str = "file") -> None:
+        """Keep *loaded* as a version (when this runtime records them); a database error is logged, not
+        raised: the pipeline serves all the same."""
+        if self.versions is None:
+            return
+        source = Path(loaded.file)
+        if source.is_absolute() and source.is_relative_to(self.workspace.root.resolve()):
+            source = source.relative_to(self.workspace.root.resolve())
+        try:
+            await asyncio.to_thread(self.versions.record, name=loaded.spec.name, label=loaded.spec.version,
+                                    sha256=loaded.sha256, text=loaded.text, source=str(source),
+                                    deployed_by=deployed_by)
+        except Exception as exc:
+            logger.error("pipelines: version %s of %s not recorded (%s: %s)", loaded.sha256[:12],
+                         loaded.spec.name, type(exc).__name__, exc)
 
     def _indexes_read(self) -> set[str]:
         return {name for pipeline in self.pipelines.values() for plan in pipeline.loaded.plans

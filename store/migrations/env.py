@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from alembic import context
 
-import store.audit_models
-import store.counters
-import store.eval_runs
-import store.keys  # noqa: F401  (imported for their tables)
 from store.db import Base, make_engine
 
 target_metadata = Base.metadata

@@ -11,14 +11,15 @@ from alembic.runtime.migration import MigrationContext
 
 import store.audit_models
 import store.counters
-import store.eval_runs  # noqa: F401  (their tables, for the drift check)
+import store.eval_runs
+import store.pipeline_versions  # noqa: F401  (their tables, for the drift check)
 from store.db import Base, make_engine
 from store.keys import ApiKey, KeyStore
 from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
-          "limit_counters"}
-HEAD = "0005"
+          "limit_counters", "pipeline_versions"}
+HEAD = "0006"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])

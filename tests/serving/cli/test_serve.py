@@ -181,3 +181,55 @@ def test_sigterm_drains_in_flight_streams(tmp_path):
     assert server.stop() == 0
     worker.join(timeout=60)
     assert "event: done" in result.get("text", ""), result
+
+
+def test_an_edit_under_load_reloads_on_sighup_without_failing_a_stream(tmp_path):
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    chat = folder / "chat.yaml"
+    original = (ROOT / "pipelines" / "chat.yaml").read_text()
+    chat.write_text(original)
+    # No watcher: SIGHUP alone reloads, so the moment of the swap is the test's.
+    server = Server(tmp_path, auth=False, pipelines=folder, extra="reload: {watch: false}\n")
+    finals: list[dict] = []
+
+    def stream(n: int) -> None:
+        body = {"input": f"Tell me about the history of Paris, part {n}.", "stream": True, "max_tokens": 24}
+        with httpx.stream("POST", f"{server.url}/pipelines/chat", json=body, timeout=120) as response:
+            text = response.read().decode()
+        finals.append(json.loads(text.replace("\r\n", "\n").split("event: done\ndata: ", 1)[1].split("\n")[0]))
+
+    try:
+        workers = [threading.Thread(target=stream, args=(n,)) for n in range(8)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/readyz").json()["models"]["smol"]["running"] < 1:
+            assert time.monotonic() < deadline, "no stream started"
+            time.sleep(0.05)
+        chat.write_text(original.replace("name: chat", "name: chat\nversion: '2'"))
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/pipelines/chat").json()["version"] != "2":
+            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.05)
+        after = httpx.post(f"{server.url}/pipelines/chat", json={"input": QUESTION, "max_tokens": 8}, timeout=60)
+        assert after.status_code == 200 and after.json()["pipeline_version"] == "2"
+        for worker in workers:
+            worker.join(timeout=120)
+        assert len(finals) == 8 and {f["finish_reason"] for f in finals} <= {"stop", "length"}
+        assert sum(f["pipeline_version"] == "1" for f in finals) >= 1  # those running at the swap finished on 1
+
+        chat.write_text(original.replace("type: tokenize", "type: tokenise"))
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while (error := httpx.get(f"{server.url}/pipelines/chat").json()["reload_error"]) is None:
+            assert time.monotonic() < deadline, "the bad edit was not reported"
+            time.sleep(0.05)
+        assert error["issues"][0]["line"] == 13 and "tokenise" in error["issues"][0]["message"]
+        still = httpx.post(f"{server.url}/pipelines/chat", json={"input": QUESTION, "max_tokens": 8}, timeout=60)
+        assert still.status_code == 200 and still.json()["pipeline_version"] == "2"
+    finally:
+        assert server.stop() == 0
+    log = (tmp_path / "server.log").read_text()
+    assert "did not load; 'chat' keeps serving its running version" in log and "chat.yaml:13:" in log

@@ -1,0 +1,104 @@
+"""Pipeline versions: every pipeline file the server loaded, kept with its YAML text.
+
+    versions = PipelineVersions(engine)
+    versions.record(name="support", label="3", sha256=..., text=yaml_text, source="pipelines/support.yaml",
+                    deployed_by="file")        # once per (name, sha256); later loads of it return the same row
+    versions.by_sha256(sha)                     # the exact YAML that served an audit record (its spec_sha256)
+    versions.list("support")                    # newest first
+
+A version is identified by its spec hash: the SHA-256 of the YAML text, which audit records carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from store.db import Base, UTCDateTime, utcnow
+
+
+class PipelineVersionRow(Base):
+    """One version of a pipeline: the YAML text the server loaded, and who deployed it when."""
+
+    __tablename__ = "pipeline_versions"
+    __table_args__ = (sa.UniqueConstraint("name", "spec_sha256"),
+                      sa.Index("ix_pipeline_versions_name_deployed_at", "name", "deployed_at"))
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(sa.String(200))
+    label: Mapped[str] = mapped_column(sa.String(64))
+    """The pipeline's ``version:`` (free text the team chose; not unique)."""
+    spec_sha256: Mapped[str] = mapped_column(sa.String(64), index=True)
+    """SHA-256 of the YAML text: what audit records name as ``spec_sha256``."""
+    text: Mapped[str] = mapped_column(sa.Text)
+    source: Mapped[str] = mapped_column(sa.String(1000))
+    """Where it came from: the file's path."""
+    deployed_by: Mapped[str] = mapped_column(sa.String(200))
+    """``file`` for a file the server loaded (at start or by a reload), else the key id that deployed it."""
+    deployed_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineVersion:
+    id: int
+    name: str
+    label: str
+    spec_sha256: str
+    text: str
+    source: str
+    deployed_by: str
+    deployed_at: datetime
+
+    @classmethod
+    def of(cls, row: PipelineVersionRow) -> PipelineVersion:
+        return cls(row.id, row.name, row.label, row.spec_sha256, row.text, row.source, row.deployed_by,
+                   row.deployed_at)
+
+
+class PipelineVersions:
+    """The ``pipeline_versions`` table."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+
+    def record(self, *, name: str, label: str, sha256: str, text: str, source: str,
+               deployed_by: str = "file") -> PipelineVersion:
+        """The version of *name* with this hash, recorded now unless it was before."""
+        with Session(self.engine) as session:
+            found = session.scalar(sa.select(PipelineVersionRow).where(
+                PipelineVersionRow.name == name, PipelineVersionRow.spec_sha256 == sha256))
+            if found is not None:
+                return PipelineVersion.of(found)
+            row = PipelineVersionRow(name=name, label=label, spec_sha256=sha256, text=text, source=source,
+                                     deployed_by=deployed_by, deployed_at=utcnow())
+            session.add(row)
+            try:
+                session.commit()
+            except sa.exc.IntegrityError:  # another process recorded it first
+                session.rollback()
+                found = session.scalar(sa.select(PipelineVersionRow).where(
+                    PipelineVersionRow.name == name, PipelineVersionRow.spec_sha256 == sha256))
+                if found is None:
+                    raise
+                return PipelineVersion.of(found)
+            return PipelineVersion.of(row)
+
+    def by_sha256(self, sha256: str, name: str | None = None) -> PipelineVersion | None:
+        """The version with this spec hash (of pipeline *name*, when given); None if never recorded."""
+        query = sa.select(PipelineVersionRow).where(PipelineVersionRow.spec_sha256 == sha256)
+        if name is not None:
+            query = query.where(PipelineVersionRow.name == name)
+        with Session(self.engine) as session:
+            row = session.scalars(query.order_by(PipelineVersionRow.id)).first()
+            return None if row is None else PipelineVersion.of(row)
+
+    def list(self, name: str | None = None, limit: int = 100) -> list[PipelineVersion]:
+        """Versions, newest first (of pipeline *name*, when given)."""
+        query = sa.select(PipelineVersionRow).order_by(PipelineVersionRow.id.desc()).limit(limit)
+        if name is not None:
+            query = query.where(PipelineVersionRow.name == name)
+        with Session(self.engine) as session:
+            return [PipelineVersion.of(row) for row in session.scalars(query)]
