@@ -8,7 +8,7 @@ HANDBOOK_INDEX := indexes/handbook/CURRENT
 CHROMIUM := /usr/bin/chromium
 PIP    := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: install run test test-fast bench bench-deps lint clean reliability
+.PHONY: install run test test-fast bench bench-deps lint clean reliability schemas
 
 KERNELS := $(VENV)/.kernels
 
@@ -71,6 +71,12 @@ reliability: install
 # about 12 minutes on 2 cores; one build job (CMAKE_BUILD_PARALLEL_LEVEL=1) leaves the other core free.
 bench-deps: install
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-1} $(PIP) install -e '.[bench]'
+
+# The JSON Schemas of the two YAML files (schemas/), regenerated after a spec model or a stage's Config changes;
+# tests/pipeline/test_schema.py fails while they are stale.
+schemas: $(STAMP)
+	$(PY) -m serving.cli.main schema pipeline --builtin --output schemas/pipeline.schema.json
+	$(PY) -m serving.cli.main schema server --output schemas/server.schema.json
 
 # ruff, and the layers of DESIGN.md as import-linter contracts (pyproject.toml).
 lint: install

@@ -18,6 +18,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     StringConstraints,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -44,8 +45,11 @@ class Strict(BaseModel):
 class PriceSpec(Strict):
     """Prices used for cost accounting, in USD."""
 
+    #: USD per 1,000 prompt tokens.
     input_per_1k: float = Field(0.0, ge=0)
+    #: USD per 1,000 generated tokens.
     output_per_1k: float = Field(0.0, ge=0)
+    #: USD per second the engine spends generating (local models' compute).
     compute_per_s: float = Field(0.0, ge=0)
 
     def to_price(self) -> Price:
@@ -55,16 +59,20 @@ class PriceSpec(Strict):
 class KVCacheSpec(Strict):
     """The paged KV cache, fixed at start."""
 
+    #: Tokens per KV-cache block.
     block_size: PositiveInt = 16
     #: Blocks in the pool; ``auto``: as many as ``memory_gb`` holds.
     max_blocks: PositiveInt | Literal["auto"] = "auto"
+    #: Memory for the KV cache when ``max_blocks`` is ``auto``.
     memory_gb: PositiveFloat = 1.0
+    #: Reuse the KV blocks of a prompt prefix another request already computed.
     prefix_cache: bool = True
 
 
 class BatchingSpec(Strict):
     """Continuous batching limits of a local engine."""
 
+    #: Requests running (decoding) at once.
     max_num_seqs: PositiveInt = 64
     #: Token budget per step: prefill chunks plus decodes (chunked prefill).
     max_num_batched_tokens: PositiveInt = 512
@@ -82,7 +90,9 @@ class SpeculativeSpec(Strict):
     num_tokens: PositiveInt = 4
     #: Speculation pauses while more requests than this are running (large batches gain little).
     max_batch: PositiveInt = 4
+    #: method ngram: the longest n-gram looked up in the prompt and output.
     prompt_lookup_max: PositiveInt = 4
+    #: method ngram: the shortest n-gram looked up.
     prompt_lookup_min: PositiveInt = 2
     #: method draft: the name of another local model of this file.
     draft_model: str | None = None
@@ -99,11 +109,15 @@ class SpeculativeSpec(Strict):
 class AutoscalingSpec(Strict):
     """Ray Serve autoscaling of a model's engine replicas (``backend: ray``)."""
 
+    #: Fewest replicas (0 lets an idle deployment scale to zero).
     min_replicas: int = Field(1, ge=0)
+    #: Most replicas.
     max_replicas: PositiveInt = 1
     #: Requests in flight per replica that Ray Serve aims for; more adds replicas, fewer removes them.
     target_ongoing_requests: PositiveFloat = 2.0
+    #: How long demand must stay high before replicas are added.
     upscale_delay_s: float = Field(30.0, ge=0)
+    #: How long demand must stay low before replicas are removed.
     downscale_delay_s: float = Field(600.0, ge=0)
     #: The window Ray Serve averages the requests in flight over before it decides.
     look_back_period_s: PositiveFloat = 30.0
@@ -126,7 +140,9 @@ class AutoscalingSpec(Strict):
 class RayActorOptionsSpec(Strict):
     """Resources Ray reserves for each engine replica."""
 
+    #: CPUs reserved per replica.
     num_cpus: float = Field(1.0, ge=0)
+    #: GPUs reserved per replica (fractions share one GPU).
     num_gpus: float = Field(0.0, ge=0)
 
 
@@ -135,9 +151,11 @@ class RaySpec(Strict):
 
     #: A fixed number of engine replicas (default 1 when ``autoscaling`` is absent).
     num_replicas: PositiveInt | None = None
+    #: Scale the replicas with the requests in flight instead of a fixed ``num_replicas``.
     autoscaling: AutoscalingSpec | None = None
     #: Requests one replica accepts at once before Ray Serve queues them (the engine batches them).
     max_ongoing_requests: PositiveInt = 64
+    #: Resources Ray reserves for each replica.
     ray_actor_options: RayActorOptionsSpec = Field(default_factory=RayActorOptionsSpec)
 
     @model_validator(mode="after")
@@ -154,12 +172,21 @@ SELF_URL = "self"
 class ModelSpec(Strict):
     """One model the server can run or reach."""
 
+    #: Local and ray models: an HF model folder or a .gguf file (relative to this file).
     source: str | None = None
+    #: local: our engine in this process; openai: an OpenAI-compatible server at ``base_url``; ray: our engine on Ray
+    #: Serve.
     backend: Literal["local", "openai", "ray"] = "local"
+    #: backend: openai: the server's /v1 URL, or ``self`` for this server's own API.
     base_url: str | None = None
+    #: Remote backends: the environment variable that holds the API key (never the key itself).
     api_key_env: str | None = None
+    #: Where a local engine runs: auto picks CUDA when present.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Weights' precision: auto (bfloat16 on a CUDA device that supports it, else float32), or int8 weight-only
+    #: quantization.
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    #: Tokens of prompt plus output the model accepts (default: the model's own config).
     context_window: PositiveInt | None = None
     #: Local engines: how many copies of the model to run; requests are placed by ``placement``.
     replicas: PositiveInt = 1
@@ -175,12 +202,17 @@ class ModelSpec(Strict):
     #: Remote backends (backend: openai): the model id the server expects (default: this model's name),
     #: the request timeout, and a local tokenizer folder for counting tokens (default: an estimate).
     remote_model: str | None = None
+    #: Remote backends: seconds before a request to the server fails.
     timeout_s: PositiveFloat = 60.0
+    #: Remote backends: a local tokenizer folder for counting tokens (default: an estimate).
     tokenizer: str | None = None
+    #: Local engines: the paged KV cache.
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    #: Local engines: continuous batching limits.
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     #: Local engines: speculative decoding (off when absent).
     speculative: SpeculativeSpec | None = None
+    #: Prices for cost accounting.
     price: PriceSpec = Field(default_factory=PriceSpec)
     #: backend: ray: replicas, autoscaling and resources of the model's Ray Serve deployment.
     ray: RaySpec | None = None
@@ -216,21 +248,32 @@ class IndexSpec(Strict):
     type: Literal["flat", "ivf", "hnsw"] = "flat"
     #: ``all-MiniLM-L6-v2`` (bundled) or a local sentence-transformers folder.
     model: str = "all-MiniLM-L6-v2"
+    #: Where the embedding model runs: auto picks CUDA when present.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Tokens per chunk documents are split into.
     chunk_tokens: PositiveInt = 200
+    #: Tokens each chunk shares with the one before it.
     overlap: int = Field(40, ge=0)
+    #: type ivf: the number of clusters.
     nlist: PositiveInt = 1024
+    #: type ivf: clusters searched per query (more: better recall, slower).
     nprobe: PositiveInt = 32
+    #: type hnsw: links per node of the graph.
     m: PositiveInt = 32
+    #: type hnsw: candidates considered while building (more: a better graph, slower build).
     ef_construction: PositiveInt = 200
+    #: type hnsw: candidates considered per query (more: better recall, slower).
     ef_search: PositiveInt = 128
     #: How often a running server looks for a rebuilt version to swap in.
     reload_every_s: PositiveFloat = 2.0
 
 
 class TelemetrySpec(Strict):
+    #: Where OpenTelemetry spans go: none, console (stdout) or otlp (to ``endpoint``).
     exporter: Literal["none", "console", "otlp"] = "none"
+    #: exporter otlp: the collector's OTLP/HTTP URL (default: the OpenTelemetry SDK's).
     endpoint: str | None = None
+    #: ``service.name`` of the spans.
     service_name: str = "inferline"
 
 
@@ -263,7 +306,9 @@ class AuditSpec(Strict):
     journal: str | None = "audit-journal"
     #: HMAC key for signed checkpoints; better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
     checkpoint_key: str | None = None
+    #: Records between signed checkpoints.
     checkpoint_every: PositiveInt = 1000
+    #: How many refused requests are recorded.
     refusals: RefusalsSpec = Field(default_factory=RefusalsSpec)
 
 
@@ -273,6 +318,7 @@ class LimitsSpec(Strict):
     #: database: the server's own database (one machine, or processes sharing one PostgreSQL);
     #: redis: a Redis server shared by every process and machine.
     backend: Literal["database", "redis"] = "database"
+    #: backend redis: the server's URL.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Prefix of every Redis key, so that several deployments can share one Redis.
     prefix: str = "inferline"
@@ -290,7 +336,9 @@ class ReloadSpec(Strict):
 class HttpSpec(Strict):
     """Where and how ``inferline serve`` listens."""
 
+    #: Address to bind; any other than loopback needs ``auth.enabled``.
     host: str = "127.0.0.1"
+    #: Port to bind (0: one the system picks).
     port: int = Field(8000, ge=0, le=65535)
     #: Larger request bodies get 413.
     max_body_bytes: PositiveInt = 1 << 20
@@ -301,15 +349,26 @@ class HttpSpec(Strict):
 class ServerSpec(Strict):
     """``inferline.yaml``: resources shared by every pipeline of one server."""
 
+    #: The models pipelines may name, by name.
     models: dict[str, ModelSpec] = Field(default_factory=dict)
+    #: Vector indexes the ``retrieve`` stage may name, by name.
     indexes: dict[IndexName, IndexSpec] = Field(default_factory=dict)
+    #: SQLAlchemy URL of the audit log, keys and counters: ``sqlite:///file.db`` (relative to this file) or
+    #: ``postgresql+psycopg://...``.
     database: str = "sqlite:///inferline.db"
+    #: The folder of pipeline files, relative to this file.
     pipelines: str = "pipelines/"
+    #: Where traces go.
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    #: The operator's own stage types: ``module`` (its ``register(registry)``) or ``module:Class``.
     plugins: list[str] = Field(default_factory=list)
+    #: API keys.
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    #: Where and how the server listens.
     http: HttpSpec = Field(default_factory=HttpSpec)
+    #: The tamper-evident audit log.
     audit: AuditSpec = Field(default_factory=AuditSpec)
+    #: Where the policy stage's rate-limit and budget counters live.
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     reload: ReloadSpec = Field(default_factory=ReloadSpec)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
@@ -345,12 +404,19 @@ class ServerSpec(Strict):
 class StageSpec(Strict):
     """One entry of a pipeline's ``stages:`` list."""
 
+    #: Unique within the pipeline: lowercase letters, digits, '-' and '_'.
     id: str = Field(pattern=_NAME)
+    #: A registered stage type.
     type: str
+    #: The stage type's own options.
     with_: dict[str, Any] = Field(default_factory=dict, alias="with")
+    #: Run the stage only when this expression holds, e.g. ``tags.tier == 'gold'``.
     when: str | None = None
+    #: Run even after a failure, denial or cancellation (audit).
     always: bool = False
+    #: fail: the request fails; skip: record the error and go on.
     on_error: Literal["fail", "skip"] = "fail"
+    #: A stage running longer is cancelled and counts as failed.
     timeout_s: PositiveFloat | None = None
 
 
@@ -370,10 +436,15 @@ def _known_role(role: str) -> str:
     return role
 
 
+#: One of :data:`ROLES`; editors offer the list (``inferline schema pipeline``).
+Role = Annotated[str, AfterValidator(_known_role), WithJsonSchema({"type": "string", "enum": list(ROLES)})]
+
+
 class AccessSpec(Strict):
     """Who may call the pipeline: keys with one of ``roles`` (admins always may)."""
 
-    roles: list[Annotated[str, AfterValidator(_known_role)]] = Field(default_factory=lambda: ["caller"])
+    #: Roles of the API keys that may call it: caller, auditor, admin.
+    roles: list[Role] = Field(default_factory=lambda: ["caller"])
 
 
 class SLOSpec(Strict):
@@ -389,6 +460,7 @@ class SLOSpec(Strict):
     itl_ms_p95: PositiveFloat | None = None
     #: The whole request, arrival to the final event.
     e2e_ms_p95: PositiveFloat | None = None
+    #: The most one request may cost.
     max_cost_usd_per_request: PositiveFloat | None = None
 
     @model_validator(mode="after")
@@ -402,12 +474,17 @@ class SLOSpec(Strict):
 class PipelineSpec(Strict):
     """One pipeline file: one endpoint."""
 
+    #: The pipeline's endpoint, /pipelines/<name>: lowercase letters, digits, '-' and '_'.
     name: str = Field(pattern=_NAME)
+    #: What it does, for the console and the API's listing.
     description: str = ""
+    #: A label recorded in traces and audit records.
     version: str = "1"
+    #: Who may call it.
     access: AccessSpec = Field(default_factory=AccessSpec)
     #: Objectives that serving, ``inferline load`` and ``inferline plan`` measure attainment against.
     slo: SLOSpec | None = None
+    #: What a request goes through, in order.
     stages: list[StageSpec] = Field(min_length=1)
 
     @field_validator("stages", mode="before")

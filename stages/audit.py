@@ -37,7 +37,9 @@ _POLICY_STRENGTH = {"block": 3, "redact": 2, "flag": 1, "allow": 0}
 
 
 class AuditConfig(NoConfig):
+    #: What the record keeps of the input and output: full text, redacted text, or only a SHA-256 hash.
     content: Literal["full", "redacted", "hash"] = "hash"
+    #: How long ``inferline audit prune`` keeps this pipeline's records.
     retention_days: int = Field(365, ge=1)
 
 

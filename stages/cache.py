@@ -65,22 +65,31 @@ STORED_FINISH_REASONS = ("stop", "length")
 
 
 class SemanticConfig(NoConfig):
+    #: On an exact miss, replay the answer to a similar enough earlier message.
     enabled: bool = False
     #: Cosine similarity (of unit MiniLM vectors) at or above which a stored answer is replayed.
     threshold: float = Field(0.92, gt=0, le=1)
+    #: Messages the semantic index holds; the least recently used go first.
     max_entries: int = Field(2000, ge=1)
 
 
 class CacheConfig(NoConfig):
+    #: Where answers are kept: this process's memory, or a Redis server shared by every process.
     backend: Literal["memory", "redis"] = "memory"
+    #: backend redis: the server's URL.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: backend redis: the prefix of every key.
     prefix: str = Field("inferline", min_length=1)
+    #: How long a stored answer is served.
     ttl_s: float = Field(3600, gt=0)
+    #: backend memory: answers kept; the least recently used go first.
     max_entries: int = Field(10_000, ge=1)
+    #: Larger answers are not stored.
     max_entry_bytes: int = Field(65_536, ge=64)
     #: Serve one tenant's cached answers to another (faster, but a tenant could tell by the speed
     #: what another asked: the prefix cache's isolate_tenants would be undone). Off by default.
     share_across_tenants: bool = False
+    #: The semantic cache (by embedding similarity).
     semantic: SemanticConfig = Field(default_factory=SemanticConfig)
 
 

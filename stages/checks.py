@@ -58,29 +58,38 @@ class _Check(BaseModel):
 
 
 class ExactCheck(_Check):
+    #: The check type: the answer, stripped, is exactly ``value``.
     type: Literal["exact"]
+    #: The expected answer.
     value: str
 
 
 class NormalizedCheck(_Check):
+    #: The check type: equal after lowercasing and dropping punctuation, articles and extra spaces.
     type: Literal["normalized"]
     #: One accepted answer, or several (any of them).
     value: str | list[str]
 
 
 class ContainsCheck(_Check):
+    #: The check type: the answer contains ``value`` (a substring, or several).
     type: Literal["contains"]
+    #: A substring, or several.
     value: str | list[str]
     #: all: every value must appear; any: one is enough.
     mode: Literal["all", "any"] = "all"
+    #: Match letters' case too.
     case_sensitive: bool = False
 
 
 class RegexCheck(_Check):
+    #: The check type: the answer matches ``pattern``.
     type: Literal["regex"]
+    #: A Python regular expression, searched for in the answer.
     pattern: str
     #: The whole answer (stripped) must match, not only a part of it.
     full: bool = False
+    #: Match letters regardless of case.
     ignore_case: bool = False
 
     @field_validator("pattern")
@@ -94,6 +103,7 @@ class RegexCheck(_Check):
 
 
 class JsonSchemaCheck(_Check):
+    #: The check type: the answer is JSON valid against ``schema``.
     type: Literal["json_schema"]
     #: The JSON Schema the answer must satisfy; {} accepts any JSON value.
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -109,13 +119,16 @@ class JsonSchemaCheck(_Check):
 
 
 class SimilarityCheck(_Check):
+    #: The check type: the answer's meaning is close to ``reference``.
     type: Literal["similarity"]
+    #: The reference answer.
     reference: str = Field(min_length=1)
     #: Cosine similarity of the two sentence embeddings (all-MiniLM-L6-v2) that passes.
     min_score: float = Field(0.7, ge=-1, le=1)
 
 
 class CitationCheck(_Check):
+    #: The check type: the sources the answer cites are on the expected page.
     type: Literal["citation"]
     #: The page (document id, e.g. ``billing-and-plans``, or its file) the answer must cite; or several.
     page: str | list[str]
@@ -124,14 +137,18 @@ class CitationCheck(_Check):
 
 
 class JudgeCheck(_Check):
+    #: The check type: another pipeline grades the answer.
     type: Literal["judge"]
     #: The pipeline that grades (served beside this one): it gets the answer as ``input`` and
     #: ``tags.question``, ``tags.reference``, ``tags.rubric``; the first number it answers is the score.
     pipeline: str = Field("judge", pattern=r"^[a-z][a-z0-9_-]*$")
+    #: What the judge grades against (sent as ``tags.rubric``).
     rubric: str | None = None
     #: A reference answer for the judge to compare with (a dataset case's ``reference`` by default).
     reference: str | None = None
+    #: The lowest grade that passes.
     min_score: float = 4.0
+    #: The highest grade the judge gives (the score is grade / max_score).
     max_score: float = Field(5.0, gt=0)
 
 

@@ -38,10 +38,13 @@ _CODE = re.compile(r"\bS\d+\b")
 
 
 class ClassifierConfig(NoConfig):
+    #: The guard model: one of inferline.yaml's models.
     model: ModelRef
+    #: What happens to a message scored unsafe: block it, flag it in the trace and audit, or allow it.
     action: Literal["block", "flag", "allow"] = "block"
     #: Score (probability of "unsafe") at or above which the action applies.
     threshold: float = Field(0.5, ge=0, le=1)
+    #: Unsafe categories by code, shown to the model (default: Llama Guard's, shortened).
     categories: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORIES))
 
 

@@ -73,8 +73,11 @@ _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 class OutputSpec(NoConfig):
     """What the output must be: exactly one of a JSON Schema, a regular expression, or one of fixed strings."""
 
+    #: The output is JSON valid against this schema.
     json_schema: dict[str, Any] | None = None
+    #: The output matches this regular expression.
     regex: str | None = None
+    #: The output is exactly one of these strings.
     choice: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
@@ -91,6 +94,7 @@ class OutputSpec(NoConfig):
 class PipelineOutput(OutputSpec):
     """A pipeline's own ``output``, and whether a caller's may replace it."""
 
+    #: Let a caller's own ``output`` (or response_format) replace this one.
     caller_may_override: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,17 +104,29 @@ class PipelineOutput(OutputSpec):
 class Sampling(NoConfig):
     """Sampling options, validated both in YAML and in a caller's overrides."""
 
+    #: The most tokens generated.
     max_tokens: int = Field(256, ge=1)
+    #: Randomness of sampling; 0 is greedy (always the likeliest token).
     temperature: float = Field(1.0, ge=0)
+    #: Sample from the smallest set of tokens whose probabilities add up to this (1: all).
     top_p: float = Field(1.0, gt=0, le=1)
+    #: Sample from the k likeliest tokens (0: all).
     top_k: int = Field(0, ge=0)
+    #: Leave out tokens less likely than this fraction of the likeliest one's probability (0: none).
     min_p: float = Field(0.0, ge=0, le=1)
+    #: Above 1, tokens already in the prompt or output become less likely.
     repetition_penalty: float = Field(1.0, gt=0)
+    #: Lowers the logits of tokens that already appeared in the output (OpenAI's).
     presence_penalty: float = Field(0.0, ge=-2, le=2)
+    #: Lowers the logits of tokens by how often they appeared in the output (OpenAI's).
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    #: Same seed and prompt, same output.
     seed: int | None = None
+    #: Token ids that end generation (besides the model's end-of-sequence token).
     stop_token_ids: list[int] = Field(default_factory=list)
+    #: Keep generating past the end-of-sequence token, up to ``max_tokens``.
     ignore_eos: bool = False
+    #: Return this many most likely tokens' log-probabilities with each token.
     logprobs: int | None = Field(None, ge=0, le=20)
     #: Let the model's speculative decoding (inferline.yaml) guess tokens: same output, only speed differs.
     speculative: bool = True
@@ -119,10 +135,13 @@ class Sampling(NoConfig):
 
 
 class GenerateConfig(Sampling):
+    #: Constrained decoding: the output is guaranteed to match (local models).
     output: PipelineOutput | None = None
+    #: The sampling options a caller's ``params`` may override (``max_tokens`` never above this stage's).
     client_params: list[str] = Field(
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "logprobs", "output"])
+    #: Tenants never share prefix-cache blocks (one cannot time another's prompts).
     isolate_tenants: bool = False
     #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).
     priority: Literal["interactive", "batch"] = "interactive"

@@ -35,8 +35,11 @@ DAY_S = 86_400
 
 
 class LimitValues(NoConfig):
+    #: Requests per minute.
     requests_per_minute: PositiveInt | None = None
+    #: Prompt and output tokens per UTC day.
     tokens_per_day: PositiveInt | None = None
+    #: USD spent per UTC day.
     cost_per_day_usd: PositiveFloat | None = None
 
 

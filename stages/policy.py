@@ -51,7 +51,9 @@ PiiType = Literal["email", "phone", "card", "iban", "ssn", "ip", "secret"]
 
 
 class PiiConfig(NoConfig):
+    #: What happens to personal data found: block the request, redact it, flag it, or allow it.
     action: Action = "redact"
+    #: The kinds of personal data looked for.
     types: list[PiiType] = Field(default_factory=lambda: list(PII_TYPES))
     #: Actions for particular types, e.g. ``{card: block}``.
     per_type: dict[PiiType, Action] = Field(default_factory=dict)
@@ -64,12 +66,17 @@ def _shorthand(value: Any) -> Any:
 
 
 class DenyRuleConfig(NoConfig):
+    #: The rule's name, recorded when it fires.
     id: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
+    #: Recorded with the decision (security, safety, business...).
     category: str = "denied"
     #: Told to the client when the rule blocks (never the matched text).
     message: str = ""
+    #: Phrases that trigger the rule (case-insensitive).
     keywords: list[str] = Field(default_factory=list)
+    #: Regular expressions that trigger the rule (case-insensitive).
     regex: list[str] = Field(default_factory=list)
+    #: What happens when it fires: block, redact, flag or allow.
     action: Action = "block"
 
     def rule(self) -> DenyRule:
@@ -92,12 +99,14 @@ BUILTIN_DENY = {
 
 
 class InjectionConfig(NoConfig):
+    #: What happens to a likely prompt injection: block, redact, flag or allow.
     action: Action = "block"
     #: The combined heuristic score (0..1) at or above which the action applies.
     threshold: float = Field(0.5, ge=0, le=1)
 
 
 class OutputConfig(NoConfig):
+    #: What happens to personal data in the answer: block, redact, flag or allow.
     pii: Action = "redact"
     #: Apply the input's deny rules to the output too.
     deny: bool = True
@@ -106,19 +115,31 @@ class OutputConfig(NoConfig):
 
 
 class PolicyConfig(NoConfig):
+    #: Only keys of these roles may call (admins always may), beyond the pipeline's ``access.roles``.
     roles: list[str] | None = None
+    #: Only these API key ids may call (default: any key).
     keys: list[str] | None = None
+    #: Longer prompts are refused (400).
     max_input_tokens: PositiveInt | None = None
+    #: Generation is capped here.
     max_output_tokens: PositiveInt | None = None
+    #: Rate limits and budgets, counted before any prefill.
     limits: LimitsConfig | None = None
+    #: Input rail: personal data in the messages; an action alone (``pii: redact``) or its options.
     pii: PiiConfig | None = None
+    #: Input rails: built-in rule sets by name (credentials, malware) or rules of your own.
     deny: list[DenyRuleConfig | str] = Field(default_factory=list)
+    #: Input rail: prompt-injection heuristics; an action alone (``injection: block``) or its options.
     injection: InjectionConfig | None = None
+    #: Input rail: a guard model that scores each user message.
     classifier: ClassifierConfig | None = None
+    #: Output rails, applied by the ``stream`` stage.
     output: OutputConfig | None = None
 
-    _pii = field_validator("pii", mode="before")(_shorthand)
-    _injection = field_validator("injection", mode="before")(_shorthand)
+    # The shorthands are part of the schema editors check (``inferline schema pipeline``), not only accepted.
+    _pii = field_validator("pii", mode="before", json_schema_input_type=PiiConfig | Action | None)(_shorthand)
+    _injection = field_validator("injection", mode="before",
+                                 json_schema_input_type=InjectionConfig | Action | None)(_shorthand)
 
     def deny_rules(self) -> list[DenyRuleConfig]:
         return [BUILTIN_DENY[r] if isinstance(r, str) else r for r in self.deny if not isinstance(r, str)

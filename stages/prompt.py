@@ -40,9 +40,14 @@ from stages.engines import engine_for
 
 
 class PromptConfig(NoConfig):
+    #: The system message template (sandboxed Jinja over context fields); set, it replaces the client's own system
+    #: messages.
     system: str | None = None
+    #: The user message template.
     user: str = "{{ input }}"
+    #: Keep the client's earlier turns.
     history: bool = True
+    #: The line above retrieved documents when they are appended to the system message.
     sources_heading: str = "Answer from these numbered sources and cite them as [n]:"
     #: Token budget for retrieved documents in the prompt (the model's tokenizer); the lowest-ranked
     #: documents that do not fit are left out. Default: no budget.

@@ -34,10 +34,15 @@ from pipeline.template import Template, compile_template
 
 
 class RetrieveConfig(NoConfig):
+    #: One of inferline.yaml's indexes.
     index: IndexRef
+    #: Documents returned.
     top_k: int = Field(4, ge=1, le=100)
+    #: Leave out documents scored below this (cosine similarity).
     min_score: float | None = Field(None, ge=-1, le=1)
+    #: What is searched for: a template over context fields.
     query: str = "{{ input }}"
+    #: Only documents whose doc_id, path or title matches the glob pattern (or one of several).
     filters: dict[Literal["doc_id", "path", "title"], str | list[str]] = Field(default_factory=dict)
 
     @cached_property

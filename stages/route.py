@@ -49,8 +49,11 @@ from stages.engines import engine_for
 
 
 class Rule(NoConfig):
+    #: An expression over context fields, e.g. ``prompt_tokens > 1500``.
     when: str
+    #: The model a matching request goes to.
     model: ModelRef
+    #: Recorded with the decision.
     reason: str = ""
 
     @cached_property
@@ -59,21 +62,34 @@ class Rule(NoConfig):
 
 
 class Arm(NoConfig):
+    #: The arm's model.
     model: ModelRef
+    #: Its share of requests, relative to the other arms' weights.
     weight: PositiveFloat
 
 
 class RouteConfig(NoConfig):
+    #: The first rule whose ``when`` holds picks the model.
     rules: list[Rule] = Field(default_factory=list)
+    #: Weighted A/B or canary: each request goes to an arm by weight.
     split: list[Arm] = Field(default_factory=list)
+    #: split: the same caller always gets the same arm.
     sticky: bool = False
+    #: Equivalent models: the least busy one is picked.
     balance: list[ModelRef] = Field(default_factory=list)
+    #: balance: waiting (queue, then running) or ttft (recent time to first token).
     balance_by: Literal["waiting", "ttft"] = "waiting"
+    #: The model when no rule, split or balance applies (default: the server's first model).
     default: ModelRef | None = None
+    #: Models tried in order when the chosen one fails, times out or is full.
     fallback: list[ModelRef] = Field(default_factory=list)
+    #: Extra attempts on the same model before falling back.
     retries: int = Field(0, ge=0, le=5)
+    #: A failing model is left out for this long.
     cooldown_s: float = Field(30.0, ge=0)
+    #: A model silent this long counts as failed.
     first_token_timeout_s: PositiveFloat | None = None
+    #: A prompt too long for the chosen model goes to one it fits (else it is refused).
     context_check: bool = True
     #: Output tokens a model's window must have room for, on top of the prompt.
     reserve_output_tokens: int = Field(256, ge=0)

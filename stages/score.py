@@ -35,7 +35,9 @@ from stages.checks import Answer, CheckDeps, ReferenceFreeCheck, evaluate
 
 
 class ScoreConfig(NoConfig):
+    #: The fraction of requests scored (0..1), chosen by request id.
     sample_rate: float = Field(ge=0, le=1)
+    #: Checks that need no reference answer: json_schema, regex, judge.
     checks: list[ReferenceFreeCheck] = Field(min_length=1)
 
 

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 class StreamConfig(NoConfig):
+    #: Stop strings, matched across chunks (they are not sent).
     stop: list[str] = Field(default_factory=list)
     #: With generate's ``output:``, generate again up to this many times when a complete answer does not
     #: match (for backends that do not enforce the constraint: a remote server may ignore it). The text is

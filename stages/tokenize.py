@@ -34,8 +34,11 @@ from stages.tools import prompt_encoder
 
 
 class TokenizeConfig(NoConfig):
+    #: Whose chat template and tokenizer (default: the routed model, else the server's first model).
     model: ModelRef | None = None
+    #: Longer prompts are refused, or trimmed with ``overflow: drop_oldest``.
     max_input_tokens: int | None = Field(None, gt=0)
+    #: error: refuse a prompt over the limit; drop_oldest: drop the oldest non-system turns until it fits.
     overflow: Literal["error", "drop_oldest"] = "error"
 
 

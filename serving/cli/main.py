@@ -3,6 +3,7 @@
     inferline serve [--config FILE] [--host H] [--port P] [--ray]   serve every pipeline over HTTP
     inferline deploy [--config FILE] [--output serve.yaml]  write a Ray Serve config for `serve deploy`
     inferline validate PATH...                  check pipeline files (or folders of them)
+    inferline schema pipeline|server [-o FILE]  the JSON Schema of pipeline files or inferline.yaml, for editors
     inferline run PIPELINE --input TEXT [--tag K=V] [--param K=V]   run one request in-process
     inferline keys create|list|revoke           manage API keys
     inferline audit query|show|summary|verify|export|access|prune|hold   read and keep the audit log
@@ -29,6 +30,7 @@ from serving.cli.eval import add_eval_parser
 from serving.cli.index import add_index_parser
 from serving.cli.keys import add_keys_parser
 from serving.cli.run import add_run_parser
+from serving.cli.schema import add_schema_parser
 from serving.runtime.calls import check_calls
 from serving.runtime.workspace import open_workspace
 
@@ -91,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(validate)
     validate.set_defaults(handler=_validate)
 
+    add_schema_parser(sub, _config_option)
     add_run_parser(sub, _config_option)
     add_keys_parser(sub)
     add_audit_parser(sub)

@@ -372,3 +372,15 @@ def test_server_config_loads_the_repository_default():
 def test_pipeline_roles_are_the_key_roles():
     # pipeline/ and store/ import nothing of ours, so each declares the roles; they must stay one list.
     assert ROLES == KEY_ROLES
+
+
+def test_the_schema_line_leaves_error_positions_exact(registry):
+    # Every example opens with `# yaml-language-server: $schema=...`: an error below it still names its own line.
+    text = (Path(__file__).parents[2] / "pipelines" / "hello.yaml").read_text(encoding="utf-8")
+    assert text.startswith("# yaml-language-server: $schema=")
+    lines = text.replace("    type: prompt", "    type: promtp").splitlines(keepends=True)
+    row = next(i for i, line in enumerate(lines) if "promtp" in line)
+    with pytest.raises(SpecError) as info:
+        load_pipeline_text("".join(lines), "hello.yaml", registry)
+    assert str(info.value.issues[0]).startswith(f"hello.yaml:{row + 1}:{lines[row].index('promtp') + 1}: "
+                                                "stages[0].type: unknown stage type 'promtp'")
