@@ -370,6 +370,7 @@ class ServerSpec(Strict):
     audit: AuditSpec = Field(default_factory=AuditSpec)
     #: Where the policy stage's rate-limit and budget counters live.
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    #: How ``inferline serve`` follows its pipelines folder: watched, and reloaded on SIGHUP.
     reload: ReloadSpec = Field(default_factory=ReloadSpec)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit

@@ -91,7 +91,7 @@ def workspace() -> Workspace:
 @pytest.fixture(scope="module")
 def served(workspace: Workspace) -> list[str]:
     """The names of the pipelines the project serves, beside which an example is served (its judges)."""
-    return [pipeline.spec.name for pipeline in workspace.load_all()]
+    return [pipeline.spec.name for pipeline in workspace.load_pipelines()]
 
 
 def test_the_pages_have_examples():
@@ -257,7 +257,7 @@ def load_stages_example(block: Block, data: list[dict[str, Any]], at: Context) -
 
 def _load(at: Context, file: Path) -> None:
     """As ``inferline validate`` loads a file: the workspace's loader, then the judges it calls."""
-    loaded = at.workspace.load(file)
+    loaded = at.workspace.load_pipeline(file)
     check_calls([loaded], [*at.served, loaded.spec.name])
 
 

@@ -164,11 +164,13 @@ class PipelineReloader:
             return ""
         self.errors.pop(str(path), None)
         name = self._swap(path, loaded)
-        self.reload_seconds.observe(time.perf_counter() - started)
+        took_s = time.perf_counter() - started
+        self.reload_seconds.observe(took_s)
         self.reloads.labels("loaded").inc()
         await self.runtime.record_version(loaded)
-        logger.info("pipelines: %s %s from %s (version %s, sha256 %s)", "loaded" if seen is None else "reloaded",
-                    name, path.name, loaded.spec.version or "-", loaded.sha256[:12])
+        logger.info("pipelines: %s %s from %s in %.1f ms (version %s, sha256 %s)",
+                    "loaded" if seen is None else "reloaded", name, path.name, took_s * 1e3,
+                    loaded.spec.version or "-", loaded.sha256[:12])
         return name
 
     def _check_beside_the_others(self, loaded: LoadedPipeline, path: Path) -> None:
