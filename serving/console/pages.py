@@ -59,8 +59,10 @@ async def pipelines_page(request: Request) -> Response[str]:
     console = Console.of(request)
     session = await console.session(request, _PIPELINE_ROLES, "list pipelines")
     served = [describe(p) for p in console.state.executor.pipelines.values()]
+    reloader = console.state.reloader
+    errors = sorted(reloader.errors.values(), key=lambda e: e.file) if reloader else []
     return console.page(request, session, "pipelines.html", pipelines=sorted(served, key=lambda p: p["name"]),
-                        ready=console.state.ready)
+                        ready=console.state.ready, reload_errors=errors)
 
 
 @get("/pipelines/{name:str}", name="console-pipeline")
@@ -74,8 +76,9 @@ async def pipeline_page(request: Request, name: FromPath[str]) -> Response[str]:
         stage["config_yaml"] = yaml.safe_dump(stage["with"], sort_keys=False, allow_unicode=True).strip() \
             if stage["with"] else ""
     roles = pipeline.spec.access.roles
+    reload_error = console.state.reloader.error_for(name) if console.state.reloader else None
     return console.page(request, session, "pipeline.html", pipeline=described,
-                        may_call=session.can(*roles), call_roles=roles)
+                        may_call=session.can(*roles), call_roles=roles, reload_error=reload_error)
 
 
 @get("/traces", name="console-traces")

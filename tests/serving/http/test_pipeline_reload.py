@@ -44,6 +44,9 @@ def test_the_served_pipelines_follow_the_folder(tmp_path, monkeypatch):
         assert described["issues"][0]["line"] == 8 and "max_tokens" in described["issues"][0]["loc"]
         assert client.post("/pipelines/chat", json={"input": "Capital?"}).status_code == 200  # still served
         assert client.get("/pipelines").json()["reload_errors"][0]["pipeline"] == "chat"
+        for page in ("/ui/pipelines", "/ui/pipelines/chat"):  # the console shows it too
+            html = client.get(page).text
+            assert "keeps serving its running version" in html and "chat.yaml:8:" in html
         metrics = client.get("/metrics").text
         assert 'inferline_pipeline_reloads_total{result="invalid"} 1.0' in metrics
 
