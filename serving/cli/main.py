@@ -29,6 +29,7 @@ from serving.cli.capacity import add_capacity_parsers
 from serving.cli.eval import add_eval_parser
 from serving.cli.index import add_index_parser
 from serving.cli.keys import add_keys_parser
+from serving.cli.pipelines import add_pipelines_parser
 from serving.cli.run import add_run_parser
 from serving.cli.schema import add_schema_parser
 from serving.runtime.calls import check_calls
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schema_parser(sub, _config_option)
     add_run_parser(sub, _config_option)
     add_keys_parser(sub)
+    add_pipelines_parser(sub)
     add_audit_parser(sub)
     add_index_parser(sub)
     add_eval_parser(sub)

@@ -29,7 +29,7 @@ from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
 from serving.engine.heap import freeze_startup_heap, thaw
-from serving.http import audit_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
+from serving.http import audit_routes, deploy_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
 from serving.http.auth import Authenticator
 from serving.http.metrics import HttpMetrics
 from serving.http.problems import Problem, from_error, title_for
@@ -103,7 +103,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                     thaw()
 
     app = Litestar(
-        route_handlers=[*pipeline_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES, *ops_routes.ROUTES,
+        route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES,
+                        *ops_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
         state=State({"inferline": state}),
@@ -120,7 +121,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                                      security=openapi.SECURITY if server.auth.enabled else None),
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
-                               schemas.CompletionRequest)
+                               schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest)
     return app
 
 

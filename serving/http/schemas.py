@@ -186,3 +186,20 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str
+
+
+# -- deploying pipeline versions ----------------------------------------------------------------
+
+
+class DeployRequest(BaseModel):
+    """The body of ``POST /pipelines/{name}/versions``."""
+
+    model_config = ConfigDict(extra="forbid")
+    yaml: str = Field(min_length=1, max_length=1 << 20, description="The pipeline file, as YAML text.")
+
+
+class ActivateRequest(BaseModel):
+    """The body of ``POST /pipelines/{name}/activate``."""
+
+    model_config = ConfigDict(extra="forbid")
+    spec_sha256: str = Field(min_length=6, max_length=64, description="The version's spec hash (or a prefix).")

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,6 +128,40 @@ class PipelineReloader:
         """Wait for the retiring versions to close (their requests end first)."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    def file_of(self, name: str) -> Path | None:
+        """The file that serves pipeline *name*, if one does."""
+        return next((path for path, served in self._served.items() if served == name), None)
+
+    async def install(self, name: str, text: str, deployed_by: str) -> LoadedPipeline:
+        """Make *text* pipeline *name*'s file and serve it now (a deploy, an activation or a rollback
+        through the API). It is checked first, as a file edit is; :class:`SpecError` if it does not load,
+        and then nothing is written."""
+        async with self._lock:
+            path = self.file_of(name) or (self.folder / f"{name}.yaml").resolve()
+            loaded = await asyncio.to_thread(self.runtime.workspace.load_pipeline_text, text, str(path))
+            if loaded.spec.name != name:
+                line, col = loaded.name_at
+                raise SpecError([SpecIssue(str(path), line, col, "name",
+                                           f"this file is pipeline {loaded.spec.name!r}, not {name!r}: "
+                                           f"a version of {name!r} says name: {name}")])
+            self._check_beside_the_others(loaded, path)
+            await self.runtime.record_version(loaded, deployed_by)
+            staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.yaml: the watcher skips it
+            await asyncio.to_thread(staged.write_text, text)
+            await asyncio.to_thread(os.replace, staged, path)
+        await self.reload()
+        return loaded
+
+    async def remove(self, name: str) -> bool:
+        """Delete pipeline *name*'s file and retire it (its requests in flight finish); False if none."""
+        async with self._lock:
+            path = self.file_of(name)
+            if path is None:
+                return False
+            await asyncio.to_thread(path.unlink, True)
+        await self.reload()
+        return True
 
     def error_for(self, name: str) -> ReloadError | None:
         """The failed edit of the file that serves pipeline *name*, if its last edit failed."""

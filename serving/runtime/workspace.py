@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import InvalidInput, SpecError, SpecIssue
-from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_server, name_clash
+from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_pipeline_text, load_server, name_clash
 from pipeline.registry import StageRegistry
 from pipeline.spec import ServerSpec
 from serving.engine.constraints import compile_error
@@ -44,6 +44,12 @@ class Workspace:
         # A pipeline's own output: is compiled as the engines would, here at load, so that a broken one
         # never reaches a request (where it would read as the caller's mistake).
         return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=compile_error))
+
+    def load_pipeline_text(self, text: str, file: str) -> LoadedPipeline:
+        """A pipeline from its YAML *text* (a deploy through the API), checked as :meth:`load_pipeline` does;
+        *file* is the name its errors carry."""
+        catalog = replace(catalog_of(self.server), check_output=compile_error)
+        return load_pipeline_text(text, file, self.registry, catalog)
 
     def load_pipelines(self) -> list[LoadedPipeline]:
         """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""

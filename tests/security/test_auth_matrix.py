@@ -27,6 +27,7 @@ PUBLIC = "public"
 SIGNED_IN = "signed in"
 CALLERS = ("caller",)  # the `chat` pipeline's access.roles (tests/security/secured_app.py)
 REVIEWERS = ("auditor",)
+ADMINS = ()  # admins only (an admin may call every route)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/pipelines"): (("caller", "auditor"), Call("/pipelines")),
     ("GET", "/pipelines/{name:str}"): (("caller", "auditor"), Call("/pipelines/chat")),
     ("POST", "/pipelines/{name:str}"): (CALLERS, Call("/pipelines/chat", json=CHAT)),
+    # Deploy routes, called so that an admin's call changes nothing (the pipeline does not exist).
+    ("GET", "/pipelines/{name:str}/versions"): (ADMINS, Call("/pipelines/nope/versions")),
+    ("POST", "/pipelines/{name:str}/versions"): (ADMINS, Call("/pipelines/nope/versions", json={"yaml": "x: ["})),
+    ("POST", "/pipelines/{name:str}/activate"): (ADMINS, Call("/pipelines/nope/activate",
+                                                              json={"spec_sha256": "ffffff"})),
+    ("POST", "/pipelines/{name:str}/rollback"): (ADMINS, Call("/pipelines/nope/rollback")),
+    ("DELETE", "/pipelines/{name:str}"): (ADMINS, Call("/pipelines/nope")),
     ("POST", "/v1/chat/completions"): (CALLERS, Call("/v1/chat/completions", json=OPENAI_CHAT)),
     ("POST", "/v1/completions"): (CALLERS, Call("/v1/completions", json={"model": "chat", "prompt": "hello"})),
     ("GET", "/v1/models"): (("caller", "auditor"), Call("/v1/models")),

@@ -1,0 +1,162 @@
+"""Shipping pipeline versions through the API (``admin`` only); ``inferline pipelines`` is its CLI.
+
+    GET    /pipelines/{name}/versions            every version kept, newest first; which one serves
+    POST   /pipelines/{name}/versions            {"yaml": "..."}: deploy a new version and serve it
+    POST   /pipelines/{name}/activate            {"spec_sha256": "..."}: serve a version kept before
+    POST   /pipelines/{name}/rollback            serve the version kept before the one serving now
+    DELETE /pipelines/{name}                     retire the pipeline (its requests in flight finish)
+
+The pipelines folder stays the one source of truth: a deploy writes the pipeline's file (checked
+first, exactly as an edit is; nothing is written when it does not load) and the hot reload swaps it
+in, so a restart serves what was deployed and every server process watching the folder follows.
+Every action is an audit record of its own (who, what, which version before and after), chained
+like every other: pipeline ``name``, status ``ok``, a policy entry with rule ``deploy``,
+``activate``, ``rollback`` or ``retire``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from litestar import Request, delete, get, post
+from litestar.params import FromPath, JSONBody
+
+from pipeline.context import Principal
+from pipeline.errors import SpecError
+from serving.http.openapi import problems
+from serving.http.problems import Problem
+from serving.http.schemas import ActivateRequest, DeployRequest
+from serving.http.state import AppState
+from serving.runtime.reloader import PipelineReloader
+from store.pipeline_versions import PipelineVersion, PipelineVersions
+
+ADMIN = ("admin",)
+
+
+async def _admin(request: Request, what: str) -> tuple[AppState, PipelineReloader, PipelineVersions, Principal | None]:
+    state = AppState.of(request)
+    principal = await state.auth.authorize(request, ADMIN, what)
+    reloader, versions = state.reloader, state.reloader.runtime.versions if state.reloader else None
+    if reloader is None or versions is None:
+        raise Problem(503, "Backend unavailable", "pipeline versions are not kept by this server", "backend_error")
+    return state, reloader, versions, principal
+
+
+def _version_json(version: PipelineVersion, serving: str | None) -> dict[str, Any]:
+    return {"pipeline": version.name, "version": version.label, "spec_sha256": version.spec_sha256,
+            "source": version.source, "deployed_by": version.deployed_by,
+            "deployed_at": version.deployed_at.isoformat(), "active": version.spec_sha256 == serving}
+
+
+def _serving(state: AppState, name: str) -> str | None:
+    pipeline = state.executor.pipelines.get(name)
+    return pipeline.loaded.sha256 if pipeline is not None else None
+
+
+@get("/pipelines/{name:str}/versions", summary="List a pipeline's versions (admin)", tags=["deploy"],
+     responses=problems(401, 403, 404, 503))
+async def list_versions(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, _, versions, _ = await _admin(request, "list pipeline versions")
+    found = await asyncio.to_thread(versions.list, name)
+    if not found and name not in state.executor.pipelines:
+        raise Problem(404, "Not found", f"no pipeline {name!r} and no version of one", "pipeline_not_found")
+    serving = _serving(state, name)
+    return {"pipeline": name, "serving": serving, "versions": [_version_json(v, serving) for v in found]}
+
+
+@post("/pipelines/{name:str}/versions", summary="Deploy a new version of a pipeline and serve it (admin)",
+      tags=["deploy"], status_code=201, responses=problems(400, 401, 403, 413, 422, 503))
+async def deploy(name: FromPath[str], data: JSONBody[DeployRequest], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "deploy pipelines")
+    return await _install(state, reloader, versions, principal, name, data.yaml, "deploy")
+
+
+@post("/pipelines/{name:str}/activate", summary="Serve a version kept before (admin)", tags=["deploy"],
+      status_code=200, responses=problems(400, 401, 403, 404, 422, 503))
+async def activate(name: FromPath[str], data: JSONBody[ActivateRequest], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "activate pipeline versions")
+    matches = [v for v in await asyncio.to_thread(versions.list, name) if v.spec_sha256.startswith(data.spec_sha256)]
+    if len(matches) != 1:
+        what = "no version" if not matches else f"{len(matches)} versions"
+        raise Problem(404 if not matches else 400, "Not found" if not matches else "Bad request",
+                      f"{what} of {name!r} with spec_sha256 {data.spec_sha256!r}", "version_not_found")
+    return await _install(state, reloader, versions, principal, name, matches[0].text, "activate")
+
+
+@post("/pipelines/{name:str}/rollback", summary="Serve the version kept before the one serving now (admin)",
+      tags=["deploy"], status_code=200, responses=problems(401, 403, 404, 409, 503))
+async def rollback(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "roll back pipelines")
+    kept = await asyncio.to_thread(versions.list, name)
+    serving = _serving(state, name)
+    position = next((i for i, v in enumerate(kept) if v.spec_sha256 == serving), None)
+    if position is None:
+        raise Problem(404, "Not found", f"pipeline {name!r} is not served from a kept version", "pipeline_not_found")
+    if position + 1 >= len(kept):
+        raise Problem(409, "Conflict", f"pipeline {name!r} serves its oldest kept version: nothing to roll back to",
+                      "nothing_to_roll_back")
+    return await _install(state, reloader, versions, principal, name, kept[position + 1].text, "rollback")
+
+
+@delete("/pipelines/{name:str}", summary="Retire a pipeline (admin); its versions stay kept", tags=["deploy"],
+        status_code=200, responses=problems(401, 403, 404, 503))
+async def retire(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, reloader, _, principal = await _admin(request, "retire pipelines")
+    before = state.executor.pipelines.get(name)
+    if before is None or not await reloader.remove(name):
+        raise Problem(404, "Not found", f"no pipeline {name!r} is served from the pipelines folder",
+                      "pipeline_not_found")
+    await _audit(state, principal, "retire", name, before.spec.version, before.loaded.sha256, "", "")
+    return {"pipeline": name, "retired": True, "spec_sha256": before.loaded.sha256}
+
+
+async def _install(state: AppState, reloader: PipelineReloader, versions: PipelineVersions,
+                   principal: Principal | None, name: str, text: str, action: str) -> dict[str, Any]:
+    before = state.executor.pipelines.get(name)
+    by = principal.key_id if principal is not None else "anonymous"
+    try:
+        loaded = await reloader.install(name, text, by)
+    except SpecError as exc:
+        raise Problem(400, "Invalid pipeline", str(exc), "invalid_pipeline",
+                      extra={"issues": [{"line": i.line, "col": i.col, "loc": i.loc, "message": i.message}
+                                        for i in exc.issues]}) from exc
+    except OSError as exc:
+        raise Problem(503, "Backend unavailable", f"the pipelines folder cannot be written: {exc}",
+                      "backend_error") from exc
+    serving = _serving(state, name)
+    if serving != loaded.sha256:
+        raise Problem(409, "Conflict", f"pipeline {name!r} did not switch to {loaded.sha256[:12]} (the folder "
+                      "changed meanwhile?)", "deploy_conflict")
+    await _audit(state, principal, action, name, loaded.spec.version, loaded.sha256,
+                 before.spec.version if before else "", before.loaded.sha256 if before else "")
+    version = await asyncio.to_thread(versions.by_sha256, loaded.sha256, name)
+    assert version is not None  # recorded by install
+    return {**_version_json(version, serving), "previous_spec_sha256": before.loaded.sha256 if before else None}
+
+
+async def _audit(state: AppState, principal: Principal | None, action: str, name: str, version: str, sha256: str,
+                 before_version: str, before_sha256: str) -> None:
+    """The action as an audit record of its own, chained like a request's."""
+    if state.audit_sink is None:
+        return
+    now = datetime.now(UTC)
+    was = f"version {before_version} ({before_sha256[:12]})" if before_sha256 else "nothing"
+    now_serving = f"version {version} ({sha256[:12]})" if action != "retire" else "retired"
+    change = f"{action} {name}: {was} -> {now_serving}"
+    await state.audit_sink.write({
+        "request_id": uuid.uuid4().hex, "trace_id": None, "received_at": now, "completed_at": now,
+        "duration_ms": 0.0, "key_id": principal.key_id if principal else None,
+        "role": principal.role if principal else None, "client_addr": None, "pipeline": name[:200],
+        "pipeline_version": version, "spec_sha256": sha256, "model": None,
+        "policy": [{"stage": "server", "where": "deploy", "rule": action, "category": "deployment",
+                    "action": "allow", "score": 1.0, "span": [], "message": change,
+                    "route": f"/pipelines/{name}"}],
+        "policy_action": "allow", "policy_categories": "deployment", "status": "ok", "http_status": 200,
+        "error_type": None, "content_mode": "hash", "input_content": "", "output_content": "",
+    })
+
+
+ROUTES = [list_versions, deploy, activate, rollback, retire]

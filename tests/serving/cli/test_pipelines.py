@@ -1,0 +1,47 @@
+"""``inferline pipelines`` against a live server (uvicorn in a thread, fake engines, auth on)."""
+
+from __future__ import annotations
+
+from serving.cli.main import main
+from serving.runtime.workspace import open_workspace
+from serving.server import create_server
+from store.db import make_engine
+from store.keys import KeyStore
+from store.migrate import create_schema
+from tests.fakes import FakeEngine, FakeEngines
+from tests.serving.live_server import LiveServer
+from tests.serving.workspaces import CHAT, write_workspace
+
+
+def test_deploy_versions_rollback_and_retire_from_the_command_line(tmp_path, monkeypatch, capsys):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE", "INFERLINE_URL", "INFERLINE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=True)
+    workspace = open_workspace(str(config))
+    engine = make_engine(workspace.database_url)
+    create_schema(engine)
+    keys = KeyStore(engine)
+    (_, admin), (_, caller) = keys.create("ops", "admin"), keys.create("app", "caller")
+    server = LiveServer(create_server(workspace, engines=FakeEngines(smol=FakeEngine("Paris."))))
+    try:
+        edited = tmp_path / "chat-v2.yaml"
+        edited.write_text(CHAT.replace("name: chat", "name: chat\nversion: '2'"))
+        common = ["--url", server.url, "--key", admin]
+        assert main(["pipelines", "deploy", "chat", str(edited), *common]) == 0
+        assert capsys.readouterr().out.startswith("chat now serves version 2 (")
+        assert main(["pipelines", "versions", "chat", *common]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 2 and lines[0].startswith("* ") and "version 2" in lines[0] and "version 1" in lines[1]
+        assert main(["pipelines", "rollback", "chat", *common]) == 0
+        assert "now serves version 1" in capsys.readouterr().out
+        assert main(["pipelines", "activate", "chat", lines[0].split()[1], *common]) == 0
+        assert "now serves version 2" in capsys.readouterr().out
+        assert main(["pipelines", "rollback", "chat", "--url", server.url, "--key", caller]) == 1  # not an admin
+        assert "403" in capsys.readouterr().err
+        assert main(["pipelines", "retire", "chat", *common]) == 0
+        assert main(["pipelines", "retire", "chat", *common]) == 1
+        assert "404" in capsys.readouterr().err
+        missing = tmp_path / "missing.yaml"
+        assert main(["pipelines", "deploy", "chat", str(missing), *common]) == 2
+    finally:
+        server.stop()

@@ -1,0 +1,64 @@
+"""Deploy, activate, roll back and retire through the API: the folder follows, the served version
+switches at once, a bad version changes nothing, and every action is an audit record of its own."""
+
+from __future__ import annotations
+
+from litestar.testing import TestClient
+
+from serving.runtime.workspace import open_workspace
+from serving.server import create_server
+from tests.fakes import FakeEngine, FakeEngines
+from tests.serving.workspaces import CHAT, write_workspace
+
+
+def v(label: str) -> str:
+    return CHAT.replace("name: chat", f"name: chat\nversion: '{label}'")
+
+
+def test_deploy_activate_rollback_and_retire(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    chat = tmp_path / "pipelines" / "chat.yaml"
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    with TestClient(app) as client:
+        def served() -> str:
+            return client.post("/pipelines/chat", json={"input": "Capital?"}).json()["pipeline_version"]
+
+        deployed = client.post("/pipelines/chat/versions", json={"yaml": v("2")})
+        assert deployed.status_code == 201, deployed.text
+        assert deployed.json()["version"] == "2" and deployed.json()["active"] is True
+        assert served() == "2" and chat.read_text() == v("2")  # the folder is the source of truth
+        assert client.post("/pipelines/chat/versions", json={"yaml": v("3")}).status_code == 201
+
+        listed = client.get("/pipelines/chat/versions").json()
+        assert [(x["version"], x["active"]) for x in listed["versions"]] == [("3", True), ("2", False), ("1", False)]
+        assert listed["versions"][0]["deployed_by"] == "anonymous" and listed["versions"][2]["deployed_by"] == "file"
+
+        rolled = client.post("/pipelines/chat/rollback")
+        assert rolled.status_code == 200 and rolled.json()["version"] == "2" and served() == "2"
+        first = listed["versions"][2]["spec_sha256"]
+        assert client.post("/pipelines/chat/activate", json={"spec_sha256": first[:12]}).json()["version"] == "1"
+        assert served() == "1"
+        assert client.post("/pipelines/chat/rollback").status_code == 409  # the oldest kept
+
+        bad = client.post("/pipelines/chat/versions", json={"yaml": CHAT.replace("type: tokenize", "type: tokenise")})
+        assert bad.status_code == 400 and bad.json()["issues"][0]["line"] == 7 and served() == "1"
+        other = client.post("/pipelines/chat/versions", json={"yaml": CHAT.replace("name: chat", "name: other")})
+        assert other.status_code == 400 and "not 'chat'" in other.json()["detail"]
+        assert client.post("/pipelines/chat/activate", json={"spec_sha256": "ffffff"}).status_code == 404
+        assert client.post("/pipelines/chat/versions", json={"yaml": v("4"), "extra": 1}).status_code == 422
+
+        new = client.post("/pipelines/fresh/versions", json={"yaml": CHAT.replace("name: chat", "name: fresh")})
+        assert new.status_code == 201 and (tmp_path / "pipelines" / "fresh.yaml").exists()
+        assert client.post("/pipelines/fresh", json={"input": "hi"}).status_code == 200
+        assert client.delete("/pipelines/fresh").json()["retired"] is True
+        assert client.post("/pipelines/fresh", json={"input": "hi"}).status_code == 404
+        assert client.delete("/pipelines/fresh").status_code == 404
+
+        actions = [p["message"] for r in client.get("/audit/records", params={"limit": 200}).json()["records"]
+                   for p in r.get("policy") or [] if p.get("where") == "deploy"]
+        assert [a.split(" ", 1)[0] for a in reversed(actions)] == [
+            "deploy", "deploy", "rollback", "activate", "deploy", "retire"]
+        assert any(a.startswith("rollback chat: version 3 (") and "-> version 2 (" in a for a in actions)
+        assert client.get("/audit/verify").json()["ok"] is True
