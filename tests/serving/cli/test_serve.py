@@ -226,10 +226,10 @@ def test_an_edit_under_load_reloads_on_sighup_without_failing_a_stream(tmp_path)
         while (error := httpx.get(f"{server.url}/pipelines/chat").json()["reload_error"]) is None:
             assert time.monotonic() < deadline, "the bad edit was not reported"
             time.sleep(0.05)
-        assert error["issues"][0]["line"] == 13 and "tokenise" in error["issues"][0]["message"]
+        assert error["issues"][0]["line"] == 14 and "tokenise" in error["issues"][0]["message"]
         still = httpx.post(f"{server.url}/pipelines/chat", json={"input": QUESTION, "max_tokens": 8}, timeout=60)
         assert still.status_code == 200 and still.json()["pipeline_version"] == "2"
     finally:
         assert server.stop() == 0
     log = (tmp_path / "server.log").read_text()
-    assert "did not load; 'chat' keeps serving its running version" in log and "chat.yaml:13:" in log
+    assert "did not load; 'chat' keeps serving its running version" in log and "chat.yaml:14:" in log
