@@ -3,7 +3,6 @@ PostgreSQL schema on 127.0.0.1:5432 (its absence fails the integration tests lou
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
@@ -13,8 +12,7 @@ from sqlalchemy.engine import make_url
 
 from store.db import make_engine
 from store.migrate import create_schema
-
-POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+from tests.postgres import fresh_schema_url
 
 
 @pytest.fixture
@@ -25,25 +23,8 @@ def sqlite_url(tmp_path) -> str:
 @pytest.fixture
 def postgresql_url() -> Iterator[str]:
     """A URL whose connections see only a fresh schema, dropped after the test."""
-    schema = f"inferline_test_{uuid.uuid4().hex[:12]}"
-    base = make_url(POSTGRES_URL).update_query_dict({"connect_timeout": "5"})
-    admin = make_engine(base.render_as_string(hide_password=False))
-    unreachable = None
-    try:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    except sa.exc.OperationalError as exc:
-        unreachable = str(exc.orig).strip()
-    if unreachable is not None:
-        admin.dispose()
-        pytest.fail(f"PostgreSQL at {base.render_as_string()} is unreachable:\n{unreachable}\nStart it, "
-                    "or deselect these tests with -m 'not integration'.", pytrace=False)
-    try:
-        yield base.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_schema_url() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
