@@ -63,8 +63,11 @@ def summary_json(summary: Summary) -> dict[str, Any]:
 async def start_request(state: AppState, request: Request, name: str, messages: list[ChatMessage],
                         params: dict[str, Any], tags: dict[str, str] | None = None,
                         stop: list[str] | None = None) -> tuple[Pipeline, RequestContext]:
-    """Authorize the caller for pipeline *name* and build its request context."""
-    pipeline = state.executor.get(name)
+    """Authorize the caller for pipeline *name* and build its request context. ``name@version`` (the
+    OpenAI API's ``model``) or an ``X-Pipeline-Version`` header pins a kept version of it."""
+    name, _, pin = name.partition("@")
+    pin = pin or request.headers.get(PIN_HEADER, "")
+    pipeline = await state.pinned(name, pin) if pin else state.executor.get(name)
     attempt = attempt_of(request)  # what the server's record of a refusal names (serving/http/refusals.py)
     attempt.pipeline = pipeline
     attempt.principal = principal = await state.auth.principal(request)
@@ -95,6 +98,10 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
     if isinstance(final, Error):
         raise failure(final, ctx)
     return Response(summary_json(final.summary), headers=response_headers(ctx))
+
+
+#: The request header that pins a version (its ``version:`` label or spec hash prefix); answers carry it too.
+PIN_HEADER = "x-pipeline-version"
 
 
 def response_headers(ctx: RequestContext) -> dict[str, str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from litestar import Request
 from prometheus_client import CollectorRegistry
 
+from pipeline.runner import Pipeline
 from serving.backends.audit_sink import StoreSink
 from serving.backends.model_pool import ModelPool
 from serving.http.auth import Authenticator
@@ -46,6 +47,16 @@ class AppState:
         if self.audit_sink is not None and not (settled and await self.audit_sink.flushed(AUDIT_READ_WAIT_S)):
             raise Problem(503, "Backend unavailable", "recent audit records are still being written to the "
                           "database; try again shortly", "backend_error", headers={"Retry-After": "5"})
+
+    async def pinned(self, name: str, version: str) -> Pipeline:
+        """Pipeline *name* at *version* (``name@version``); 404 naming what exists when there is none."""
+        self.executor.get(name)  # 404 for a pipeline not served at all
+        pipeline = await self.reloader.runtime.pinned(name, version) if self.reloader is not None else None
+        if pipeline is None:
+            raise Problem(404, "Not found", f"pipeline {name!r} has no version {version!r} (its version: label, "
+                          f"or six or more characters of its spec hash; GET /pipelines/{name}/versions lists them)",
+                          "version_not_found")
+        return pipeline
 
     @staticmethod
     def of(request: Request) -> AppState:

@@ -97,6 +97,8 @@ class Runtime:
         self.audit_sink: StoreSink | None = None
         self.counters: SqlCounters | RedisCounters | None = None
         self.versions: PipelineVersions | None = None
+        #: Kept versions a caller pinned (``name@version``), by spec hash: served beside the active ones.
+        self._pinned: dict[str, Pipeline] = {}
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> Runtime:
@@ -154,9 +156,28 @@ class Runtime:
         if options.start_models and options.engines is None:
             await self.pool.start_all()
 
+    async def pinned(self, name: str, version: str) -> Pipeline | None:
+        """Pipeline *name* at *version* (its ``version:`` label, or a prefix of its spec hash, at least six
+        characters): the one serving when it matches, else a kept version, loaded on first use and kept
+        beside the serving one. None when there is no such version."""
+        serving = self.pipelines.get(name)
+        if serving is not None and _matches(serving.spec.version, serving.loaded.sha256, version):
+            return serving
+        if self.versions is None:
+            return None
+        kept = await asyncio.to_thread(self.versions.list, name)
+        found = next((v for v in kept if _matches(v.label, v.spec_sha256, version)), None)
+        if found is None:
+            return None
+        pipeline = self._pinned.get(found.spec_sha256)
+        if pipeline is None:
+            loaded = await asyncio.to_thread(self.workspace.load_pipeline_text, found.text, found.source)
+            pipeline = self._pinned.setdefault(found.spec_sha256, Pipeline(loaded, self.resources))
+        return pipeline
+
     async def _close_pipelines(self) -> None:
         # Those served at close: a hot reload may have replaced the ones opened here (and closed those).
-        for pipeline in reversed(list(self.pipelines.values())):
+        for pipeline in [*reversed(list(self.pipelines.values())), *self._pinned.values()]:
             try:
                 await pipeline.aclose()
             except Exception:
@@ -195,3 +216,7 @@ async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisC
         logger.error("limits: Redis is unreachable (%s); requests with limits get 503 until it is back",
                      type(exc).__name__)
     return counters
+
+
+def _matches(label: str, sha256: str, version: str) -> bool:
+    return version == label or (len(version) >= 6 and sha256.startswith(version))

@@ -62,3 +62,25 @@ def test_deploy_activate_rollback_and_retire(tmp_path, monkeypatch):
             "deploy", "deploy", "rollback", "activate", "deploy", "retire"]
         assert any(a.startswith("rollback chat: version 3 (") and "-> version 2 (" in a for a in actions)
         assert client.get("/audit/verify").json()["ok"] is True
+
+
+def test_a_caller_pins_a_kept_version(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    with TestClient(app) as client:
+        first = client.get("/pipelines/chat").json()["sha256"]
+        assert client.post("/pipelines/chat/versions", json={"yaml": v("2")}).status_code == 201
+        body = {"messages": [{"role": "user", "content": "Capital?"}]}
+        pinned = client.post("/v1/chat/completions", json={"model": "chat@1", **body})
+        assert pinned.status_code == 200 and pinned.headers["x-pipeline-version"] == "1"
+        assert client.post("/v1/chat/completions", json={"model": "chat", **body}).headers["x-pipeline-version"] == "2"
+        by_hash = client.post("/pipelines/chat", json={"input": "Capital?"}, headers={"X-Pipeline-Version": first[:8]})
+        assert by_hash.json()["pipeline_version"] == "1" and by_hash.json()["spec_sha256"] == first
+        assert client.post("/pipelines/chat@2", json={"input": "Capital?"}).json()["pipeline_version"] == "2"
+        missing = client.post("/pipelines/chat", json={"input": "x"}, headers={"X-Pipeline-Version": "9"})
+        assert missing.status_code == 404 and "has no version '9'" in missing.json()["detail"]
+        assert client.post("/v1/chat/completions", json={"model": "nope@1", **body}).status_code == 404
+        records = client.get("/audit/records", params={"limit": 10}).json()["records"]
+        assert {r["pipeline_version"] for r in records if r["pipeline"] == "chat"} >= {"1", "2"}
