@@ -30,6 +30,7 @@ from serving.cli.eval import add_eval_parser
 from serving.cli.index import add_index_parser
 from serving.cli.keys import add_keys_parser
 from serving.cli.pipelines import add_pipelines_parser
+from serving.cli.replay import add_replay_parser
 from serving.cli.run import add_run_parser
 from serving.cli.schema import add_schema_parser
 from serving.runtime.calls import check_calls
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     add_audit_parser(sub)
     add_index_parser(sub)
     add_eval_parser(sub)
+    add_replay_parser(sub)
     add_capacity_parsers(sub)
     return parser
 

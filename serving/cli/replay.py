@@ -1,0 +1,128 @@
+"""``inferline replay NAME --candidate FILE``: what a new version would have answered to real requests.
+
+    inferline replay support --candidate support-v4.yaml --since 24h --limit 200
+    inferline replay support --candidate support-v4.yaml --format jsonl > replay.jsonl
+    inferline replay support --candidate support-v4.yaml --html replay.html
+
+Reads the audit records of pipeline NAME from the config's database (those whose content was kept in
+full: ``content: full`` on the audit stage; the others are skipped and counted), runs each record's
+input through the candidate in-process over the config's models, and reports per request and in total:
+identical outputs, latency, tokens, cost and policy decisions, old against new
+(serving/evals/replay.py). Exit 1 when any answer changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SpecError
+from serving.evals.replay import html_report, replay, replayable, summarize_replay
+from serving.runtime.workspace import open_workspace
+from store.audit_filters import parse_filters
+from store.audit_query import MAX_LIMIT
+from store.audit_reader import AuditReader
+from store.db import make_engine
+from store.migrate import create_schema
+
+EXIT_OK, EXIT_CHANGED, EXIT_USAGE = 0, 1, 2
+
+
+def add_replay_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "replay", help="re-run audited requests through a candidate version; old answers against new",
+        description="Re-run the audited requests of PIPELINE (content kept in full) through a candidate "
+                    "pipeline file in-process, and compare: identical outputs, latency, tokens, cost, policy "
+                    "decisions. Exit 1 when any answer changed.")
+    parser.add_argument("pipeline", metavar="PIPELINE", help="the pipeline whose audited requests to replay")
+    parser.add_argument("--candidate", required=True, type=Path, metavar="FILE", help="the candidate pipeline file")
+    parser.add_argument("--since", help="records from (ISO 8601 or relative: 24h, 7d, yesterday)")
+    parser.add_argument("--until", help="records before")
+    parser.add_argument("--status", help="only records of this status (ok, failed, denied, ...)")
+    parser.add_argument("--limit", type=int, default=100, help="at most this many records, newest first (100)")
+    parser.add_argument("--concurrency", "-n", type=int, default=4, help="requests in flight at once (4)")
+    parser.add_argument("--format", choices=("table", "jsonl"), default=None,
+                        help="per-request output: a table (default on a terminal) or JSON lines")
+    parser.add_argument("--html", type=Path, metavar="FILE", help="also write an HTML report")
+    parser.add_argument("--config", "-c", metavar="FILE", help="server config (default: $INFERLINE_CONFIG, else "
+                                                               "./inferline.yaml if present)")
+    parser.set_defaults(handler=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    if args.limit < 1 or args.concurrency < 1:
+        print("inferline replay: --limit and --concurrency must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        filters = parse_filters({"pipeline": args.pipeline, "since": args.since, "until": args.until,
+                                 "status": args.status})
+    except ValueError as exc:
+        print(f"inferline replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    workspace = open_workspace(args.config)
+    try:
+        candidate = workspace.load_pipeline(args.candidate)
+    except SpecError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CHANGED
+    records, skipped = read_records(workspace.database_url, filters, args.limit)
+    results = asyncio.run(replay(workspace, candidate, records, concurrency=args.concurrency))
+    totals = summarize_replay(results, skipped)
+    show(results, totals, args.format or ("table" if sys.stdout.isatty() else "jsonl"))
+    if args.html:
+        args.html.write_text(html_report(args.pipeline, str(args.candidate), totals, results))
+    return EXIT_OK if totals["identical"] == totals["replayed"] else EXIT_CHANGED
+
+
+def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """Up to *limit* matching records, newest first: those that can be replayed, and the others counted
+    by why not."""
+    engine = make_engine(url)
+    try:
+        create_schema(engine)
+        reader = AuditReader(engine)
+        records: list[dict[str, Any]] = []
+        skipped: Counter[str] = Counter()
+        cursor = None
+        while len(records) + sum(skipped.values()) < limit:
+            page = reader.query(filters, cursor=cursor, limit=min(MAX_LIMIT, limit))
+            for record in page.records[:limit - len(records) - sum(skipped.values())]:
+                why = replayable(record)
+                if why is None:
+                    records.append(record)
+                else:
+                    skipped[why] += 1
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        return records, skipped
+    finally:
+        engine.dispose()
+
+
+def show(results: list[dict[str, Any]], totals: dict[str, Any], fmt: str) -> None:
+    if fmt == "jsonl":
+        for result in results:
+            print(json.dumps(result, default=str))
+    else:
+        for r in results:
+            old, new = r["old"], r["new"]
+            mark = "same" if r["identical"] else "DIFF"
+            print(f"{mark}  {str(r['record_id'])[:12]:<12}  ms {old['duration_ms']} -> {new['duration_ms']}  "
+                  f"tokens {old['output_tokens']} -> {new['output_tokens']}  "
+                  f"policy {old['policy_action']} -> {new['policy_action']}")
+    err = sys.stderr
+    print(f"replayed {totals['replayed']}: {totals['identical']} identical ({totals['normalized_identical']} after "
+          f"normalizing), {totals['status_changed']} changed status, {totals['policy_changed']} changed policy "
+          f"decision; p50 ms {totals['duration_ms_p50']['old']} -> {totals['duration_ms_p50']['new']}; output tokens "
+          f"{totals['output_tokens']['old']} -> {totals['output_tokens']['new']}; cost USD "
+          f"{totals['cost_usd']['old']} -> {totals['cost_usd']['new']}", file=err)
+    if totals["skipped"]:
+        reasons = ", ".join(f"{n} {why}" for why, n in totals["skipped_by_reason"].items())
+        print(f"skipped {totals['skipped']} record(s) that cannot be replayed ({reasons}): only records whose "
+              "audit stage keeps content in full (content: full) can be", file=err)
