@@ -102,3 +102,41 @@ class PipelineVersions:
             query = query.where(PipelineVersionRow.name == name)
         with Session(self.engine) as session:
             return [PipelineVersion.of(row) for row in session.scalars(query)]
+
+
+class PipelineTrafficRow(Base):
+    """How a pipeline's requests are split between its versions (a canary); no row: the active one takes all."""
+
+    __tablename__ = "pipeline_traffic"
+
+    name: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    weights: Mapped[dict[str, int]] = mapped_column(sa.JSON)
+    """Spec hash -> weight: each request goes to a version with probability weight / total, sticky per key."""
+    updated_by: Mapped[str] = mapped_column(sa.String(200))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PipelineTraffic:
+    """The ``pipeline_traffic`` table: every process serving the pipelines reads it on each reload pass."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+
+    def set(self, name: str, weights: dict[str, int] | None, updated_by: str) -> None:
+        """Split *name*'s traffic by *weights* (spec hash -> weight); None: back to the active version alone."""
+        with Session(self.engine) as session, session.begin():
+            row = session.get(PipelineTrafficRow, name)
+            if weights is None:
+                if row is not None:
+                    session.delete(row)
+                return
+            if row is None:
+                session.add(PipelineTrafficRow(name=name, weights=dict(weights), updated_by=updated_by,
+                                               updated_at=utcnow()))
+            else:
+                row.weights, row.updated_by, row.updated_at = dict(weights), updated_by, utcnow()
+
+    def all(self) -> dict[str, dict[str, int]]:
+        """Every split, by pipeline name."""
+        with Session(self.engine) as session:
+            return {row.name: dict(row.weights) for row in session.scalars(sa.select(PipelineTrafficRow))}

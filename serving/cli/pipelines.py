@@ -5,6 +5,9 @@
     inferline pipelines activate support 3f0c2a               # a kept version, by spec hash (prefix)
     inferline pipelines rollback support                      # the version before the serving one
     inferline pipelines retire support                        # stop serving it (versions stay kept)
+    inferline pipelines split support 3=95 4=5                # a canary: 5% of caller keys on version 4
+    inferline pipelines split support --clear                 # all traffic back to the active version
+    inferline pipelines promote support                       # the canary becomes the active version
 
 The server's own routes (``/pipelines/{name}/versions``, ``/activate``, ``/rollback``, ``DELETE``;
 serving/http/deploy_routes.py) do the work; each action is an audit record. Not ``inferline deploy``,
@@ -52,6 +55,13 @@ def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     rollback.add_argument("name")
     retire = actions.add_parser("retire", parents=[common], help="stop serving a pipeline")
     retire.add_argument("name")
+    split = actions.add_parser("split", parents=[common], help="split traffic between versions (a canary)")
+    split.add_argument("name")
+    split.add_argument("weights", nargs="*", metavar="VERSION=WEIGHT",
+                       help="a version (label or spec hash prefix) and its weight, e.g. 3=95 4=5")
+    split.add_argument("--clear", action="store_true", help="all traffic back to the active version")
+    promote = actions.add_parser("promote", parents=[common], help="make the canary the active version")
+    promote.add_argument("name")
     pipelines.set_defaults(handler=_run)
     return pipelines
 
@@ -71,6 +81,19 @@ def _run(args: argparse.Namespace) -> int:
         call = ("POST", f"/pipelines/{name}/activate", {"spec_sha256": args.spec_sha256})
     elif args.pipelines_command == "rollback":
         call = ("POST", f"/pipelines/{name}/rollback", None)
+    elif args.pipelines_command == "promote":
+        call = ("POST", f"/pipelines/{name}/promote", None)
+    elif args.pipelines_command == "split":
+        if args.clear == bool(args.weights):
+            print("inferline pipelines split: give VERSION=WEIGHT pairs, or --clear", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            weights = {version: int(weight) for version, _, weight in (w.partition("=") for w in args.weights)}
+        except ValueError:
+            print("inferline pipelines split: weights are VERSION=WEIGHT with a whole number", file=sys.stderr)
+            return EXIT_USAGE
+        call = ("DELETE", f"/pipelines/{name}/traffic", None) if args.clear else \
+            ("PUT", f"/pipelines/{name}/traffic", {"weights": weights})
     else:
         call = ("DELETE", f"/pipelines/{name}", None)
     method, path, body = call
@@ -101,6 +124,10 @@ def _print(command: str, answer: dict[str, Any]) -> None:
                   f"  by {version['deployed_by']}  {version['source']}")
     elif command == "retire":
         print(f"retired {answer['pipeline']}")
+    elif command == "split":
+        weights = answer["weights"]
+        print(f"{answer['pipeline']}: " + (", ".join(f"{sha[:12]} {w}" for sha, w in sorted(weights.items()))
+                                           if weights else "all traffic to the active version"))
     else:
         print(f"{answer['pipeline']} now serves version {answer['version']} ({answer['spec_sha256'][:12]})"
               + (f", was {answer['previous_spec_sha256'][:12]}" if answer.get("previous_spec_sha256") else ""))

@@ -121,7 +121,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                                      security=openapi.SECURITY if server.auth.enabled else None),
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
-                               schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest)
+                               schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest,
+                               schemas.TrafficRequest)
     return app
 
 

@@ -5,6 +5,9 @@
     POST   /pipelines/{name}/activate            {"spec_sha256": "..."}: serve a version kept before
     POST   /pipelines/{name}/rollback            serve the version kept before the one serving now
     DELETE /pipelines/{name}                     retire the pipeline (its requests in flight finish)
+    PUT    /pipelines/{name}/traffic             {"weights": {"3": 95, "4": 5}}: a canary, sticky per key
+    DELETE /pipelines/{name}/traffic             all traffic back to the active version
+    POST   /pipelines/{name}/promote             the canary becomes the active version, for all traffic
 
 The pipelines folder stays the one source of truth: a deploy writes the pipeline's file (checked
 first, exactly as an edit is; nothing is written when it does not load) and the hot reload swaps it
@@ -21,14 +24,14 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from litestar import Request, delete, get, post
+from litestar import Request, delete, get, post, put
 from litestar.params import FromPath, JSONBody
 
 from pipeline.context import Principal
 from pipeline.errors import SpecError
 from serving.http.openapi import problems
 from serving.http.problems import Problem
-from serving.http.schemas import ActivateRequest, DeployRequest
+from serving.http.schemas import ActivateRequest, DeployRequest, TrafficRequest
 from serving.http.state import AppState
 from serving.runtime.reloader import PipelineReloader
 from store.pipeline_versions import PipelineVersion, PipelineVersions
@@ -64,7 +67,8 @@ async def list_versions(name: FromPath[str], request: Request) -> dict[str, Any]
     if not found and name not in state.executor.pipelines:
         raise Problem(404, "Not found", f"no pipeline {name!r} and no version of one", "pipeline_not_found")
     serving = _serving(state, name)
-    return {"pipeline": name, "serving": serving, "versions": [_version_json(v, serving) for v in found]}
+    return {"pipeline": name, "serving": serving, "versions": [_version_json(v, serving) for v in found],
+            "traffic": state.reloader.runtime.traffic.get(name) if state.reloader else None}
 
 
 @post("/pipelines/{name:str}/versions", summary="Deploy a new version of a pipeline and serve it (admin)",
@@ -78,7 +82,10 @@ async def deploy(name: FromPath[str], data: JSONBody[DeployRequest], request: Re
       status_code=200, responses=problems(400, 401, 403, 404, 422, 503))
 async def activate(name: FromPath[str], data: JSONBody[ActivateRequest], request: Request) -> dict[str, Any]:
     state, reloader, versions, principal = await _admin(request, "activate pipeline versions")
-    matches = [v for v in await asyncio.to_thread(versions.list, name) if v.spec_sha256.startswith(data.spec_sha256)]
+    wanted = data.spec_sha256
+    kept = await asyncio.to_thread(versions.list, name)
+    matches = [v for v in kept if len(wanted) >= 6 and v.spec_sha256.startswith(wanted)] or \
+        [v for v in kept if v.label == wanted][:1]  # a label names its newest version
     if len(matches) != 1:
         what = "no version" if not matches else f"{len(matches)} versions"
         raise Problem(404 if not matches else 400, "Not found" if not matches else "Bad request",
@@ -113,6 +120,55 @@ async def retire(name: FromPath[str], request: Request) -> dict[str, Any]:
     return {"pipeline": name, "retired": True, "spec_sha256": before.loaded.sha256}
 
 
+@put("/pipelines/{name:str}/traffic", summary="Split a pipeline's traffic between versions (admin)",
+     tags=["deploy"], status_code=200, responses=problems(400, 401, 403, 404, 422, 503))
+async def set_traffic(name: FromPath[str], data: JSONBody[TrafficRequest], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "split pipeline traffic")
+    kept = await asyncio.to_thread(versions.list, name)
+    weights: dict[str, int] = {}
+    for version, weight in data.weights.items():
+        matches = [v for v in kept if version == v.label or (len(version) >= 6 and v.spec_sha256.startswith(version))]
+        if len({v.spec_sha256 for v in matches}) != 1 or weight < 0:
+            raise Problem(400, "Bad request", f"weights: {version!r} must name one kept version of {name!r} (its "
+                          "version: label or 6+ characters of its spec hash) with a weight of 0 or more",
+                          "invalid_traffic", extra={"versions": [v.label for v in kept]})
+        weights[matches[0].spec_sha256] = weights.get(matches[0].spec_sha256, 0) + weight
+    if sum(weights.values()) <= 0:
+        raise Problem(400, "Bad request", "weights: at least one weight must be above 0", "invalid_traffic")
+    await reloader.runtime.set_traffic(name, weights, principal.key_id if principal else "anonymous")
+    split = ", ".join(f"{sha[:12]}: {weight}" for sha, weight in sorted(weights.items()))
+    active = state.executor.pipelines.get(name)
+    await _audit(state, principal, "split", name, active.spec.version if active else "",
+                 active.loaded.sha256 if active else "", "", "", detail=f"split {name}: {split}")
+    return {"pipeline": name, "weights": weights}
+
+
+@delete("/pipelines/{name:str}/traffic", summary="All of a pipeline's traffic to its active version (admin)",
+        tags=["deploy"], status_code=200, responses=problems(401, 403, 503))
+async def clear_traffic(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, reloader, _, principal = await _admin(request, "split pipeline traffic")
+    await reloader.runtime.set_traffic(name, None, principal.key_id if principal else "anonymous")
+    await _audit(state, principal, "split", name, "", "", "", "", detail=f"split {name}: cleared")
+    return {"pipeline": name, "weights": None}
+
+
+@post("/pipelines/{name:str}/promote", summary="Make the canary the active version, for all traffic (admin)",
+      tags=["deploy"], status_code=200, responses=problems(401, 403, 404, 409, 503))
+async def promote(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "promote pipeline versions")
+    serving = _serving(state, name)
+    canaries = [sha for sha, weight in reloader.runtime.traffic.get(name, {}).items() if weight > 0 and sha != serving]
+    if len(canaries) != 1:
+        raise Problem(409, "Conflict", f"pipeline {name!r} has {len(canaries)} canary versions in its split; promote "
+                      "needs exactly one (activate the one you mean instead)", "no_single_canary")
+    canary = await asyncio.to_thread(versions.by_sha256, canaries[0], name)
+    if canary is None:
+        raise Problem(404, "Not found", f"the canary {canaries[0][:12]} of {name!r} is not kept", "version_not_found")
+    answer = await _install(state, reloader, versions, principal, name, canary.text, "promote")
+    await reloader.runtime.set_traffic(name, None, principal.key_id if principal else "anonymous")
+    return answer
+
+
 async def _install(state: AppState, reloader: PipelineReloader, versions: PipelineVersions,
                    principal: Principal | None, name: str, text: str, action: str) -> dict[str, Any]:
     before = state.executor.pipelines.get(name)
@@ -138,14 +194,14 @@ async def _install(state: AppState, reloader: PipelineReloader, versions: Pipeli
 
 
 async def _audit(state: AppState, principal: Principal | None, action: str, name: str, version: str, sha256: str,
-                 before_version: str, before_sha256: str) -> None:
+                 before_version: str, before_sha256: str, *, detail: str = "") -> None:
     """The action as an audit record of its own, chained like a request's."""
     if state.audit_sink is None:
         return
     now = datetime.now(UTC)
     was = f"version {before_version} ({before_sha256[:12]})" if before_sha256 else "nothing"
     now_serving = f"version {version} ({sha256[:12]})" if action != "retire" else "retired"
-    change = f"{action} {name}: {was} -> {now_serving}"
+    change = detail or f"{action} {name}: {was} -> {now_serving}"
     await state.audit_sink.write({
         "request_id": uuid.uuid4().hex, "trace_id": None, "received_at": now, "completed_at": now,
         "duration_ms": 0.0, "key_id": principal.key_id if principal else None,
@@ -159,4 +215,4 @@ async def _audit(state: AppState, principal: Principal | None, action: str, name
     })
 
 
-ROUTES = [list_versions, deploy, activate, rollback, retire]
+ROUTES = [list_versions, deploy, activate, rollback, retire, set_traffic, clear_traffic, promote]

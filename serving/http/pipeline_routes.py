@@ -71,6 +71,9 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
     attempt = attempt_of(request)  # what the server's record of a refusal names (serving/http/refusals.py)
     attempt.pipeline = pipeline
     attempt.principal = principal = await state.auth.principal(request)
+    sticky = principal.key_id if principal else (request.client.host if request.client else "")
+    if not pin and (split := state.split_choice(name, sticky)):  # a canary: each caller key sticks to a version
+        attempt.pipeline = pipeline = await state.pinned(name, split)
     state.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
     if state.audit is not None and state.audit.mode == "required" and not state.audit.is_durable():
         raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "

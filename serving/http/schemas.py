@@ -202,4 +202,14 @@ class ActivateRequest(BaseModel):
     """The body of ``POST /pipelines/{name}/activate``."""
 
     model_config = ConfigDict(extra="forbid")
-    spec_sha256: str = Field(min_length=6, max_length=64, description="The version's spec hash (or a prefix).")
+    spec_sha256: str = Field(min_length=1, max_length=64, description=(
+        "The version: six or more characters of its spec hash, or its version: label."))
+
+
+class TrafficRequest(BaseModel):
+    """The body of ``PUT /pipelines/{name}/traffic``."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: dict[str, int] = Field(min_length=1, max_length=16, description=(
+        'Version (its version: label, or six or more characters of its spec hash) -> weight, e.g. '
+        '{"3": 95, "4": 5}: each caller key sticks to one version, chosen by the weights.'))

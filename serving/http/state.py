@@ -48,6 +48,10 @@ class AppState:
             raise Problem(503, "Backend unavailable", "recent audit records are still being written to the "
                           "database; try again shortly", "backend_error", headers={"Retry-After": "5"})
 
+    def split_choice(self, name: str, sticky: str) -> str | None:
+        """The version (spec hash) a request of *name* goes to under a canary split; None without one."""
+        return self.reloader.runtime.split_choice(name, sticky) if self.reloader is not None else None
+
     async def pinned(self, name: str, version: str) -> Pipeline:
         """Pipeline *name* at *version* (``name@version``); 404 naming what exists when there is none."""
         self.executor.get(name)  # 404 for a pipeline not served at all

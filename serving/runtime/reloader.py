@@ -108,6 +108,7 @@ class PipelineReloader:
 
     async def reload(self) -> list[str]:
         """One pass over the folder; the names of the pipelines added, changed or retired."""
+        await self.runtime.refresh_traffic()
         async with self._lock:
             files = {path.resolve() for path in self.folder.glob("*.y*ml") if path.suffix in (".yaml", ".yml")}
             changed: list[str] = []

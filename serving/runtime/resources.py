@@ -16,6 +16,7 @@ starts the models when asked. Everything opened is closed in reverse order on an
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -42,7 +43,7 @@ from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
 from store.db import make_engine
 from store.migrate import create_schema
-from store.pipeline_versions import PipelineVersions
+from store.pipeline_versions import PipelineTraffic, PipelineVersions
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class Runtime:
         self.versions: PipelineVersions | None = None
         #: Kept versions a caller pinned (``name@version``), by spec hash: served beside the active ones.
         self._pinned: dict[str, Pipeline] = {}
+        #: Canary splits by pipeline name (spec hash -> weight), as the database last said.
+        self.traffic: dict[str, dict[str, int]] = {}
+        self._traffic_table: PipelineTraffic | None = None
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> Runtime:
@@ -130,6 +134,8 @@ class Runtime:
         create_schema(db)
         if options.record_versions:
             self.versions = PipelineVersions(db)
+            self._traffic_table = PipelineTraffic(db)
+            await self.refresh_traffic()
             for pipeline in self.pipelines.values():
                 await self.record_version(pipeline.loaded)
         self.audit = open_store(server, root, db)
@@ -174,6 +180,35 @@ class Runtime:
             loaded = await asyncio.to_thread(self.workspace.load_pipeline_text, found.text, found.source)
             pipeline = self._pinned.setdefault(found.spec_sha256, Pipeline(loaded, self.resources))
         return pipeline
+
+    async def refresh_traffic(self) -> None:
+        """Read the canary splits again (every reload pass: another process may have changed them)."""
+        if self._traffic_table is None:
+            return
+        try:
+            self.traffic = await asyncio.to_thread(self._traffic_table.all)
+        except Exception as exc:  # the split stays as it was; requests are served all the same
+            logger.error("pipelines: traffic splits not read (%s: %s)", type(exc).__name__, exc)
+
+    async def set_traffic(self, name: str, weights: dict[str, int] | None, updated_by: str) -> None:
+        if self._traffic_table is None:
+            raise RuntimeError("this runtime keeps no versions")
+        await asyncio.to_thread(self._traffic_table.set, name, weights, updated_by)
+        await self.refresh_traffic()
+
+    def split_choice(self, name: str, sticky: str) -> str | None:
+        """The spec hash a request of *name* goes to under its split (None: no split), the same for every
+        request of one *sticky* value (the caller's key): a canary's users stay on it."""
+        weights = {sha: weight for sha, weight in self.traffic.get(name, {}).items() if weight > 0}
+        if not weights:
+            return None
+        total = sum(weights.values())
+        point = int.from_bytes(hashlib.sha256(f"{name}\0{sticky}".encode()).digest()[:8], "big") % total
+        for sha, weight in sorted(weights.items()):
+            if point < weight:
+                return sha
+            point -= weight
+        return None
 
     async def _close_pipelines(self) -> None:
         # Those served at close: a hot reload may have replaced the ones opened here (and closed those).

@@ -36,6 +36,14 @@ def test_deploy_versions_rollback_and_retire_from_the_command_line(tmp_path, mon
         assert "now serves version 1" in capsys.readouterr().out
         assert main(["pipelines", "activate", "chat", lines[0].split()[1], *common]) == 0
         assert "now serves version 2" in capsys.readouterr().out
+        assert main(["pipelines", "split", "chat", "1=90", "2=10", *common]) == 0
+        assert "90" in capsys.readouterr().out
+        assert main(["pipelines", "activate", "chat", "1", *common]) == 0  # the label works too
+        assert main(["pipelines", "promote", "chat", *common]) == 0
+        assert "now serves version 2" in capsys.readouterr().out
+        assert main(["pipelines", "split", "chat", *common]) == 2  # neither weights nor --clear
+        assert main(["pipelines", "split", "chat", "--clear", *common]) == 0
+        assert "all traffic to the active version" in capsys.readouterr().out
         assert main(["pipelines", "rollback", "chat", "--url", server.url, "--key", caller]) == 1  # not an admin
         assert "403" in capsys.readouterr().err
         assert main(["pipelines", "retire", "chat", *common]) == 0

@@ -84,3 +84,36 @@ def test_a_caller_pins_a_kept_version(tmp_path, monkeypatch):
         assert client.post("/v1/chat/completions", json={"model": "nope@1", **body}).status_code == 404
         records = client.get("/audit/records", params={"limit": 10}).json()["records"]
         assert {r["pipeline_version"] for r in records if r["pipeline"] == "chat"} >= {"1", "2"}
+
+
+def test_a_canary_split_is_sticky_per_caller_and_promotes(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    with TestClient(app) as client:
+        assert client.post("/pipelines/chat/versions", json={"yaml": v("2")}).status_code == 201
+        assert client.post("/pipelines/chat/activate", json={"spec_sha256": client.get(
+            "/pipelines/chat/versions").json()["versions"][1]["spec_sha256"]}).json()["version"] == "1"
+        split = client.put("/pipelines/chat/traffic", json={"weights": {"1": 95, "2": 5}})
+        assert split.status_code == 200 and sorted(split.json()["weights"].values()) == [5, 95]
+        runtime = app.state.inferline.reloader.runtime
+        chosen = [runtime.split_choice("chat", f"key-{n}") for n in range(2000)]
+        canary = next(sha for sha, weight in split.json()["weights"].items() if weight == 5)
+        assert abs(chosen.count(canary) / 2000 - 0.05) <= 0.03  # within 3 points of its weight
+        assert [runtime.split_choice("chat", "key-7")] * 3 == [runtime.split_choice("chat", "key-7") for _ in range(3)]
+        versions = {client.post("/pipelines/chat", json={"input": "q"}).json()["pipeline_version"] for _ in range(20)}
+        assert len(versions) == 1  # one caller, one version
+        bad = client.put("/pipelines/chat/traffic", json={"weights": {"7": 100}})
+        assert bad.status_code == 400 and bad.json()["versions"] == ["2", "1"]
+        assert client.put("/pipelines/chat/traffic", json={"weights": {"1": 0}}).status_code == 400
+        promoted = client.post("/pipelines/chat/promote")
+        assert promoted.status_code == 200 and promoted.json()["version"] == "2"
+        assert client.get("/pipelines/chat/versions").json()["traffic"] is None
+        assert client.post("/pipelines/chat", json={"input": "q"}).json()["pipeline_version"] == "2"
+        assert client.post("/pipelines/chat/promote").status_code == 409  # no canary left
+        assert client.put("/pipelines/chat/traffic", json={"weights": {"1": 50, "2": 50}}).status_code == 200
+        assert client.delete("/pipelines/chat/traffic").json()["weights"] is None
+        rules = [p["rule"] for r in client.get("/audit/records", params={"limit": 100}).json()["records"]
+                 for p in r.get("policy") or [] if p.get("where") == "deploy"]
+        assert rules.count("split") == 3 and "promote" in rules
