@@ -170,7 +170,8 @@ def test_the_api_viewer_and_the_console_load_nothing_from_another_host(context, 
     assert page.inner_text(".swagger-ui .info .title").startswith("Inferline")
     # The operations, drawn from the document the page carries.
     assert page.locator(".swagger-ui .opblock").count() >= 10
-    assert page.locator('.swagger-ui .opblock-summary-path[data-path="/pipelines/{name}"]').count() == 2  # GET, POST
+    # GET and POST (describe, call), DELETE (retire)
+    assert page.locator('.swagger-ui .opblock-summary-path[data-path="/pipelines/{name}"]').count() == 3
     sign_in(page, server, server.key("admin"))  # an admin sees every page
     for path in ("/ui/pipelines/chat", "/ui/traces", "/ui/audit", "/ui/metrics"):
         page.goto(f"{server.url}{path}")
