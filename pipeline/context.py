@@ -192,6 +192,9 @@ class Facts(TypedDict, total=False):
     decisions: dict[str, dict[str, Any]]
     #: audit: set once a record was written (the server then records no refusal of its own).
     audited: bool
+    #: The server, on a shadow run: the request it mirrors as served (version, output hash, latency,
+    #: tokens, cost, policy decision), which the audit record sets beside the shadow's own.
+    shadow: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -237,6 +240,9 @@ class RequestContext:
     spec_sha256: str = ""
     #: Set by the HTTP layer.
     client_addr: str = ""
+    #: Set by the server on a shadow run: the id of the request it mirrors. A shadow's answer is never
+    #: sent; limits do not count it and the response cache neither answers nor keeps it.
+    shadow_of: str = ""
     #: What stages record about the request, by topic (:class:`Facts`).
     facts: Facts = field(default_factory=lambda: Facts())
     #: Called by the runner after every stage has run, however the request ended

@@ -75,15 +75,28 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
         "input_tokens": ctx.usage.input_tokens, "output_tokens": ctx.usage.output_tokens,
         "cost_usd": ctx.ledger.total_usd,
         "route": ctx.facts.get("route"), "retrieval": ctx.facts.get("retrieval"), "policy": policy,
-        "policy_action": _strongest(policy), "policy_categories": ",".join(sorted({p.get("category", "")
+        "policy_action": strongest_action(policy), "policy_categories": ",".join(sorted({p.get("category", "")
                                                                                    for p in policy} - {""})),
         "status": _STATUS.get(ctx.status, ctx.status), "finish_reason": ctx.finish_reason or None,
         "error_type": _error_type(ctx.error), "content_mode": mode,
         "input_content": input_text, "output_content": output_text,
         "stages": [{"stage_id": s.id, "type": s.type, "status": s.status, "duration_ms": s.duration_s * 1e3,
                     "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id)}
-                   for s in ctx.stages],
+                   for s in ctx.stages] + _shadow_stage(ctx),
     }
+
+
+def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
+    """On a shadow run, one more stage row, ``shadow``: which request it mirrors, that request as served
+    (its version, latency, tokens, cost, policy decision), and whether the outputs are identical."""
+    served = ctx.facts.get("shadow")
+    if not ctx.shadow_of or served is None:
+        return []
+    identical = served.get("output_sha256") == _sha256(ctx.output_text)
+    return [{"stage_id": "shadow", "type": "shadow", "status": "ok", "duration_ms": 0.0, "cost_usd": 0.0,
+             "decision": {"of": ctx.shadow_of, "output_identical": identical,
+                          "policy_identical": served.get("policy_action") == strongest_action(
+                              list(ctx.facts.get("policy", []))), "served": served}}]
 
 
 def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
@@ -102,7 +115,9 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _strongest(policy: list[dict[str, Any]]) -> str | None:
+def strongest_action(policy: list[dict[str, Any]]) -> str | None:
+    """The strongest action among *policy*'s entries (block, redact, flag, allow): the record's
+    ``policy_action``; None when no rule fired."""
     actions = [p.get("action", "") for p in policy]
     return max(actions, key=lambda a: _POLICY_STRENGTH.get(a, -1)) if actions else None
 

@@ -203,6 +203,8 @@ class CacheStage(Stage):
             skipped = "no_cache_provider"
         if getattr(engine, "accepts_messages", False):
             skipped = "remote_backend"
+        if ctx.shadow_of:  # a shadow measures the candidate's own answer, and keeps none
+            skipped = "shadow"
         if skipped:
             ctx.facts["cache"] = {"hit": False, "skipped": skipped}
             scope.set_attribute("inferline.cache.hit", False)

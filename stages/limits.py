@@ -88,6 +88,8 @@ class Limits:
     async def enforce(self, ctx: RequestContext, input_tokens: int, max_output: int | None) -> int | None:
         """Count the request; raise RateLimited when a limit is used up; return the output-token cap."""
         values = self.config.values_for(ctx)
+        if ctx.shadow_of:  # a shadow run mirrors a request counted already: it uses up no caller's budget
+            return max_output
         if not (values.requests_per_minute or values.tokens_per_day or values.cost_per_day_usd):
             return max_output
         counters = self._counters()

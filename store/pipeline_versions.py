@@ -140,3 +140,53 @@ class PipelineTraffic:
         """Every split, by pipeline name."""
         with Session(self.engine) as session:
             return {row.name: dict(row.weights) for row in session.scalars(sa.select(PipelineTrafficRow))}
+
+
+class PipelineShadowRow(Base):
+    """A shadow: a share of a pipeline's requests also runs on a candidate version, whose answer is never sent."""
+
+    __tablename__ = "pipeline_shadows"
+
+    name: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    spec_sha256: Mapped[str] = mapped_column(sa.String(64))
+    """The candidate version (a kept one)."""
+    percent: Mapped[float] = mapped_column(sa.Float)
+    """The share of the pipeline's answered requests that also run on the candidate, 0 to 100."""
+    updated_by: Mapped[str] = mapped_column(sa.String(200))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+@dataclass(frozen=True, slots=True)
+class Shadow:
+    """Pipeline *name*'s shadow: *percent* of its requests also run on version *spec_sha256*."""
+
+    spec_sha256: str
+    percent: float
+
+
+class PipelineShadows:
+    """The ``pipeline_shadows`` table: every process serving the pipelines reads it on each reload pass."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+
+    def set(self, name: str, shadow: Shadow | None, updated_by: str) -> None:
+        """Shadow *name*'s requests onto a candidate; None: no shadow."""
+        with Session(self.engine) as session, session.begin():
+            row = session.get(PipelineShadowRow, name)
+            if shadow is None:
+                if row is not None:
+                    session.delete(row)
+                return
+            if row is None:
+                session.add(PipelineShadowRow(name=name, spec_sha256=shadow.spec_sha256, percent=shadow.percent,
+                                              updated_by=updated_by, updated_at=utcnow()))
+            else:
+                row.spec_sha256, row.percent = shadow.spec_sha256, shadow.percent
+                row.updated_by, row.updated_at = updated_by, utcnow()
+
+    def all(self) -> dict[str, Shadow]:
+        """Every shadow, by pipeline name."""
+        with Session(self.engine) as session:
+            return {row.name: Shadow(row.spec_sha256, row.percent)
+                    for row in session.scalars(sa.select(PipelineShadowRow))}

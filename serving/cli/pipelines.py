@@ -2,12 +2,15 @@
 
     inferline pipelines versions support                      # every version kept, which one serves
     inferline pipelines deploy support pipelines/support.yaml # a new version, served at once
+    inferline pipelines deploy support v4.yaml --keep         # kept, not served: for a split, shadow or pin
     inferline pipelines activate support 3f0c2a               # a kept version, by spec hash (prefix)
     inferline pipelines rollback support                      # the version before the serving one
     inferline pipelines retire support                        # stop serving it (versions stay kept)
     inferline pipelines split support 3=95 4=5                # a canary: 5% of caller keys on version 4
     inferline pipelines split support --clear                 # all traffic back to the active version
     inferline pipelines promote support                       # the canary becomes the active version
+    inferline pipelines shadow support 4 10                   # 10% of requests also run on version 4
+    inferline pipelines shadow support --clear                # no more shadow runs
 
 The server's own routes (``/pipelines/{name}/versions``, ``/activate``, ``/rollback``, ``DELETE``;
 serving/http/deploy_routes.py) do the work; each action is an audit record. Not ``inferline deploy``,
@@ -48,6 +51,8 @@ def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     deploy = actions.add_parser("deploy", parents=[common], help="deploy a pipeline file as a new version")
     deploy.add_argument("name")
     deploy.add_argument("file", type=Path, help="the pipeline file (its name: must be NAME)")
+    deploy.add_argument("--keep", action="store_true",
+                        help="check and keep the version without serving it (for split, shadow or a pin)")
     activate = actions.add_parser("activate", parents=[common], help="serve a kept version again")
     activate.add_argument("name")
     activate.add_argument("spec_sha256", help="the version's spec hash, or a unique prefix of it")
@@ -62,6 +67,12 @@ def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     split.add_argument("--clear", action="store_true", help="all traffic back to the active version")
     promote = actions.add_parser("promote", parents=[common], help="make the canary the active version")
     promote.add_argument("name")
+    shadow = actions.add_parser("shadow", parents=[common],
+                                help="mirror a share of requests onto a candidate version (never answered)")
+    shadow.add_argument("name")
+    shadow.add_argument("version", nargs="?", help="the candidate: a kept version's label or spec hash prefix")
+    shadow.add_argument("percent", nargs="?", type=float, help="the share of requests mirrored, above 0 up to 100")
+    shadow.add_argument("--clear", action="store_true", help="stop mirroring")
     pipelines.set_defaults(handler=_run)
     return pipelines
 
@@ -76,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"inferline pipelines: cannot read {args.file}: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        call = ("POST", f"/pipelines/{name}/versions", {"yaml": text})
+        call = ("POST", f"/pipelines/{name}/versions", {"yaml": text, "activate": not args.keep})
     elif args.pipelines_command == "activate":
         call = ("POST", f"/pipelines/{name}/activate", {"spec_sha256": args.spec_sha256})
     elif args.pipelines_command == "rollback":
@@ -94,6 +105,12 @@ def _run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         call = ("DELETE", f"/pipelines/{name}/traffic", None) if args.clear else \
             ("PUT", f"/pipelines/{name}/traffic", {"weights": weights})
+    elif args.pipelines_command == "shadow":
+        if args.clear == (args.version is not None) or (args.version is not None and args.percent is None):
+            print("inferline pipelines shadow: give VERSION PERCENT, or --clear", file=sys.stderr)
+            return EXIT_USAGE
+        call = ("DELETE", f"/pipelines/{name}/shadow", None) if args.clear else \
+            ("PUT", f"/pipelines/{name}/shadow", {"version": args.version, "percent": args.percent})
     else:
         call = ("DELETE", f"/pipelines/{name}", None)
     method, path, body = call
@@ -128,6 +145,13 @@ def _print(command: str, answer: dict[str, Any]) -> None:
         weights = answer["weights"]
         print(f"{answer['pipeline']}: " + (", ".join(f"{sha[:12]} {w}" for sha, w in sorted(weights.items()))
                                            if weights else "all traffic to the active version"))
+    elif command == "shadow":
+        shadow = answer["shadow"]
+        print(f"{answer['pipeline']}: " + (f"{shadow['percent']:g}% of requests also run on version "
+                                           f"{shadow['version']} ({shadow['spec_sha256'][:12]})"
+                                           if shadow else "no shadow"))
+    elif command == "deploy" and "previous_spec_sha256" not in answer:
+        print(f"{answer['pipeline']}: version {answer['version']} ({answer['spec_sha256'][:12]}) kept, not served")
     else:
         print(f"{answer['pipeline']} now serves version {answer['version']} ({answer['spec_sha256'][:12]})"
               + (f", was {answer['previous_spec_sha256'][:12]}" if answer.get("previous_spec_sha256") else ""))

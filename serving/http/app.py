@@ -39,8 +39,10 @@ from serving.http.state import AppState
 from serving.runtime.calls import check_calls
 from serving.runtime.reloader import PipelineReloader
 from serving.runtime.resources import Runtime, RuntimeOptions
+from serving.runtime.shadow import Shadows
 from serving.runtime.workspace import DEFAULT_CONFIG, Workspace
 from store.keys import KeyStore
+from store.notify import listen
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     runtime = Runtime(workspace, loaded, RuntimeOptions.server(engines, registry))
     pipelines = runtime.pipelines
     metrics = HttpMetrics(registry, {name: pipeline.spec.slo for name, pipeline in pipelines.items()})
-    executor = Executor(pipelines, runtime.runner, metrics)
+    executor = Executor(pipelines, runtime.runner, metrics, Shadows(runtime, registry=registry))
     runtime.calls.run = executor.run  # the score stages' judges, counted in the app's metrics
     state = AppState(workspace, executor, Authenticator(None, server.auth.enabled), runtime.pool, registry)
     state.refusals = refusals = RefusalRecorder(server.audit.refusals, state.auth, pipelines, registry)
@@ -82,6 +84,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             state.audit_sink = refusals.sink = runtime.audit_sink
             frozen = False
             watcher = asyncio.create_task(reloader.watch(server.reload.poll_s if server.reload.watch else None))
+            notices = asyncio.create_task(listen(runtime.db, reloader.trigger))  # PostgreSQL: NOTIFY
             on_sighup = _reload_on_sighup(reloader.trigger)
             try:
                 if freeze_heap:
@@ -93,10 +96,13 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
             finally:
                 state.ready = False
                 watcher.cancel()
+                notices.cancel()
                 on_sighup()
                 if not await executor.drain(server.http.shutdown_grace_s):
                     logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
                                    server.http.shutdown_grace_s)
+                if executor.shadows is not None:
+                    await executor.shadows.aclose(server.http.shutdown_grace_s)
                 await reloader.aclose()
                 await refusals.settled(server.http.shutdown_grace_s)
                 if frozen:
@@ -122,7 +128,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
                                schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest,
-                               schemas.TrafficRequest)
+                               schemas.TrafficRequest, schemas.ShadowRequest)
     return app
 
 

@@ -2,19 +2,22 @@
 
     GET    /pipelines/{name}/versions            every version kept, newest first; which one serves
     POST   /pipelines/{name}/versions            {"yaml": "..."}: deploy a new version and serve it
+                                                 ({"activate": false}: keep it, serve nothing new)
     POST   /pipelines/{name}/activate            {"spec_sha256": "..."}: serve a version kept before
     POST   /pipelines/{name}/rollback            serve the version kept before the one serving now
     DELETE /pipelines/{name}                     retire the pipeline (its requests in flight finish)
     PUT    /pipelines/{name}/traffic             {"weights": {"3": 95, "4": 5}}: a canary, sticky per key
     DELETE /pipelines/{name}/traffic             all traffic back to the active version
     POST   /pipelines/{name}/promote             the canary becomes the active version, for all traffic
+    PUT    /pipelines/{name}/shadow              {"version": "4", "percent": 10}: 10% also run on version 4
+    DELETE /pipelines/{name}/shadow              no more shadow runs
 
 The pipelines folder stays the one source of truth: a deploy writes the pipeline's file (checked
 first, exactly as an edit is; nothing is written when it does not load) and the hot reload swaps it
 in, so a restart serves what was deployed and every server process watching the folder follows.
 Every action is an audit record of its own (who, what, which version before and after), chained
-like every other: pipeline ``name``, status ``ok``, a policy entry with rule ``deploy``,
-``activate``, ``rollback`` or ``retire``.
+like every other: pipeline ``name``, status ``ok``, a policy entry with rule ``deploy``, ``keep``,
+``activate``, ``rollback``, ``retire``, ``split``, ``promote`` or ``shadow``.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from pipeline.context import Principal
 from pipeline.errors import SpecError
 from serving.http.openapi import problems
 from serving.http.problems import Problem
-from serving.http.schemas import ActivateRequest, DeployRequest, TrafficRequest
+from serving.http.schemas import ActivateRequest, DeployRequest, ShadowRequest, TrafficRequest
 from serving.http.state import AppState
 from serving.runtime.reloader import PipelineReloader
-from store.pipeline_versions import PipelineVersion, PipelineVersions
+from store.pipeline_versions import PipelineVersion, PipelineVersions, Shadow
 
 ADMIN = ("admin",)
 
@@ -54,6 +57,11 @@ def _version_json(version: PipelineVersion, serving: str | None) -> dict[str, An
             "deployed_at": version.deployed_at.isoformat(), "active": version.spec_sha256 == serving}
 
 
+def _named(kept: list[PipelineVersion], version: str) -> list[PipelineVersion]:
+    """The kept versions *version* names: by their ``version:`` label, or six or more characters of their hash."""
+    return [v for v in kept if version == v.label or (len(version) >= 6 and v.spec_sha256.startswith(version))]
+
+
 def _serving(state: AppState, name: str) -> str | None:
     pipeline = state.executor.pipelines.get(name)
     return pipeline.loaded.sha256 if pipeline is not None else None
@@ -68,13 +76,21 @@ async def list_versions(name: FromPath[str], request: Request) -> dict[str, Any]
         raise Problem(404, "Not found", f"no pipeline {name!r} and no version of one", "pipeline_not_found")
     serving = _serving(state, name)
     return {"pipeline": name, "serving": serving, "versions": [_version_json(v, serving) for v in found],
-            "traffic": state.reloader.runtime.traffic.get(name) if state.reloader else None}
+            "traffic": state.reloader.runtime.traffic.get(name) if state.reloader else None,
+            "shadow": _shadow_json(state, name)}
+
+
+def _shadow_json(state: AppState, name: str) -> dict[str, Any] | None:
+    shadow = state.reloader.runtime.shadows.get(name) if state.reloader else None
+    return None if shadow is None else {"spec_sha256": shadow.spec_sha256, "percent": shadow.percent}
 
 
 @post("/pipelines/{name:str}/versions", summary="Deploy a new version of a pipeline and serve it (admin)",
       tags=["deploy"], status_code=201, responses=problems(400, 401, 403, 413, 422, 503))
 async def deploy(name: FromPath[str], data: JSONBody[DeployRequest], request: Request) -> dict[str, Any]:
     state, reloader, versions, principal = await _admin(request, "deploy pipelines")
+    if not data.activate:
+        return await _keep(state, reloader, versions, principal, name, data.yaml)
     return await _install(state, reloader, versions, principal, name, data.yaml, "deploy")
 
 
@@ -127,7 +143,7 @@ async def set_traffic(name: FromPath[str], data: JSONBody[TrafficRequest], reque
     kept = await asyncio.to_thread(versions.list, name)
     weights: dict[str, int] = {}
     for version, weight in data.weights.items():
-        matches = [v for v in kept if version == v.label or (len(version) >= 6 and v.spec_sha256.startswith(version))]
+        matches = _named(kept, version)
         if len({v.spec_sha256 for v in matches}) != 1 or weight < 0:
             raise Problem(400, "Bad request", f"weights: {version!r} must name one kept version of {name!r} (its "
                           "version: label or 6+ characters of its spec hash) with a weight of 0 or more",
@@ -169,6 +185,60 @@ async def promote(name: FromPath[str], request: Request) -> dict[str, Any]:
     return answer
 
 
+@put("/pipelines/{name:str}/shadow", summary="Mirror a share of a pipeline's requests onto a candidate (admin)",
+     tags=["deploy"], status_code=200, responses=problems(400, 401, 403, 404, 422, 503))
+async def set_shadow(name: FromPath[str], data: JSONBody[ShadowRequest], request: Request) -> dict[str, Any]:
+    state, reloader, versions, principal = await _admin(request, "shadow pipeline traffic")
+    kept = await asyncio.to_thread(versions.list, name)
+    wanted = data.version
+    matches = {v.spec_sha256: v for v in _named(kept, wanted)}
+    if len(matches) != 1:
+        raise Problem(404 if not matches else 400, "Not found" if not matches else "Bad request",
+                      f"version: {wanted!r} must name one kept version of {name!r} (its version: label or 6+ "
+                      f"characters of its spec hash); {len(matches)} do", "version_not_found",
+                      extra={"versions": [v.label for v in kept]})
+    candidate = next(iter(matches.values()))
+    await reloader.runtime.set_shadow(name, Shadow(candidate.spec_sha256, data.percent),
+                                      principal.key_id if principal else "anonymous")
+    await _audit(state, principal, "shadow", name, candidate.label, candidate.spec_sha256, "", "",
+                 detail=f"shadow {name}: {data.percent:g}% also run on version {candidate.label} "
+                        f"({candidate.spec_sha256[:12]})")
+    return {"pipeline": name, "shadow": {"spec_sha256": candidate.spec_sha256, "version": candidate.label,
+                                         "percent": data.percent}}
+
+
+@delete("/pipelines/{name:str}/shadow", summary="Stop mirroring a pipeline's requests (admin)", tags=["deploy"],
+        status_code=200, responses=problems(401, 403, 503))
+async def clear_shadow(name: FromPath[str], request: Request) -> dict[str, Any]:
+    state, reloader, _, principal = await _admin(request, "shadow pipeline traffic")
+    await reloader.runtime.set_shadow(name, None, principal.key_id if principal else "anonymous")
+    await _audit(state, principal, "shadow", name, "", "", "", "", detail=f"shadow {name}: cleared")
+    return {"pipeline": name, "shadow": None}
+
+
+async def _keep(state: AppState, reloader: PipelineReloader, versions: PipelineVersions,
+                principal: Principal | None, name: str, text: str) -> dict[str, Any]:
+    """Check *text* as a version of *name* and keep it, serving nothing new."""
+    try:
+        loaded = await reloader.check(name, text)
+    except SpecError as exc:
+        raise _invalid(exc) from exc
+    await reloader.runtime.record_version(loaded, principal.key_id if principal is not None else "anonymous")
+    version = await asyncio.to_thread(versions.by_sha256, loaded.sha256, name)
+    if version is None:
+        raise Problem(503, "Backend unavailable", "the version could not be kept (see the server log)",
+                      "backend_error")
+    await _audit(state, principal, "keep", name, loaded.spec.version, loaded.sha256, "", "",
+                 detail=f"keep {name}: version {loaded.spec.version} ({loaded.sha256[:12]}), not served")
+    return _version_json(version, _serving(state, name))
+
+
+def _invalid(exc: SpecError) -> Problem:
+    return Problem(400, "Invalid pipeline", str(exc), "invalid_pipeline",
+                   extra={"issues": [{"line": i.line, "col": i.col, "loc": i.loc, "message": i.message}
+                                     for i in exc.issues]})
+
+
 async def _install(state: AppState, reloader: PipelineReloader, versions: PipelineVersions,
                    principal: Principal | None, name: str, text: str, action: str) -> dict[str, Any]:
     before = state.executor.pipelines.get(name)
@@ -176,9 +246,7 @@ async def _install(state: AppState, reloader: PipelineReloader, versions: Pipeli
     try:
         loaded = await reloader.install(name, text, by)
     except SpecError as exc:
-        raise Problem(400, "Invalid pipeline", str(exc), "invalid_pipeline",
-                      extra={"issues": [{"line": i.line, "col": i.col, "loc": i.loc, "message": i.message}
-                                        for i in exc.issues]}) from exc
+        raise _invalid(exc) from exc
     except OSError as exc:
         raise Problem(503, "Backend unavailable", f"the pipelines folder cannot be written: {exc}",
                       "backend_error") from exc
@@ -215,4 +283,5 @@ async def _audit(state: AppState, principal: Principal | None, action: str, name
     })
 
 
-ROUTES = [list_versions, deploy, activate, rollback, retire, set_traffic, clear_traffic, promote]
+ROUTES = [list_versions, deploy, activate, rollback, retire, set_traffic, clear_traffic, promote, set_shadow,
+          clear_shadow]

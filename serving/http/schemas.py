@@ -196,6 +196,8 @@ class DeployRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     yaml: str = Field(min_length=1, max_length=1 << 20, description="The pipeline file, as YAML text.")
+    activate: bool = Field(True, description=(
+        "false: check and keep the version without serving it, for a canary split, a shadow or a pin."))
 
 
 class ActivateRequest(BaseModel):
@@ -213,3 +215,13 @@ class TrafficRequest(BaseModel):
     weights: dict[str, int] = Field(min_length=1, max_length=16, description=(
         'Version (its version: label, or six or more characters of its spec hash) -> weight, e.g. '
         '{"3": 95, "4": 5}: each caller key sticks to one version, chosen by the weights.'))
+
+
+class ShadowRequest(BaseModel):
+    """The body of ``PUT /pipelines/{name}/shadow``."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(min_length=1, max_length=64, description=(
+        "The candidate: a kept version's version: label, or six or more characters of its spec hash."))
+    percent: float = Field(gt=0, le=100, description=(
+        "The share of the pipeline's requests that also run on the candidate, whose answer is never sent."))

@@ -13,15 +13,19 @@ from pipeline.events import Done, Error, Event, StageFinished, TextDelta, final_
 from pipeline.runner import Pipeline, Runner
 from serving.http.metrics import HttpMetrics
 from serving.http.problems import Problem
+from serving.runtime.shadow import Shadows
 
 
 class Executor:
     """Every served pipeline, the runner, and the count of requests in flight."""
 
-    def __init__(self, pipelines: dict[str, Pipeline], runner: Runner, metrics: HttpMetrics):
+    def __init__(self, pipelines: dict[str, Pipeline], runner: Runner, metrics: HttpMetrics,
+                 shadows: Shadows | None = None):
         self.pipelines = pipelines
         self.runner = runner
         self.metrics = metrics
+        #: Mirrors a share of the answered requests onto a candidate version (shadow traffic).
+        self.shadows = shadows
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -37,17 +41,19 @@ class Executor:
         """The runner's events; metrics are recorded however the stream ends, and before the final
         event goes out: a client that reads /metrics once it has its answer finds the answer counted."""
         self._enter()
-        observed = False
+        final: Done | Error | None = None
         try:
             async for event in self.runner.stream(pipeline, ctx):
-                if isinstance(event, (Done, Error)) and not observed:
-                    observed = True
+                if isinstance(event, (Done, Error)) and final is None:
+                    final = event
                     self._observe(pipeline, ctx, event)
                 yield event
         finally:
             self._leave()
-            if not observed:
+            if final is None:
                 self._observe(pipeline, ctx, None)
+            elif self.shadows is not None:  # once the answer is out: a shadow never holds it up
+                self.shadows.mirror(pipeline, ctx, final)
 
     def _observe(self, pipeline: Pipeline, ctx: RequestContext, final: Done | Error | None) -> None:
         self.metrics.observe_cache(pipeline.name, ctx.facts.get("cache"))

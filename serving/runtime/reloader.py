@@ -134,24 +134,32 @@ class PipelineReloader:
         """The file that serves pipeline *name*, if one does."""
         return next((path for path, served in self._served.items() if served == name), None)
 
+    async def check(self, name: str, text: str) -> LoadedPipeline:
+        """*text* loaded as a version of pipeline *name*, checked as a file edit is, without serving it;
+        :class:`SpecError` if it does not load."""
+        path = self.file_of(name) or (self.folder / f"{name}.yaml").resolve()
+        loaded = await asyncio.to_thread(self.runtime.workspace.load_pipeline_text, text, str(path))
+        if loaded.spec.name != name:
+            line, col = loaded.name_at
+            raise SpecError([SpecIssue(str(path), line, col, "name",
+                                       f"this file is pipeline {loaded.spec.name!r}, not {name!r}: "
+                                       f"a version of {name!r} says name: {name}")])
+        self._check_beside_the_others(loaded, path)
+        return loaded
+
     async def install(self, name: str, text: str, deployed_by: str) -> LoadedPipeline:
         """Make *text* pipeline *name*'s file and serve it now (a deploy, an activation or a rollback
         through the API). It is checked first, as a file edit is; :class:`SpecError` if it does not load,
         and then nothing is written."""
         async with self._lock:
-            path = self.file_of(name) or (self.folder / f"{name}.yaml").resolve()
-            loaded = await asyncio.to_thread(self.runtime.workspace.load_pipeline_text, text, str(path))
-            if loaded.spec.name != name:
-                line, col = loaded.name_at
-                raise SpecError([SpecIssue(str(path), line, col, "name",
-                                           f"this file is pipeline {loaded.spec.name!r}, not {name!r}: "
-                                           f"a version of {name!r} says name: {name}")])
-            self._check_beside_the_others(loaded, path)
+            loaded = await self.check(name, text)
+            path = Path(loaded.file)
             await self.runtime.record_version(loaded, deployed_by)
             staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.yaml: the watcher skips it
             await asyncio.to_thread(staged.write_text, text)
             await asyncio.to_thread(os.replace, staged, path)
         await self.reload()
+        await self.runtime.announce()
         return loaded
 
     async def remove(self, name: str) -> bool:
@@ -162,6 +170,7 @@ class PipelineReloader:
                 return False
             await asyncio.to_thread(path.unlink, True)
         await self.reload()
+        await self.runtime.announce()
         return True
 
     def error_for(self, name: str) -> ReloadError | None:

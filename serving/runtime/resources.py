@@ -43,7 +43,8 @@ from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
 from store.db import make_engine
 from store.migrate import create_schema
-from store.pipeline_versions import PipelineTraffic, PipelineVersions
+from store.notify import announce
+from store.pipeline_versions import PipelineShadows, PipelineTraffic, PipelineVersions, Shadow
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class Runtime:
         #: Canary splits by pipeline name (spec hash -> weight), as the database last said.
         self.traffic: dict[str, dict[str, int]] = {}
         self._traffic_table: PipelineTraffic | None = None
+        #: Shadows by pipeline name (a candidate version and the share of requests it mirrors).
+        self.shadows: dict[str, Shadow] = {}
+        self._shadow_table: PipelineShadows | None = None
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> Runtime:
@@ -135,6 +139,7 @@ class Runtime:
         if options.record_versions:
             self.versions = PipelineVersions(db)
             self._traffic_table = PipelineTraffic(db)
+            self._shadow_table = PipelineShadows(db)
             await self.refresh_traffic()
             for pipeline in self.pipelines.values():
                 await self.record_version(pipeline.loaded)
@@ -182,19 +187,49 @@ class Runtime:
         return pipeline
 
     async def refresh_traffic(self) -> None:
-        """Read the canary splits again (every reload pass: another process may have changed them)."""
-        if self._traffic_table is None:
+        """Read the canary splits and shadows again (every reload pass: another process may have changed
+        them)."""
+        if self._traffic_table is None or self._shadow_table is None:
             return
         try:
             self.traffic = await asyncio.to_thread(self._traffic_table.all)
+            self.shadows = await asyncio.to_thread(self._shadow_table.all)
         except Exception as exc:  # the split stays as it was; requests are served all the same
             logger.error("pipelines: traffic splits not read (%s: %s)", type(exc).__name__, exc)
+
+    async def set_shadow(self, name: str, shadow: Shadow | None, updated_by: str) -> None:
+        if self._shadow_table is None:
+            raise RuntimeError("this runtime keeps no versions")
+        await asyncio.to_thread(self._shadow_table.set, name, shadow, updated_by)
+        await self.refresh_traffic()
+        await self.announce()
+
+    async def announce(self) -> None:
+        """Tell the other processes on this database to look at the folder and the traffic tables now
+        (PostgreSQL ``NOTIFY``; store/notify.py). A failure is logged: they still poll."""
+        if self.db is None:
+            return
+        try:
+            await asyncio.to_thread(announce, self.db)
+        except Exception as exc:
+            logger.warning("pipelines: change notice not sent (%s: %s); other processes see the change "
+                           "within reload.poll_s", type(exc).__name__, exc)
+
+    def shadow_choice(self, name: str, request_id: str) -> str | None:
+        """The candidate (spec hash) that request *request_id* of *name* also runs on, or None: a share of
+        ``percent`` of the requests, picked by the request id (so the same request is always in or out)."""
+        shadow = self.shadows.get(name)
+        if shadow is None or shadow.percent <= 0:
+            return None
+        point = int.from_bytes(hashlib.sha256(f"shadow\0{request_id}".encode()).digest()[:8], "big") % 10_000
+        return shadow.spec_sha256 if point < shadow.percent * 100 else None
 
     async def set_traffic(self, name: str, weights: dict[str, int] | None, updated_by: str) -> None:
         if self._traffic_table is None:
             raise RuntimeError("this runtime keeps no versions")
         await asyncio.to_thread(self._traffic_table.set, name, weights, updated_by)
         await self.refresh_traffic()
+        await self.announce()
 
     def split_choice(self, name: str, sticky: str) -> str | None:
         """The spec hash a request of *name* goes to under its split (None: no split), the same for every

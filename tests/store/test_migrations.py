@@ -18,8 +18,8 @@ from store.keys import ApiKey, KeyStore
 from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
-          "limit_counters", "pipeline_versions", "pipeline_traffic"}
-HEAD = "0007"
+          "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows"}
+HEAD = "0008"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])

@@ -44,6 +44,14 @@ def test_deploy_versions_rollback_and_retire_from_the_command_line(tmp_path, mon
         assert main(["pipelines", "split", "chat", *common]) == 2  # neither weights nor --clear
         assert main(["pipelines", "split", "chat", "--clear", *common]) == 0
         assert "all traffic to the active version" in capsys.readouterr().out
+        edited.write_text(CHAT.replace("name: chat", "name: chat\nversion: '3'"))
+        assert main(["pipelines", "deploy", "chat", str(edited), "--keep", *common]) == 0
+        assert capsys.readouterr().out.startswith("chat: version 3 (")
+        assert main(["pipelines", "shadow", "chat", "3", "25", *common]) == 0
+        assert "25% of requests also run on version 3" in capsys.readouterr().out
+        assert main(["pipelines", "shadow", "chat", "3", *common]) == 2  # no percent
+        assert main(["pipelines", "shadow", "chat", "--clear", *common]) == 0
+        assert "no shadow" in capsys.readouterr().out
         assert main(["pipelines", "rollback", "chat", "--url", server.url, "--key", caller]) == 1  # not an admin
         assert "403" in capsys.readouterr().err
         assert main(["pipelines", "retire", "chat", *common]) == 0

@@ -1,5 +1,7 @@
 """Two servers on one PostgreSQL database and one pipelines folder (each app with its own runtime and
-watcher, served by uvicorn): a deploy or a rollback through either reaches the other within seconds."""
+watcher, served by uvicorn): a deploy, a rollback, a canary split or a shadow through either reaches the
+other within seconds. Each looks at its folder only every 60 s here: what reaches the other is the
+database's notice (LISTEN/NOTIFY)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_a_deploy_and_a_rollback_reach_every_server(tmp_path, monkeypatch):
                 text = (tmp_path / "inferline.yaml").read_text()
                 text = text.replace("pipelines: pipelines/", f"pipelines: {shared}/")
                 text = text.replace(f"database: sqlite:///{tmp_path / 'keys.db'}", f"database: '{url}'")
-                (root / "inferline.yaml").write_text(text + "reload: {poll_s: 0.2}\n")
+                (root / "inferline.yaml").write_text(text + "reload: {poll_s: 60}\n")
                 app = create_server(open_workspace(str(root / "inferline.yaml")),
                                     engines=FakeEngines(smol=FakeEngine("Paris.")))
                 servers.append(LiveServer(app))
@@ -57,6 +59,16 @@ def test_a_deploy_and_a_rollback_reach_every_server(tmp_path, monkeypatch):
             assert httpx.post(f"{b.url}/pipelines/chat/rollback", timeout=30).status_code == 200
             assert served_version(b) == "1"
             assert within(5, lambda: served_version(a) == "1") < 5
+
+            def b_sees() -> dict:
+                return httpx.get(f"{b.url}/pipelines/chat/versions", timeout=30).json()
+
+            assert httpx.put(f"{a.url}/pipelines/chat/traffic", json={"weights": {"1": 90, "2": 10}},
+                             timeout=30).status_code == 200
+            assert within(5, lambda: sorted((b_sees()["traffic"] or {}).values()) == [10, 90]) < 5
+            assert httpx.put(f"{a.url}/pipelines/chat/shadow", json={"version": "2", "percent": 20},
+                             timeout=30).status_code == 200
+            assert within(5, lambda: (b_sees()["shadow"] or {}).get("percent") == 20) < 5
         finally:
             for server in servers:
                 server.stop()

@@ -3,6 +3,9 @@ switches at once, a bad version changes nothing, and every action is an audit re
 
 from __future__ import annotations
 
+import time
+import uuid
+
 from litestar.testing import TestClient
 
 from serving.runtime.workspace import open_workspace
@@ -117,3 +120,96 @@ def test_a_canary_split_is_sticky_per_caller_and_promotes(tmp_path, monkeypatch)
         rules = [p["rule"] for r in client.get("/audit/records", params={"limit": 100}).json()["records"]
                  for p in r.get("policy") or [] if p.get("where") == "deploy"]
         assert rules.count("split") == 3 and "promote" in rules
+
+
+def _metric(client: TestClient, line_start: str) -> float:
+    found = [line for line in client.get("/metrics").text.splitlines() if line.startswith(line_start)]
+    return float(found[0].rsplit(" ", 1)[1]) if found else 0.0
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_shadow_runs_never_change_the_answer_and_record_both_sides(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    engines = FakeEngines(smol=FakeEngine("Paris."))
+    app = create_server(open_workspace(str(config)), engines=engines)
+    short = v("2").replace("max_tokens: 64", "max_tokens: 3")  # the candidate answers "Par"
+    with TestClient(app) as client:
+        kept = client.post("/pipelines/chat/versions", json={"yaml": short, "activate": False})
+        assert kept.status_code == 201 and kept.json()["active"] is False and kept.json()["version"] == "2"
+        assert "max_tokens: 64" in (tmp_path / "pipelines" / "chat.yaml").read_text()  # nothing written
+        assert client.put("/pipelines/chat/shadow", json={"version": "9", "percent": 5}).status_code == 404
+        assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 0}).status_code == 422
+        assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 101}).status_code == 422
+        shadow = client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 100})
+        assert shadow.status_code == 200 and shadow.json()["shadow"]["percent"] == 100
+        assert client.get("/pipelines/chat/versions").json()["shadow"]["spec_sha256"] == kept.json()["spec_sha256"]
+
+        answers = [client.post("/pipelines/chat", json={"input": f"Capital {n}?"}) for n in range(5)]
+        assert {(a.json()["output"], a.json()["pipeline_version"]) for a in answers} == {("Paris.", "1")}
+        runs = 'inferline_shadow_runs_total{candidate="2",output="different",pipeline="chat"}'
+        _wait_for(lambda: _metric(client, runs) == 5)
+        assert _metric(client, 'inferline_shadow_duration_seconds_count{pipeline="chat",side="shadow"}') == 5
+        assert _metric(client, 'inferline_shadow_output_tokens_total{pipeline="chat",side="served"}') == 30
+        assert _metric(client, 'inferline_shadow_output_tokens_total{pipeline="chat",side="shadow"}') == 15
+        assert _metric(client, 'inferline_shadow_policy_total{candidate="2",decision="same",pipeline="chat"}') == 5
+        assert _metric(client, 'inferline_pipeline_requests_total{pipeline="chat",status="ok"}') == 5  # served only
+
+        records = client.get("/audit/records", params={"limit": 50, "pipeline": "chat"}).json()["records"]
+        records = [r for r in records if r["model"]]  # requests, not the deploy actions
+        served = {r["request_id"]: r for r in records if r["pipeline_version"] == "1"}
+        shadows = [r for r in records if r["pipeline_version"] == "2"]
+        assert len(served) == 5 and len(shadows) == 5 and {r["output_content"] for r in shadows} == {"Par"}
+        for record in shadows:
+            row = client.get(f"/audit/records/{record['id']}").json()
+            decision = next(s["decision"] for s in row["stages"] if s["type"] == "shadow")
+            assert decision["of"] in served and decision["output_identical"] is False
+            assert decision["served"]["version"] == "1" and decision["served"]["output_tokens"] == 6
+        assert {a.json()["request_id"] for a in answers} == set(served)
+
+        assert client.delete("/pipelines/chat/shadow").json()["shadow"] is None
+        client.post("/pipelines/chat", json={"input": "Capital?"})
+        time.sleep(0.2)
+        assert _metric(client, runs) == 5  # no more shadow runs
+        rules = [p["message"] for r in client.get("/audit/records", params={"limit": 100}).json()["records"]
+                 for p in r.get("policy") or [] if p.get("where") == "deploy"]
+        assert any(m.startswith("shadow chat: 100% also run on version 2") for m in rules)
+        assert "shadow chat: cleared" in rules and any(m.startswith("keep chat: version 2") for m in rules)
+        assert client.get("/audit/verify").json()["ok"] is True
+
+
+def test_a_shadow_picks_its_share_of_requests_and_identical_candidates_compare_so(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    with TestClient(app) as client:
+        assert client.post("/pipelines/chat/versions", json={"yaml": v("2"), "activate": False}).status_code == 201
+        assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 30}).status_code == 200
+        runtime = app.state.inferline.reloader.runtime
+        picked = [runtime.shadow_choice("chat", uuid.uuid4().hex) for _ in range(2000)]
+        assert abs(sum(p is not None for p in picked) / 2000 - 0.30) <= 0.03
+        assert runtime.shadow_choice("chat", "r-1") == runtime.shadow_choice("chat", "r-1")
+        assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 100}).status_code == 200
+        client.post("/pipelines/chat", json={"input": "Capital?"})
+        _wait_for(lambda: _metric(
+            client, 'inferline_shadow_runs_total{candidate="2",output="identical",pipeline="chat"}') == 1)
+        # A shadow uses up no caller's limit: two requests a minute are two, with their two shadows.
+        limited = v("3").replace("stages:\n", "stages:\n  - {id: guard, type: policy, with: {limits: "
+                                 "{requests_per_minute: 2, per: pipeline}}}\n")
+        assert client.post("/pipelines/chat/versions", json={"yaml": limited}).status_code == 201
+        candidate = limited.replace("version: '3'", "version: '4'")
+        assert client.post("/pipelines/chat/versions", json={"yaml": candidate, "activate": False}).status_code == 201
+        assert client.put("/pipelines/chat/shadow", json={"version": "4", "percent": 100}).status_code == 200
+        mirrored = 'inferline_shadow_runs_total{candidate="4",output="identical",pipeline="chat"}'
+        for n in (1, 2):
+            assert client.post("/pipelines/chat", json={"input": "Capital?"}).status_code == 200
+            _wait_for(lambda n=n: _metric(client, mirrored) == n)
+        assert client.post("/pipelines/chat", json={"input": "Capital?"}).status_code == 429
