@@ -3,12 +3,18 @@
     inferline replay support --candidate support-v4.yaml --since 24h --limit 200
     inferline replay support --candidate support-v4.yaml --format jsonl > replay.jsonl
     inferline replay support --candidate support-v4.yaml --html replay.html
+    inferline replay support --candidate support-v4.yaml --url http://10.0.0.5:8000 --key $ADMIN_KEY
+    inferline replay support --candidate 4 --url http://10.0.0.5:8000        # a version kept there
 
 Reads the audit records of pipeline NAME from the config's database (those whose content was kept in
 full: ``content: full`` on the audit stage; the others are skipped and counted), runs each record's
 input through the candidate in-process over the config's models, and reports per request and in total:
 identical outputs, latency, tokens, cost and policy decisions, old against new
 (serving/evals/replay.py). Exit 1 when any answer changed.
+
+With ``--url``, the records come from that server's audit API, the candidate file is kept there (not
+served) and each input is sent to the server pinned to it, on the server's own models; ``--candidate``
+may then also name a version the server keeps (its label or spec hash prefix).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from pipeline.errors import SpecError
-from serving.evals.replay import html_report, replay, replayable, summarize_replay
+from serving.evals.replay import ReplayError, ReplayServer, html_report, replay, replayable, summarize_replay
 from serving.runtime.workspace import open_workspace
 from store.audit_filters import parse_filters
 from store.audit_query import MAX_LIMIT
@@ -37,10 +46,16 @@ def add_replay_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "replay", help="re-run audited requests through a candidate version; old answers against new",
         description="Re-run the audited requests of PIPELINE (content kept in full) through a candidate "
-                    "pipeline file in-process, and compare: identical outputs, latency, tokens, cost, policy "
-                    "decisions. Exit 1 when any answer changed.")
+                    "pipeline file, in-process or on a running server (--url), and compare: identical outputs, "
+                    "latency, tokens, cost, policy decisions. Exit 1 when any answer changed.")
     parser.add_argument("pipeline", metavar="PIPELINE", help="the pipeline whose audited requests to replay")
-    parser.add_argument("--candidate", required=True, type=Path, metavar="FILE", help="the candidate pipeline file")
+    parser.add_argument("--candidate", required=True, metavar="FILE|VERSION",
+                        help="the candidate pipeline file; with --url also a version the server keeps")
+    parser.add_argument("--url", help="replay on this running server (its audit log, its models) instead of "
+                                      "in-process")
+    parser.add_argument("--key", default=os.environ.get("INFERLINE_API_KEY"),
+                        help="with --url: an API key with the auditor and caller roles, and admin to keep a "
+                             "candidate file (default: $INFERLINE_API_KEY; none when the server's auth is off)")
     parser.add_argument("--since", help="records from (ISO 8601 or relative: 24h, 7d, yesterday)")
     parser.add_argument("--until", help="records before")
     parser.add_argument("--status", help="only records of this status (ok, failed, denied, ...)")
@@ -64,19 +79,34 @@ def _replay(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"inferline replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    workspace = open_workspace(args.config)
-    try:
-        candidate = workspace.load_pipeline(args.candidate)
-    except SpecError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_CHANGED
-    records, skipped = read_records(workspace.database_url, filters, args.limit)
-    results = asyncio.run(replay(workspace, candidate, records, concurrency=args.concurrency))
+    if args.url:
+        try:
+            results, skipped = asyncio.run(_on_server(args, filters))
+        except (ReplayError, httpx.HTTPError) as exc:
+            print(f"inferline replay: {args.url}: {exc}", file=sys.stderr)
+            return EXIT_CHANGED
+    else:
+        workspace = open_workspace(args.config)
+        try:
+            candidate = workspace.load_pipeline(Path(args.candidate))
+        except SpecError as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_CHANGED
+        records, skipped = read_records(workspace.database_url, filters, args.limit)
+        results = asyncio.run(replay(workspace, candidate, records, concurrency=args.concurrency))
     totals = summarize_replay(results, skipped)
     show(results, totals, args.format or ("table" if sys.stdout.isatty() else "jsonl"))
     if args.html:
         args.html.write_text(html_report(args.pipeline, str(args.candidate), totals, results))
     return EXIT_OK if totals["identical"] == totals["replayed"] else EXIT_CHANGED
+
+
+async def _on_server(args: argparse.Namespace, filters: Any) -> tuple[list[dict[str, Any]], Counter[str]]:
+    async with ReplayServer(args.url, args.key) as server:
+        candidate = Path(args.candidate)
+        version = await server.keep(args.pipeline, candidate.read_text()) if candidate.is_file() else args.candidate
+        records, skipped = await server.records(args.pipeline, filters, args.limit)
+        return await server.replay(args.pipeline, version, records, concurrency=args.concurrency), skipped
 
 
 def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any]], Counter[str]]:

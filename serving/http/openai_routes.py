@@ -37,7 +37,7 @@ from pydantic import TypeAdapter, ValidationError
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openapi import JsonOrEventStream, openai_errors
-from serving.http.pipeline_routes import failure, response_headers, sources_json, start_request
+from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
 from serving.http.problems import Problem, from_final
 from serving.http.schemas import (
     RESPONSE_FORMAT,
@@ -206,7 +206,8 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
         choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
                   "logprobs": None}
     return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
-            "sources": sources_json(summary)}
+            "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
+            "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
 
 
 def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:

@@ -48,7 +48,7 @@ def sources_json(summary: Summary) -> list[dict[str, Any]]:
     return [source_json(s) for s in summary.sources]
 
 
-def summary_json(summary: Summary) -> dict[str, Any]:
+def summary_json(summary: Summary, ctx: RequestContext) -> dict[str, Any]:
     return {
         "request_id": summary.request_id, "output": summary.output_text, "finish_reason": summary.finish_reason,
         "usage": {"input_tokens": summary.usage.input_tokens, "output_tokens": summary.usage.output_tokens},
@@ -57,7 +57,14 @@ def summary_json(summary: Summary) -> dict[str, Any]:
         "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
         "stages": [stage_json(s) for s in summary.stages], "sources": sources_json(summary),
         "pipeline_version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,
+        **answered_by(ctx),
     }
+
+
+def answered_by(ctx: RequestContext) -> dict[str, Any]:
+    """The model that answered, and the models tried before it (a route's fallbacks), if any."""
+    tried = ctx.facts.get("route", {}).get("fallbacks_tried", [])
+    return {"model": ctx.model or None, "fallbacks_tried": [t["model"] for t in tried]}
 
 
 async def start_request(state: AppState, request: Request, name: str, messages: list[ChatMessage],
@@ -96,11 +103,11 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
-        return event_stream(_sse(head, events), response_headers(ctx))
+        return event_stream(_sse(head, events, ctx), response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
-    return Response(summary_json(final.summary), headers=response_headers(ctx))
+    return Response(summary_json(final.summary, ctx), headers=response_headers(ctx))
 
 
 #: The request header that pins a version (its ``version:`` label or spec hash prefix); answers carry it too.
@@ -108,10 +115,11 @@ PIN_HEADER = "x-pipeline-version"
 
 
 def response_headers(ctx: RequestContext) -> dict[str, str]:
-    """The request id, the pipeline version that serves it, and what the policy stage counted (rate-limit
-    and budget headers)."""
+    """The request id, the pipeline version that serves it, the model that answers (when one was handed
+    the request), and what the policy stage counted (rate-limit and budget headers)."""
     return {"X-Request-Id": ctx.request_id, "X-Pipeline-Version": ctx.pipeline_version,
-            "X-Pipeline-Spec-Sha256": ctx.spec_sha256, **limit_headers(ctx.facts.get("limits"))}
+            "X-Pipeline-Spec-Sha256": ctx.spec_sha256, **({"X-Inferline-Model": ctx.model} if ctx.model else {}),
+            **limit_headers(ctx.facts.get("limits"))}
 
 
 def failure(final: Error, ctx: RequestContext) -> Problem:
@@ -122,21 +130,21 @@ def failure(final: Error, ctx: RequestContext) -> Problem:
     return problem
 
 
-async def _sse(head: list[Event], events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+async def _sse(head: list[Event], events: AsyncIterator[Event], ctx: RequestContext) -> AsyncIterator[bytes]:
     """*head* (what :func:`head_of_stream` read) as one chunk, then each later event as it comes. One chunk is
     one write to the socket: the head's six or so stage events in one chunk save a write each, on the event
     loop, right after a burst's first prefill step, when every request of the burst needs the loop."""
     # A client disconnect stops this generator; closing ``events`` cancels the request.
     try:
-        yield b"".join(_message(event) for event in head)
+        yield b"".join(_message(event, ctx) for event in head)
         if not isinstance(head[-1], (Done, Error)):
             async for event in events:
-                yield _message(event)
+                yield _message(event, ctx)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _message(event: Event) -> bytes:
+def _message(event: Event, ctx: RequestContext) -> bytes:
     if isinstance(event, TextDelta):
         return sse_event("delta", {"text": event.text})
     if isinstance(event, StageStarted):
@@ -147,7 +155,7 @@ def _message(event: Event) -> bytes:
                    "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd}
         return sse_event("stage", payload)
     if isinstance(event, Done):
-        return sse_event("done", summary_json(event.summary))
+        return sse_event("done", summary_json(event.summary, ctx))
     problem = from_final(event.kind, event.message, None)
     payload = {**problem.body(), "request_id": event.summary.request_id, "trace_id": event.summary.trace_id}
     return sse_event("error", payload)

@@ -84,3 +84,56 @@ def test_the_command_line_reports_and_exits_1_on_a_change(tmp_path, monkeypatch,
     assert "skipped 1 record(s)" in capsys.readouterr().err
     assert main(["replay", "chat", "--candidate", str(tmp_path / "nope.yaml"), "--config", config]) == 1
     assert main(["replay", "chat", "--candidate", str(changed), "--since", "soon", "--config", config]) == 2
+
+
+def test_replay_against_a_running_server(tmp_path, monkeypatch, capsys):
+    """The records from the server's audit API, the candidate kept there and each input sent to it pinned:
+    an unchanged candidate answers the same, a changed one differs; what was not kept is skipped."""
+    from serving.cli.main import main
+    from store.db import make_engine
+    from store.keys import KeyStore
+    from store.migrate import create_schema
+    from tests.serving.live_server import LiveServer
+
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE", "INFERLINE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=True)
+    (tmp_path / "pipelines" / "hashed.yaml").write_text(
+        CHAT.replace("name: chat", "name: hashed").replace("content: full", "content: hash"))
+    workspace = open_workspace(str(config))
+    engine = make_engine(workspace.database_url)
+    create_schema(engine)
+    (_, admin), (_, caller) = KeyStore(engine).create("ops", "admin"), KeyStore(engine).create("app", "caller")
+    server = LiveServer(create_server(workspace, engines=FakeEngines(smol=FakeEngine("Paris."))))
+    try:
+        import httpx
+        for question in ("one?", "two?"):
+            assert httpx.post(f"{server.url}/pipelines/chat", json={"input": question}, timeout=30,
+                              headers={"Authorization": f"Bearer {caller}"}).status_code == 200
+        common = ["--url", server.url, "--key", admin, "--format", "jsonl"]
+        same = main(["replay", "chat", "--candidate", str(workspace.pipelines_dir / "chat.yaml"), *common])
+        out, err = capsys.readouterr()
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert same == 0 and len(lines) == 2 and all(line["identical"] for line in lines), err
+        assert {line["new"]["version"] for line in lines} == {"1"} and lines[0]["new"]["status"] == "ok"
+        changed = tmp_path / "candidate.yaml"
+        changed.write_text(CHAT.replace("max_tokens: 64", "max_tokens: 3").replace("name: chat",
+                                                                                   "name: chat\nversion: '2'"))
+        assert main(["replay", "chat", "--candidate", str(changed), *common]) == 1
+        out, err = capsys.readouterr()
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert {(line["new"]["version"], line["new"]["output"]) for line in lines} == {("2", "Par")}
+        # The first run's requests were served, so audited, too: four records now, none the same.
+        assert "replayed 4: 0 identical" in err and "2 not a request" in err  # the keep actions
+        assert main(["replay", "chat", "--candidate", "2", "--since", "1h", *common]) == 1  # a kept version
+        assert main(["replay", "hashed", "--candidate", "2", *common]) == 0
+        assert "skipped" in capsys.readouterr().err
+        assert main(["replay", "chat", "--candidate", "7", *common]) == 1  # no such version there
+        assert "404" in capsys.readouterr().err
+        assert main(["replay", "chat", "--candidate", "2", "--url", server.url, "--key", caller]) == 1
+        assert "403" in capsys.readouterr().err  # a caller may not read the audit log
+        serving = httpx.post(f"{server.url}/pipelines/chat", json={"input": "x"}, timeout=30,
+                             headers={"Authorization": f"Bearer {caller}"}).json()["pipeline_version"]
+        assert serving == "1"  # keeping the candidate served nothing new
+    finally:
+        server.stop()

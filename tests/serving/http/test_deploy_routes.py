@@ -78,6 +78,8 @@ def test_a_caller_pins_a_kept_version(tmp_path, monkeypatch):
         body = {"messages": [{"role": "user", "content": "Capital?"}]}
         pinned = client.post("/v1/chat/completions", json={"model": "chat@1", **body})
         assert pinned.status_code == 200 and pinned.headers["x-pipeline-version"] == "1"
+        assert pinned.json()["pipeline_version"] == "1" and pinned.json()["system_fingerprint"] == first
+        assert pinned.json()["answered_by"] == {"model": "smol", "fallbacks_tried": []}
         assert client.post("/v1/chat/completions", json={"model": "chat", **body}).headers["x-pipeline-version"] == "2"
         by_hash = client.post("/pipelines/chat", json={"input": "Capital?"}, headers={"X-Pipeline-Version": first[:8]})
         assert by_hash.json()["pipeline_version"] == "1" and by_hash.json()["spec_sha256"] == first

@@ -52,6 +52,9 @@ def test_fallback_and_cache_hit_are_in_the_audit_record_and_metrics(client):
     failed_over = client.post("/pipelines/routed", json={"input": "Hi", "tags": {"fail": "yes"}})
     assert first.json()["output"] == second.json()["output"] == failed_over.json()["output"] == "From the big model."
     assert len(client.big.submitted) == 2  # the second came from the cache
+    # The answer names the model that answered, and the ones tried before it.
+    assert failed_over.json()["model"] == "big" and failed_over.json()["fallbacks_tried"] == ["smol"]
+    assert failed_over.headers["x-inferline-model"] == "big" and first.json()["fallbacks_tried"] == []
     records = client.get("/audit/records", params={"pipeline": "routed", "sort": "received_at"}).json()["records"]
     details = [client.get(f"/audit/records/{r['id']}").json() for r in records]
     assert [d["route"].get("served_by") for d in details] == ["big", None, "big"]  # None: from the cache
