@@ -292,6 +292,18 @@ class RefusalsSpec(Strict):
     per_minute: PositiveInt = 600
 
 
+class AnchorsSpec(Strict):
+    """Where each checkpoint is also delivered, as a signed digest the database's writers cannot rewrite."""
+
+    #: Folder of digest files, one per checkpoint (``<seq>.json``, never overwritten): mount it from a
+    #: separate volume or write-once storage that the database's administrators cannot write.
+    dir: str
+    #: Also POST each digest, as JSON, to this URL (a log archive, a transparency service).
+    url: str | None = None
+    #: How often new checkpoints are looked for and delivered, in seconds; a failed delivery is retried then.
+    every_s: float = Field(5.0, gt=0, le=3600)
+
+
 class AuditSpec(Strict):
     """The tamper-evident audit log (records go to ``database:``)."""
 
@@ -304,12 +316,20 @@ class AuditSpec(Strict):
     #: its record is there (fsynced), and the record is chained into the database right after, off the
     #: response's path; a restart chains what a stopped process left. null: answer only once chained.
     journal: str | None = "audit-journal"
-    #: HMAC key for signed checkpoints; better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
+    #: Ed25519 private key (PEM, ``inferline audit keygen``) that signs checkpoints and digests, so that a
+    #: reviewer verifies with the public key alone; set it by INFERLINE_AUDIT__SIGNING_KEY(_FILE).
+    signing_key: str | None = None
+    #: Public keys (PEM files) of earlier signing keys: their checkpoints keep verifying after a rotation.
+    public_keys: list[str] = Field(default_factory=list)
+    #: HMAC key for signed checkpoints (before Ed25519; still verifies old ones, signs when no
+    #: signing_key is set); better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
     checkpoint_key: str | None = None
     #: Records between signed checkpoints.
     checkpoint_every: PositiveInt = 1000
     #: How many refused requests are recorded.
     refusals: RefusalsSpec = Field(default_factory=RefusalsSpec)
+    #: Deliver every checkpoint outside the database as well (null: only in the database).
+    anchors: AnchorsSpec | None = None
 
 
 class LimitsSpec(Strict):

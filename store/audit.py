@@ -33,6 +33,7 @@ from store.audit_maintenance import AuditMaintenance
 from store.audit_prune import PruneReport
 from store.audit_query import Page
 from store.audit_reader import AuditReader
+from store.audit_signing import Signer, Verifier, as_signer
 from store.audit_verify import Finding, VerifyReport
 from store.audit_writer import AuditUnavailable, AuditWriter, Item
 
@@ -46,10 +47,12 @@ class AuditStore:
 
     def __init__(self, engine: sa.Engine, *, spool_path: Path,
                  mode: Literal["best_effort", "required"] = "best_effort",
-                 checkpoint_key: bytes | None = None, checkpoint_every: int = 1000) -> None:
+                 checkpoint_key: bytes | Signer | None = None, checkpoint_every: int = 1000,
+                 public_keys: Sequence[bytes | str] = ()) -> None:
         self.writer = AuditWriter(engine, spool_path=spool_path, mode=mode, checkpoint_key=checkpoint_key,
                                   checkpoint_every=checkpoint_every)
-        self.reader = AuditReader(engine, checkpoint_key=checkpoint_key)
+        self.reader = AuditReader(engine, checkpoint_key=None if checkpoint_key is None else
+                                  Verifier.for_signer(as_signer(checkpoint_key), public_keys))
         self.maintenance = AuditMaintenance.for_writer(self.writer)
 
     @property
@@ -116,7 +119,7 @@ class AuditStore:
     # --- checking and reading: AuditReader ---------------------------------------------
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
-               checkpoint_key: bytes | None = None, workers: int | None = None) -> VerifyReport:
+               checkpoint_key: bytes | Verifier | None = None, workers: int | None = None) -> VerifyReport:
         """:meth:`AuditReader.verify`; without *checkpoint_key*, the store's own checks the checkpoints."""
         return self.reader.verify(since, until, checkpoint_key, workers)
 

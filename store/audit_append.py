@@ -44,6 +44,7 @@ import sqlalchemy as sa
 
 from store.audit_chain import checkpoint_row, hashed_canonical, utc_text
 from store.audit_models import HEAD_ID
+from store.audit_signing import Signer
 from store.db import utcnow
 
 #: (row values, stage rows) of one normalized record (store/audit_chain.normalize).
@@ -64,7 +65,7 @@ class _HeadGuess:
     """What both appenders keep: the chain head as last seen (only ever a guess; the compare-and-set
     keeps a wrong one safe), whether the database has audit_append(), and the call's arguments."""
 
-    def __init__(self, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+    def __init__(self, *, checkpoint_key: bytes | Signer | None, checkpoint_every: int) -> None:
         self._checkpoint_key = checkpoint_key
         self._checkpoint_every = checkpoint_every
         self._head: tuple[int, str] | None = None  # (seq, hash)
@@ -107,7 +108,7 @@ class _HeadGuess:
 class OneTripAppender(_HeadGuess):
     """Appends to the chain with one ``audit_append()`` call. Not thread-safe: the store's lock orders callers."""
 
-    def __init__(self, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+    def __init__(self, *, checkpoint_key: bytes | Signer | None, checkpoint_every: int) -> None:
         super().__init__(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
         self._conn: sa.Connection | None = None
 
@@ -182,7 +183,7 @@ class AsyncOneTripAppender(_HeadGuess):
     uses it. Callers must not overlap calls (the sink writes one batch at a time).
     """
 
-    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None, checkpoint_every: int) -> None:
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Signer | None, checkpoint_every: int) -> None:
         super().__init__(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)
         self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._conn: psycopg.AsyncConnection[Any] | None = None

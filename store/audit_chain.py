@@ -8,7 +8,6 @@ go through :func:`record_hash` over the values as the database returns them.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import time
@@ -20,8 +19,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from store.audit_models import CONTENT_MODES, STATUSES, AuditRecord, AuditStage
+from store.audit_signing import Signer, as_signer, checkpoint_message
 
-CHECKPOINT_ALGORITHM = "hmac-sha256"
 #: Columns hashed into the chain: all but ``hash`` and ``legal_hold`` (holds change after the fact).
 HASHED_COLUMNS = (
     "id", "seq", "prev_hash", "kind", "received_at", "first_token_at", "completed_at", "duration_ms", "ttft_ms",
@@ -128,15 +127,16 @@ def hashed_canonical(prev_hash: str, row: Mapping[str, Any], stages: Sequence[Ma
     return hashlib.sha256((prev_hash + text).encode()).hexdigest(), text
 
 
-def sign_checkpoint(key: bytes, seq: int, head_hash: str) -> str:
-    """HMAC-SHA256 over ``"<seq>:<head_hash>"``, hex."""
-    return hmac.new(key, f"{seq}:{head_hash}".encode(), hashlib.sha256).hexdigest()
+def sign_checkpoint(key: bytes | Signer, seq: int, head_hash: str) -> str:
+    """The signature over ``"<seq>:<head_hash>"``, hex: Ed25519 with a signer, HMAC-SHA256 with bytes."""
+    return as_signer(key).sign(checkpoint_message(seq, head_hash))
 
 
-def checkpoint_row(key: bytes, seq: int, head_hash: str, now: datetime) -> dict[str, Any]:
-    """The audit_checkpoints row that signs the chain head at *seq*."""
-    return {"seq": seq, "head_hash": head_hash, "signature": sign_checkpoint(key, seq, head_hash),
-            "algorithm": CHECKPOINT_ALGORITHM, "created_at": now}
+def checkpoint_row(key: bytes | Signer, seq: int, head_hash: str, now: datetime) -> dict[str, Any]:
+    """The audit_checkpoints row that signs the chain head at *seq*, naming the algorithm and key."""
+    signer = as_signer(key)
+    return {"seq": seq, "head_hash": head_hash, "signature": signer.sign(checkpoint_message(seq, head_hash)),
+            "algorithm": signer.algorithm, "key_id": signer.key_id, "created_at": now}
 
 
 def row_to_dict(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from store.audit_append import Item, OneTripAppender
 from store.audit_chain import checkpoint_row, record_hash
 from store.audit_models import HEAD_ID, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
+from store.audit_signing import Signer
 from store.db import utcnow
 
 _records = AuditRecord.__table__
@@ -42,7 +43,7 @@ class LockingAppender:
     Not thread-safe by itself: callers hold :attr:`lock` around each transaction that appends.
     """
 
-    def __init__(self, *, checkpoint_key: bytes | None = None, checkpoint_every: int = 1000) -> None:
+    def __init__(self, *, checkpoint_key: bytes | Signer | None = None, checkpoint_every: int = 1000) -> None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError("checkpoint_every must be a positive integer")
         self.checkpoint_key = checkpoint_key

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from store.audit_locking_append import LockingAppender, lock_head
 from store.audit_models import AuditRecord
 from store.audit_prune import PruneReport, prune_in
+from store.audit_signing import Signer
 from store.audit_writer import AuditWriter
 from store.db import utcnow
 
@@ -35,7 +36,7 @@ _records = AuditRecord.__table__
 class AuditMaintenance:
     """Puts records on legal hold (or lifts it) and prunes expired ones. Thread-safe."""
 
-    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None = None,
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Signer | None = None,
                  checkpoint_every: int = 1000) -> None:
         self.engine = engine
         self._chain = LockingAppender(checkpoint_key=checkpoint_key, checkpoint_every=checkpoint_every)

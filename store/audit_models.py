@@ -117,15 +117,17 @@ class AuditStage(Base):
 
 
 class AuditCheckpoint(Base):
-    """A keyed signature over the chain head at some seq: truncating or rewriting the tail shows."""
+    """A signature over the chain head at some seq: truncating or rewriting the tail shows."""
 
     __tablename__ = "audit_checkpoints"
 
     seq: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
     head_hash: Mapped[str] = mapped_column(sa.String(64))
     signature: Mapped[str] = mapped_column(sa.String(128))
-    """Hex HMAC over ``"<seq>:<head_hash>"`` with the configured checkpoint key."""
+    """Hex signature over ``"<seq>:<head_hash>"``: Ed25519 with the signing key, or HMAC (store/audit_signing.py)."""
     algorithm: Mapped[str] = mapped_column(sa.String(32))
+    key_id: Mapped[str] = mapped_column(sa.String(64), server_default=sa.text("''"))
+    """Which Ed25519 key signed it (its public key's id); empty for HMAC."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 

@@ -26,6 +26,7 @@ from store.audit_chain import row_to_dict
 from store.audit_filters import AuditFilters
 from store.audit_models import AuditAccess
 from store.audit_query import Page, export_lines, get_record, query_page, summarize
+from store.audit_signing import Verifier, as_verifier
 from store.audit_verify import VerifyReport, verify_chain
 from store.db import utcnow
 
@@ -35,18 +36,19 @@ __all__ = ["AuditReader"]
 class AuditReader:
     """Queries, summarizes, exports and verifies the audit log; keeps the log of who read it. Thread-safe."""
 
-    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | None = None) -> None:
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Verifier | None = None) -> None:
         self.engine = engine
-        self._checkpoint_key = checkpoint_key
+        self._verifier = as_verifier(checkpoint_key)
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
-               checkpoint_key: bytes | None = None, workers: int | None = None) -> VerifyReport:
-        """Check the chain (records received in [since, until), or all); checkpoints too with a key.
+               checkpoint_key: bytes | Verifier | None = None, workers: int | None = None) -> VerifyReport:
+        """Check the chain (records received in [since, until), or all); checkpoints too with keys: an
+        HMAC key, or a :class:`Verifier` with public keys.
 
-        Without *checkpoint_key*, the reader's own key (if configured) checks the checkpoints.
+        Without *checkpoint_key*, the reader's own keys (if configured) check the checkpoints.
         *workers*: processes hashing in parallel (None: one per CPU for long spans; 1: none).
         """
-        return verify_chain(self.engine, since, until, checkpoint_key or self._checkpoint_key, workers)
+        return verify_chain(self.engine, since, until, as_verifier(checkpoint_key) or self._verifier, workers)
 
     def query(self, filters: AuditFilters, *, sort: str = "-received_at", cursor: str | None = None,
               limit: int = 50) -> Page:

@@ -37,8 +37,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from store.audit_chain import STAGE_COLUMNS, record_hash, sign_checkpoint, utc_text
+from store.audit_chain import STAGE_COLUMNS, record_hash, utc_text
 from store.audit_models import GENESIS_HASH, AuditChainHead, AuditCheckpoint, AuditRecord, AuditStage
+from store.audit_signing import Verifier, checkpoint_message
 
 BATCH_SIZE = 2000
 MAX_FINDINGS = 1000
@@ -72,6 +73,8 @@ class VerifyReport:
     checked: int
     head_seq: int
     findings: list[Finding] = field(default_factory=list)
+    #: Checkpoints that no key given could check (signed with another algorithm or an unknown key).
+    unchecked_checkpoints: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +182,7 @@ def _why_modified(row: Mapping[str, Any], stages: list[dict[str, Any]]) -> str:
 
 
 def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | None,
-                 checkpoint_key: bytes | None, workers: int | None = None) -> VerifyReport:
+                 verifier: Verifier | None, workers: int | None = None) -> VerifyReport:
     """Walk the chain (or the seq span of records received in [since, until)) and report findings.
 
     *workers*: processes that recompute hashes in parallel; None picks one per CPU for a long span,
@@ -189,16 +192,16 @@ def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | No
         head_seq, head_hash = conn.execute(sa.select(AuditChainHead.seq, AuditChainHead.hash)).one()
         lo, hi = _seq_span(conn, since, until)
         walk = _Walk(_prune_ranges(conn), head_seq, trusted_start=since is not None)
-        if checkpoint_key is not None:
+        checking = verifier is not None and not verifier.empty
+        if checking:
             walk.watched = set(conn.scalars(sa.select(AuditCheckpoint.seq)))
         if lo is not None:
             with _cyclic_gc_paused():
                 _walk_rows(walk, _checked_rows(engine, conn, lo, hi, workers))
         if until is None:
             _check_tail(walk, head_seq, head_hash)
-        if checkpoint_key is not None:
-            _check_checkpoints(conn, walk, checkpoint_key, lo, hi, head_seq)
-    return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings)
+        unchecked = _check_checkpoints(conn, walk, verifier, lo, hi, head_seq) if checking else 0
+    return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings, unchecked)
 
 
 def _walk_rows(walk: _Walk, rows: Iterator[Checked]) -> None:
@@ -427,15 +430,23 @@ def _check_tail(walk: _Walk, head_seq: int, head_hash: str) -> None:
         walk.report("modified", None, "the last record does not match the chain head's hash", seq=head_seq)
 
 
-def _check_checkpoints(conn: sa.Connection, walk: _Walk, key: bytes, lo: int | None, hi: int,
-                       head_seq: int) -> None:
-    query = sa.select(AuditCheckpoint.seq, AuditCheckpoint.head_hash, AuditCheckpoint.signature)
+def _check_checkpoints(conn: sa.Connection, walk: _Walk, verifier: Verifier, lo: int | None, hi: int,
+                       head_seq: int) -> int:
+    """Report the checkpoints whose signature or record does not match; how many had no key to check them."""
+    query = sa.select(AuditCheckpoint.seq, AuditCheckpoint.head_hash, AuditCheckpoint.signature,
+                      AuditCheckpoint.algorithm, AuditCheckpoint.key_id)
     if lo is not None:
         query = query.where(AuditCheckpoint.seq >= lo, AuditCheckpoint.seq <= max(hi, head_seq))
-    for seq, head_hash, signature in conn.execute(query.order_by(AuditCheckpoint.seq)):
-        if sign_checkpoint(key, seq, head_hash) != signature:
+    unchecked = 0
+    for seq, head_hash, signature, algorithm, key_id in conn.execute(query.order_by(AuditCheckpoint.seq)):
+        good = verifier.check(algorithm, key_id, checkpoint_message(seq, head_hash), signature)
+        if good is None:
+            unchecked += 1
+            continue
+        if not good:
             walk.report("bad_checkpoint", None, "signature does not match (wrong key, or edited)", seq=seq)
         elif seq > head_seq:
             walk.report("bad_checkpoint", None, f"signed at seq {seq}, past the chain head {head_seq}", seq=seq)
         elif seq in walk.hashes and walk.hashes[seq] != head_hash:
             walk.report("bad_checkpoint", None, "the record at this seq is not the one that was signed", seq=seq)
+    return unchecked

@@ -35,6 +35,7 @@ from store.audit_append import AsyncOneTripAppender, Item, OneTripAppender, Sqli
 from store.audit_chain import json_line, normalize, sign_checkpoint
 from store.audit_locking_append import LockingAppender, lock_head
 from store.audit_models import AuditCheckpoint, AuditRecord
+from store.audit_signing import Signer
 from store.audit_spool import Spool
 from store.db import utcnow
 
@@ -60,7 +61,7 @@ class AuditWriter:
 
     def __init__(self, engine: sa.Engine, *, spool_path: Path,
                  mode: Literal["best_effort", "required"] = "best_effort",
-                 checkpoint_key: bytes | None = None, checkpoint_every: int = 1000) -> None:
+                 checkpoint_key: bytes | Signer | None = None, checkpoint_every: int = 1000) -> None:
         if mode not in ("best_effort", "required"):
             raise ValueError(f"unknown audit mode {mode!r}; use best_effort or required")
         #: The locking append, with this writer's lock and checkpoint key; maintenance shares it.

@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
 
-from pipeline.errors import BackendError, status_of
+from pipeline.errors import BackendError, SpecError, SpecIssue, status_of
 from pipeline.spec import ServerSpec
+from serving.backends.anchor_delivery import AnchorDelivery
 from store.audit import AuditStore, AuditUnavailable, Item
+from store.audit_anchors import Anchors
 from store.audit_chain import json_line, normalize
 from store.audit_journal import Journal, leftover_journals
+from store.audit_signing import Ed25519Signer, HmacSigner, Signer, load_public_key
 from store.audit_spool import Spool
 from store.db import utcnow
 
@@ -229,9 +233,50 @@ def http_status(status: str, error_type: str | None) -> int:
 def open_store(server: ServerSpec, root: Path, engine: sa.Engine) -> AuditStore:
     """The audit store of *server*'s config (spool path relative to *root*, the config's folder)."""
     audit = server.audit
-    key = audit.checkpoint_key.encode() if audit.checkpoint_key else None
     return AuditStore(engine, spool_path=root / Path(audit.spool), mode=audit.mode,
-                      checkpoint_key=key, checkpoint_every=audit.checkpoint_every)
+                      checkpoint_key=checkpoint_signer(server), checkpoint_every=audit.checkpoint_every,
+                      public_keys=public_keys(server, root))
+
+
+def anchor_delivery(server: ServerSpec, root: Path, engine: sa.Engine,
+                    registry: CollectorRegistry | None = None) -> AnchorDelivery:
+    """The delivery of ``audit.anchors`` (folder relative to *root*); SpecError without a key to sign with."""
+    spec = server.audit.anchors
+    assert spec is not None
+    signer = checkpoint_signer(server)
+    if signer is None:
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
+                                   "audit.signing_key (inferline audit keygen) or audit.checkpoint_key")])
+    return AnchorDelivery(Anchors(engine, root / Path(spec.dir), signer), url=spec.url, every_s=spec.every_s,
+                          registry=registry)
+
+
+def checkpoint_signer(server: ServerSpec) -> Signer | None:
+    """What signs checkpoints and digests: the Ed25519 ``signing_key``, else the HMAC ``checkpoint_key``, else
+    nothing. A key that is not one stops the server with :class:`SpecError`."""
+    audit = server.audit
+    if audit.signing_key:
+        try:
+            return Ed25519Signer.from_pem(audit.signing_key)
+        except ValueError as exc:
+            raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.signing_key",
+                                       f"{exc}: give the private key `inferline audit keygen` writes "
+                                       "(INFERLINE_AUDIT__SIGNING_KEY_FILE=path)")]) from None
+    return HmacSigner(audit.checkpoint_key.encode()) if audit.checkpoint_key else None
+
+
+def public_keys(server: ServerSpec, root: Path) -> list[bytes]:
+    """The PEM texts of ``audit.public_keys`` (paths relative to *root*); SpecError for one that cannot be read."""
+    keys = []
+    for n, name in enumerate(server.audit.public_keys):
+        path = root / Path(name)
+        try:
+            keys.append(path.read_bytes())
+            load_public_key(keys[-1])
+        except (OSError, ValueError) as exc:
+            raise SpecError([SpecIssue("inferline.yaml", 1, 1, f"audit.public_keys.{n}",
+                                       f"{path}: {exc}")]) from None
+    return keys
 
 
 def open_sink(server: ServerSpec, root: Path, store: AuditStore) -> StoreSink:

@@ -4,6 +4,8 @@
     inferline audit show RECORD_ID
     inferline audit summary [--group-by pipeline|model|key_id|day] [filters] [--format table|jsonl|csv]
     inferline audit verify [--since T] [--until T] [--workers N]   exit 1 on any finding
+    inferline audit verify --public-key old.pub --public-key new.pub --anchors /mnt/digests
+    inferline audit keygen --out audit-signing.pem                  an Ed25519 key pair (and .pub)
     inferline audit export [--format jsonl|csv] [filters]          to stdout
     inferline audit access [--since T] [--until T] [--key-id K] [--action A] [--format table|jsonl|csv]
     inferline audit prune                                           past each pipeline's retention, not on hold
@@ -20,16 +22,20 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
+from serving.backends.audit_sink import checkpoint_signer, public_keys
 from serving.cli.keys import ENV_DATABASE, database_url
 from serving.runtime.workspace import Workspace, open_workspace
 from store.audit import AuditMaintenance, AuditReader
 from store.audit_access import ACCESS_FIELDS, parse_access_filters
+from store.audit_anchors import verify_anchors
 from store.audit_filters import (
     FILTER_FIELDS,
     RANGE_FIELDS,
@@ -39,6 +45,7 @@ from store.audit_filters import (
     parse_filters,
     parse_time,
 )
+from store.audit_signing import Ed25519Signer, Verifier, generate_pem
 from store.db import make_engine
 from store.migrate import create_schema
 from store.pipeline_versions import PipelineVersions
@@ -85,7 +92,21 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     verify.add_argument("--workers", type=_positive, metavar="N",
                         help="processes that recompute hashes in parallel (default: one per CPU, for "
                              "spans of 40,000+ records; 1: this process only)")
+    verify.add_argument("--public-key", action="append", default=[], metavar="FILE",
+                        help="an Ed25519 public key (PEM) that checks checkpoints and digests; repeat it for the "
+                             "keys before a rotation. No secret is needed")
+    verify.add_argument("--anchors", metavar="DIR",
+                        help="also check the database against the digest files in DIR (audit.anchors.dir): a cut "
+                             "tail, an older copy restored, a range rewritten, a digest missing or altered")
     verify.set_defaults(handler=_reporting(_verify))
+
+    keygen = actions.add_parser("keygen", help="write a new Ed25519 key pair for signing checkpoints",
+                                description="Write an Ed25519 private key (PEM, mode 600) to FILE and its public "
+                                            "key to FILE.pub. The server signs with the private key "
+                                            "(INFERLINE_AUDIT__SIGNING_KEY_FILE=FILE); reviewers verify with the "
+                                            "public one. To rotate, keep the old .pub in audit.public_keys.")
+    keygen.add_argument("--out", required=True, metavar="FILE", help="where the private key goes (must not exist)")
+    keygen.set_defaults(handler=_keygen)
 
     export = actions.add_parser("export", parents=[common], help="export records to stdout")
     export.add_argument("--format", default="jsonl", choices=["jsonl", "csv"])
@@ -162,15 +183,24 @@ def _format_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _reader(args: argparse.Namespace) -> AuditReader:
-    """What the listings and verify need: no spool; the config's checkpoint key checks checkpoints."""
+    """What the listings and verify need: no spool; the config's keys (and ``--public-key``) check checkpoints."""
     workspace, engine = _open(args)
-    return AuditReader(engine, checkpoint_key=_checkpoint_key(workspace))
+    return AuditReader(engine, checkpoint_key=_verifier(args, workspace))
+
+
+def _verifier(args: argparse.Namespace, workspace: Workspace) -> Verifier:
+    try:
+        given = [Path(name).read_bytes() for name in getattr(args, "public_key", [])]
+    except OSError as exc:
+        raise ValueError(f"--public-key: {exc}") from None
+    server = workspace.server
+    return Verifier.for_signer(checkpoint_signer(server), [*public_keys(server, workspace.root), *given])
 
 
 def _maintenance(args: argparse.Namespace) -> AuditMaintenance:
     """What prune and hold need: the config's checkpoint key signs a checkpoint that a prune marker lands on."""
     workspace, engine = _open(args)
-    return AuditMaintenance(engine, checkpoint_key=_checkpoint_key(workspace),
+    return AuditMaintenance(engine, checkpoint_key=checkpoint_signer(workspace.server),
                             checkpoint_every=workspace.server.audit.checkpoint_every)
 
 
@@ -179,11 +209,6 @@ def _open(args: argparse.Namespace) -> tuple[Workspace, sa.Engine]:
     engine = make_engine(database_url(args))
     create_schema(engine)
     return workspace, engine
-
-
-def _checkpoint_key(workspace: Workspace) -> bytes | None:
-    key = workspace.server.audit.checkpoint_key
-    return key.encode() if key else None
 
 
 def _filters(args: argparse.Namespace, fields: Sequence[str] = tuple(FILTER_FIELDS)) -> AuditFilters:
@@ -271,12 +296,47 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     filters = _filters(args, RANGE_FIELDS)
-    report = _reader(args).verify(filters.since, filters.until, workers=args.workers)
+    workspace, engine = _open(args)
+    verifier = _verifier(args, workspace)
+    report = AuditReader(engine, checkpoint_key=verifier).verify(filters.since, filters.until, workers=args.workers)
     for finding in report.findings:
         print(f"{finding.kind}: seq {finding.seq} record {finding.record_id}: {finding.detail}")
     verdict = "ok" if report.ok else f"FAILED ({len(report.findings)} finding(s))"
     print(f"{verdict}: {report.checked} record(s) checked, head seq {report.head_seq}")
-    return 0 if report.ok else 1
+    if report.unchecked_checkpoints:
+        print(f"note: {report.unchecked_checkpoints} checkpoint(s) not checked: no key given for their algorithm or "
+              "key id (--public-key, or the config's checkpoint_key for HMAC)")
+    if not args.anchors:
+        return 0 if report.ok else 1
+    try:
+        anchored = verify_anchors(engine, Path(args.anchors), verifier)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    alone = " (the database alone does not show this)" if report.ok else ""
+    for found in anchored.findings:
+        print(f"{found.kind}: seq {found.seq}: {found.detail}{alone}")
+    verdict = "ok" if anchored.ok else f"FAILED ({len(anchored.findings)} finding(s))"
+    print(f"anchors {verdict}: {anchored.digests} digest(s), the newest of seq {anchored.anchored_seq}")
+    if anchored.unchecked:
+        print(f"note: {anchored.unchecked} digest(s) not checked: no key given for them")
+    return 0 if report.ok and anchored.ok else 1
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    public = out.with_name(out.name + ".pub")
+    for path in (out, public):
+        if path.exists():
+            print(f"inferline audit keygen: {path} exists; a signing key is never overwritten", file=sys.stderr)
+            return 1
+    private_pem, public_pem = generate_pem()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(private_pem)
+    public.write_bytes(public_pem)
+    print(f"wrote {out} (private: INFERLINE_AUDIT__SIGNING_KEY_FILE={out}) and {public} (key id "
+          f"{Ed25519Signer.from_pem(private_pem).key_id})")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

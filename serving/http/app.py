@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
+from serving.backends.audit_sink import checkpoint_signer, public_keys
 from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import audit_routes, deploy_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
 from serving.http.auth import Authenticator
@@ -62,6 +63,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     """
     server = workspace.server
     check_bind(workspace)
+    check_audit_keys(workspace)
     loaded = workspace.load_pipelines()
     check_calls(loaded)
     registry = CollectorRegistry()
@@ -139,6 +141,15 @@ def check_bind(workspace: Workspace) -> None:
         raise SpecError([SpecIssue("inferline.yaml", 1, 1, "auth.enabled",
                                    f"auth is off, so binding {http.host} is refused: turn auth on "
                                    f"(auth: {{enabled: true}}) or bind 127.0.0.1")])
+
+
+def check_audit_keys(workspace: Workspace) -> None:
+    """Refuse to start with an audit key that is not one (SpecError naming the setting)."""
+    checkpoint_signer(workspace.server)
+    public_keys(workspace.server, workspace.root)
+    if workspace.server.audit.anchors is not None and checkpoint_signer(workspace.server) is None:
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
+                                   "audit.signing_key (inferline audit keygen) or audit.checkpoint_key")])
 
 
 def is_loopback(host: str) -> bool:

@@ -16,6 +16,7 @@ starts the models when asked. Everything opened is closed in reverse order on an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from pipeline.refs import find_refs
 from pipeline.runner import Pipeline, Runner
 from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
-from serving.backends.audit_sink import StoreSink, open_sink, open_store
+from serving.backends.audit_sink import StoreSink, anchor_delivery, open_sink, open_store
 from serving.backends.caches import StoreCaches
 from serving.backends.indexes import IndexRegistry
 from serving.backends.model_pool import ModelPool
@@ -144,6 +145,10 @@ class Runtime:
             for pipeline in self.pipelines.values():
                 await self.record_version(pipeline.loaded)
         self.audit = open_store(server, root, db)
+        if options.journal and server.audit.anchors is not None:  # a serving process delivers the digests
+            delivery = anchor_delivery(server, root, db, options.metrics_registry)
+            deliverer = asyncio.create_task(delivery.run())
+            stack.push_async_callback(_cancelled, deliverer)
         if options.journal:
             replayed = await asyncio.to_thread(self.audit.replay_spool)
             if replayed:
@@ -286,6 +291,12 @@ async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisC
         logger.error("limits: Redis is unreachable (%s); requests with limits get 503 until it is back",
                      type(exc).__name__)
     return counters
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _matches(label: str, sha256: str, version: str) -> bool:

@@ -19,7 +19,7 @@ from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows"}
-HEAD = "0008"
+HEAD = "0009"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
