@@ -34,8 +34,9 @@ fsync, the chaining follows; its p95 and concurrent p50 too),
 ``verify_anchored_s_100k`` (target: under 10 s: the chain, its 100 Ed25519 checkpoints with the
 public key alone, and the database against their digest files, as ``verify --public-key --anchors``)
 with ``verify_anchored_vs_plain``, ``audit_added_ms_p50_sqlite_ed25519`` (the stage with Ed25519
-checkpoints; target p50 ≤ 1 ms) with ``ed25519_vs_hmac_p50``, and ``audit_added_ms_p50_encrypted``
-(null: ``content: encrypted`` is not built yet),
+checkpoints) with ``ed25519_vs_hmac_p50``, and ``audit_added_ms_p50_encrypted`` (target p50 ≤ 1 ms:
+the stage as the server runs it, journal included, with Ed25519 checkpoints and ``content: encrypted``)
+with ``encrypted_vs_redacted_p50`` (against the journaled run with ``content: redacted``),
 with the machine's CPU pressure before and after (``/proc/pressure/cpu``, the
 share of time something waited for a CPU): on a shared machine, other load
 moves every figure here, the commit floor included.
@@ -53,6 +54,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -75,6 +77,7 @@ from store.audit import AuditStore
 from store.audit_anchors import Anchors, verify_anchors
 from store.audit_journal import Journal
 from store.audit_signing import Ed25519Signer, Signer, Verifier, generate_pem
+from store.audit_vault import ContentVault
 from store.db import make_engine
 from store.migrate import create_schema
 
@@ -122,17 +125,19 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(samples), "p95": samples[int(len(samples) * 0.95) - 1]}
 
 
-def open_store(engine: sa.Engine, spool: Path, key: bytes | Signer = CHECKPOINT_KEY) -> AuditStore:
+def open_store(engine: sa.Engine, spool: Path, key: bytes | Signer = CHECKPOINT_KEY,
+               master_key: bytes | None = None) -> AuditStore:
     """A store configured as the server's defaults (serving/audit_sink.open_store), with a checkpoint key
-    (HMAC) or an Ed25519 signer."""
+    (HMAC) or an Ed25519 signer, and with *master_key* a vault for ``content: encrypted``."""
     defaults = AuditSpec()
     create_schema(engine)
     return AuditStore(engine, spool_path=spool, mode=defaults.mode, checkpoint_key=key,
-                      checkpoint_every=defaults.checkpoint_every)
+                      checkpoint_every=defaults.checkpoint_every,
+                      vault=ContentVault(engine, master_key) if master_key else None)
 
 
 async def stage_latencies(store: AuditStore, num_requests: int, floor: Callable[[], None] | None = None,
-                          journal: Journal | None = None) -> dict[str, Any]:
+                          journal: Journal | None = None, content: str = "redacted") -> dict[str, Any]:
     """The audit stage's run, in ms: one request at a time, then CONCURRENCY at a time. With *journal*
     (as the server runs it), the stage waits for the journal's fsync, and the chaining follows."""
     sink = StoreSink(store, journal)
@@ -144,8 +149,16 @@ async def stage_latencies(store: AuditStore, num_requests: int, floor: Callable[
         commits += 1
         await write_items(items, strict=strict)
 
-    store.awrite_items = counted  # type: ignore[method-assign]  # the real method, counted
-    stage = AuditStage("log", AuditConfig(content="redacted"), Resources(audit=sink))
+    write_batch = store.awrite_batch
+
+    async def counted_batch(records: Any) -> list[str]:  # the path without a journal
+        nonlocal commits
+        commits += 1
+        return await write_batch(records)
+
+    store.awrite_items = counted  # type: ignore[method-assign]  # the real methods, counted
+    store.awrite_batch = counted_batch  # type: ignore[method-assign]
+    stage = AuditStage("log", AuditConfig(content=content), Resources(audit=sink))
     for i in range(WARMUP):
         await stage.run(request_context(i), None)  # type: ignore[arg-type]
     sequential, floors = [], []
@@ -264,6 +277,7 @@ def run_sqlite(results: dict[str, Any], num_writes: int, folder: Path) -> None:
     sqlite = make_engine(f"sqlite:///{folder / 'audit.db'}")
     journaled = make_engine(f"sqlite:///{folder / 'journaled.db'}")
     signed = make_engine(f"sqlite:///{folder / 'signed.db'}")
+    sealed = make_engine(f"sqlite:///{folder / 'sealed.db'}")
     try:
         latency = asyncio.run(stage_latencies(open_store(sqlite, folder / "sqlite.spool"), num_writes))
         # The same with Ed25519 checkpoints instead of HMAC (one signature per checkpoint_every records).
@@ -272,14 +286,23 @@ def run_sqlite(results: dict[str, Any], num_writes: int, folder: Path) -> None:
         # As the server runs it (audit.journal): the answer waits for the journal's fsync only.
         latency_journal = asyncio.run(stage_latencies(open_store(journaled, folder / "journaled.spool"),
                                                       num_writes, journal=Journal.open(folder / "journal")))
+        # The same with Ed25519 checkpoints and content: encrypted (a data key per caller key, 20 of them).
+        latency_encrypted = asyncio.run(stage_latencies(
+            open_store(sealed, folder / "sealed.spool", SIGNER, master_key=os.urandom(32)), num_writes,
+            journal=Journal.open(folder / "sealed-journal"), content="encrypted"))
     finally:
         sqlite.dispose()
         journaled.dispose()
         signed.dispose()
+        sealed.dispose()
     summarize("sqlite", results, latency)
     summarize("sqlite_ed25519", results, latency_ed25519)
     results["ed25519_vs_hmac_p50"] = round(latency_ed25519["sequential"]["p50"] / latency["sequential"]["p50"], 3)
     summarize("sqlite_journal", results, latency_journal)
+    summarize("sqlite_journal_encrypted", results, latency_encrypted)
+    results["audit_added_ms_p50_encrypted"] = results["audit_added_ms_p50_sqlite_journal_encrypted"]
+    results["encrypted_vs_redacted_p50"] = round(latency_encrypted["sequential"]["p50"]
+                                                 / latency_journal["sequential"]["p50"], 3)
 
 
 def run_postgres(results: dict[str, Any], num_writes: int, folder: Path, base_url: str) -> None:
@@ -340,8 +363,6 @@ def main() -> None:
             results["verify_s_100k_one_process"] = round(one_process * 100_000 / num_verify, 3)
             results["verify_parallel_speedup"] = round(one_process / seconds, 3)
             results["verify_records"] = num_verify
-    # content: encrypted (issue 47, item 3) is not built yet: no figure, rather than a made-up one.
-    results["audit_added_ms_p50_encrypted"] = None
     results["cpu_pressure_avg60_after"] = cpu_pressure()
     print(json.dumps(results))
 

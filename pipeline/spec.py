@@ -326,6 +326,9 @@ class AuditSpec(Strict):
     checkpoint_key: str | None = None
     #: Records between signed checkpoints.
     checkpoint_every: PositiveInt = 1000
+    #: 32 bytes (base64 or hex) that wrap the per-subject data keys of ``content: encrypted``; set it by
+    #: INFERLINE_AUDIT__MASTER_KEY(_FILE). Losing it loses that content; a wrong one stops the server.
+    master_key: str | None = None
     #: How many refused requests are recorded.
     refusals: RefusalsSpec = Field(default_factory=RefusalsSpec)
     #: Deliver every checkpoint outside the database as well (null: only in the database).

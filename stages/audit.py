@@ -37,8 +37,13 @@ _POLICY_STRENGTH = {"block": 3, "redact": 2, "flag": 1, "allow": 0}
 
 
 class AuditConfig(NoConfig):
-    #: What the record keeps of the input and output: full text, redacted text, or only a SHA-256 hash.
-    content: Literal["full", "redacted", "hash"] = "hash"
+    #: What the record keeps of the input and output: full text, redacted text, only a SHA-256 hash, or
+    #: the full text encrypted under the subject's data key (erasable: ``inferline audit erase``).
+    content: Literal["full", "redacted", "hash", "encrypted"] = "hash"
+    #: With ``content: encrypted``, whose data key: ``key`` (the caller's API key), ``tenant``, or
+    #: ``tags.NAME`` (a tag the request sends, such as ``tags.user``). Erasure names it the same way:
+    #: ``key:ID``, ``tenant:NAME``, ``tags.user:VALUE``.
+    subject: str = Field("key", pattern=r"^(key|tenant|tags\.[A-Za-z0-9_.-]+)$")
     #: How long ``inferline audit prune`` keeps this pipeline's records.
     retention_days: int = Field(365, ge=1)
 
@@ -61,7 +66,8 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
     principal = ctx.principal
     policy = list(ctx.facts.get("policy", []))
     mode, input_text, output_text = _content(ctx, config.content)
-    return {
+    subject = {"content_subject": content_subject(ctx, config.subject)} if mode == "encrypted" else {}
+    return {**subject,
         "request_id": ctx.request_id, "trace_id": ctx.trace_id,
         "received_at": ctx.received_at, "completed_at": now,
         "first_token_at": None if ctx.ttft_s is None else ctx.received_at + timedelta(seconds=ctx.ttft_s),
@@ -101,14 +107,24 @@ def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
 
 def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
     redacted = ctx.facts.get("redacted_input")
-    if mode == "full":  # what the client sent, before any policy redaction
-        return "full", ctx.facts.get("original_input", ctx.input), ctx.output_text
+    if mode in ("full", "encrypted"):  # what the client sent, before any policy redaction (the sink encrypts)
+        return mode, ctx.facts.get("original_input", ctx.input), ctx.output_text
     if mode == "redacted" and redacted is not None:
         output = ctx.facts.get("redacted_output")
         if output is None:  # no output rails redacted the answer: redact its PII here
             output = Redactor().redact(ctx.output_text, find_pii(ctx.output_text))
         return "redacted", redacted, output
     return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(ctx.output_text)
+
+
+def content_subject(ctx: RequestContext, subject: str) -> str:
+    """The subject whose data key encrypts *ctx*'s content: ``key:ID``, ``tenant:NAME`` or ``tags.F:VALUE``
+    (an empty value when the request has none: ``key:`` without auth)."""
+    if subject == "key":
+        return f"key:{ctx.principal.key_id if ctx.principal else ''}"
+    if subject == "tenant":
+        return f"tenant:{ctx.tenant}"
+    return f"{subject}:{ctx.tags.get(subject.removeprefix('tags.'), '')}"
 
 
 def _sha256(text: str) -> str:

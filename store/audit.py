@@ -29,11 +29,12 @@ import sqlalchemy as sa
 
 from store.audit_access import AccessFilters
 from store.audit_filters import AuditFilters
-from store.audit_maintenance import AuditMaintenance
+from store.audit_maintenance import AuditMaintenance, ErasureReport
 from store.audit_prune import PruneReport
 from store.audit_query import Page
 from store.audit_reader import AuditReader
 from store.audit_signing import Signer, Verifier, as_signer
+from store.audit_vault import ContentVault
 from store.audit_verify import Finding, VerifyReport
 from store.audit_writer import AuditUnavailable, AuditWriter, Item
 
@@ -48,11 +49,13 @@ class AuditStore:
     def __init__(self, engine: sa.Engine, *, spool_path: Path,
                  mode: Literal["best_effort", "required"] = "best_effort",
                  checkpoint_key: bytes | Signer | None = None, checkpoint_every: int = 1000,
-                 public_keys: Sequence[bytes | str] = ()) -> None:
+                 public_keys: Sequence[bytes | str] = (), vault: ContentVault | None = None) -> None:
         self.writer = AuditWriter(engine, spool_path=spool_path, mode=mode, checkpoint_key=checkpoint_key,
                                   checkpoint_every=checkpoint_every)
         self.reader = AuditReader(engine, checkpoint_key=None if checkpoint_key is None else
-                                  Verifier.for_signer(as_signer(checkpoint_key), public_keys))
+                                  Verifier.for_signer(as_signer(checkpoint_key), public_keys), vault=vault)
+        #: Encrypts and decrypts ``content: encrypted`` (None: no ``audit.master_key``).
+        self.vault = vault
         self.maintenance = AuditMaintenance.for_writer(self.writer)
 
     @property
@@ -162,3 +165,9 @@ class AuditStore:
     def prune(self, retention_days: Mapping[str, int], now: datetime | None = None) -> PruneReport:
         """:meth:`AuditMaintenance.prune`."""
         return self.maintenance.prune(retention_days, now)
+
+    def erase(self, subject: str, by: str, now: datetime | None = None) -> ErasureReport:
+        """:meth:`AuditMaintenance.erase` with this store's vault; ValueError without one."""
+        if self.vault is None:
+            raise ValueError("no audit.master_key is configured: there is no encrypted content to erase")
+        return self.maintenance.erase(self.vault, subject, by, now)

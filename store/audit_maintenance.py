@@ -16,18 +16,30 @@ prune and this process's writes take one lock.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
 
+from store.audit_chain import normalize
 from store.audit_locking_append import LockingAppender, lock_head
 from store.audit_models import AuditRecord
 from store.audit_prune import PruneReport, prune_in
 from store.audit_signing import Signer
+from store.audit_vault import PREFIX, ContentVault, subject_id
 from store.audit_writer import AuditWriter
 from store.db import utcnow
 
-__all__ = ["AuditMaintenance", "PruneReport"]
+__all__ = ["AuditMaintenance", "ErasureReport", "PruneReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class ErasureReport:
+    subject_id: str
+    records: int
+    keys_destroyed: int
+    #: The chained erasure record.
+    record_id: str
 
 _CHUNK = 500  # ids per IN list
 _records = AuditRecord.__table__
@@ -66,6 +78,40 @@ class AuditMaintenance:
                     where.append(_records.c.pipeline != pipeline)
                 changed += conn.execute(_records.update().where(*where).values(legal_hold=bool(on))).rowcount
         return changed
+
+    def erase(self, vault: ContentVault, subject: str, by: str, now: datetime | None = None) -> ErasureReport:
+        """Crypto-shred *subject*: destroy its data keys, so that the content of its encrypted records can
+        no longer be read, and chain an erasure record (who, when, which subject, how many records). The
+        records and their hashes stay: the chain still verifies. ValueError when the subject has no
+        encrypted content, or when any of its records is on legal hold (then nothing is erased)."""
+        now = now or utcnow()
+        key_ids = vault.key_ids(subject)
+        if not key_ids:
+            raise ValueError("no encrypted audit content names this subject (check its form: key:ID, "
+                             "tenant:NAME or tags.FIELD:VALUE)")
+        c = _records.c
+        of_subject = sa.or_(*(c.input_content.startswith(f"{PREFIX}{key_id}:", autoescape=True)
+                              for key_id in key_ids))
+        with self._chain.lock, self.engine.begin() as conn:
+            lock_head(conn, 0)
+            count = conn.scalar(sa.select(sa.func.count()).select_from(_records).where(of_subject)) or 0
+            held = conn.scalar(sa.select(sa.func.count()).select_from(_records).where(
+                of_subject, c.legal_hold.is_(True))) or 0
+            if held:
+                raise ValueError(f"{held} of this subject's {count} record(s) are on legal hold: release the hold "
+                                 "first (inferline audit hold --release); nothing was erased")
+            destroyed = vault.erase(subject, by, conn)
+            sid = subject_id(subject)
+            message = (f"erase subject {sid[:16]}: the content of {count} record(s) made unreadable "
+                       f"({len(destroyed)} data key(s) destroyed) by {by}")
+            row, stages = normalize({
+                "pipeline": "", "status": "ok", "completed_at": now, "received_at": now, "content_mode": "hash",
+                "key_id": by[:64], "policy": [{"stage": "server", "where": "erase", "rule": "erase",
+                                               "category": "erasure", "action": "allow", "score": 1.0, "span": [],
+                                               "message": message, "subject_id": sid}],
+                "policy_action": "allow", "policy_categories": "erasure"}, now)
+            self._chain.append(conn, [(row, stages)])
+        return ErasureReport(sid, count, len(destroyed), row["id"])
 
     def prune(self, retention_days: Mapping[str, int], now: datetime | None = None) -> PruneReport:
         """Delete records older than their pipeline's retention and not on hold; chain a marker for them.

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from store.db import Base, UTCDateTime
 
 STATUSES = ("ok", "denied", "failed", "disconnected")
-CONTENT_MODES = ("full", "redacted", "hash")
+CONTENT_MODES = ("full", "redacted", "hash", "encrypted")
 KINDS = ("record", "prune")
 #: prev_hash of the first record of a chain.
 GENESIS_HASH = "0" * 64

@@ -27,6 +27,7 @@ from store.audit_filters import AuditFilters
 from store.audit_models import AuditAccess
 from store.audit_query import Page, export_lines, get_record, query_page, summarize
 from store.audit_signing import Verifier, as_verifier
+from store.audit_vault import ContentVault
 from store.audit_verify import VerifyReport, verify_chain
 from store.db import utcnow
 
@@ -36,9 +37,27 @@ __all__ = ["AuditReader"]
 class AuditReader:
     """Queries, summarizes, exports and verifies the audit log; keeps the log of who read it. Thread-safe."""
 
-    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Verifier | None = None) -> None:
+    def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Verifier | None = None,
+                 vault: ContentVault | None = None) -> None:
         self.engine = engine
         self._verifier = as_verifier(checkpoint_key)
+        #: Decrypts ``content: encrypted`` for :meth:`reveal` (the server's ``audit.master_key``).
+        self.vault = vault
+
+    def reveal(self, record: dict[str, Any], key_id: str | None, role: str | None) -> dict[str, Any]:
+        """*record* with its encrypted content decrypted beside the stored ciphertext (``decrypted``:
+        ``{"input", "output"}``, or ``content_erased: true`` once its subject was erased); the read is
+        in the access log (``decrypt``). A record not encrypted comes back as it is."""
+        if record.get("content_mode") != "encrypted":
+            return record
+        if self.vault is None:
+            return {**record, "decrypted": None, "content_erased": None,
+                    "decrypt_error": "this process has no audit.master_key to decrypt with"}
+        self.log_access(key_id, role, "decrypt", {"record_id": record["id"]})
+        texts = [self.vault.decrypt(record["input_content"]), self.vault.decrypt(record["output_content"])]
+        erased = None in texts
+        return {**record, "decrypted": None if erased else {"input": texts[0], "output": texts[1]},
+                "content_erased": erased}
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
                checkpoint_key: bytes | Verifier | None = None, workers: int | None = None) -> VerifyReport:

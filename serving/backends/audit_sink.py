@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from store.audit_chain import json_line, normalize
 from store.audit_journal import Journal, leftover_journals
 from store.audit_signing import Ed25519Signer, HmacSigner, Signer, load_public_key
 from store.audit_spool import Spool
+from store.audit_vault import ContentVault, VaultError, parse_master_key
 from store.db import utcnow
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class StoreSink:
         self._closed = False
 
     async def write(self, record: dict[str, Any]) -> None:
+        subject = record.pop("content_subject", None)
+        if record.get("content_mode") == "encrypted":  # before the journal: no plain text reaches a disk
+            await self._seal(record, subject or "")
         # A refusal made by the server itself (serving/http/refusals.py) brings its own status.
         record["http_status"] = record.get("http_status") or http_status(record.get("status", ""),
                                                                          record.get("error_type"))
@@ -84,6 +89,24 @@ class StoreSink:
             await asyncio.shield(done)  # a cancelled request still gets its record written
         except AuditUnavailable as exc:
             raise BackendError(f"the audit record could not be made durable: {exc}") from exc
+
+    async def _seal(self, record: dict[str, Any], subject: str) -> None:
+        """Encrypt the record's content under *subject*'s data key; without a vault, or when the key cannot
+        be had (the database is away), keep only hashes: the record is never lost, its plain text never kept."""
+        vault, texts = self.store.vault, (record.get("input_content") or "", record.get("output_content") or "")
+        try:
+            if vault is None:
+                raise VaultError("no audit.master_key is configured")
+            if vault.has_key(subject):
+                sealed = [vault.encrypt(subject, text) for text in texts]
+            else:  # the data key is read (or made) in the database: off the loop
+                sealed = await asyncio.to_thread(lambda: [vault.encrypt(subject, text) for text in texts])
+        except Exception as exc:
+            logger.error("audit: content not encrypted (%s: %s); the record keeps only its hashes",
+                         type(exc).__name__, exc)
+            record["content_mode"] = "hash"
+            sealed = [hashlib.sha256(text.encode()).hexdigest() for text in texts]
+        record["input_content"], record["output_content"] = sealed
 
     async def flushed(self, timeout: float | None = None) -> bool:
         """Wait until every record written so far is in the store, or *timeout* seconds; whether it
@@ -235,7 +258,28 @@ def open_store(server: ServerSpec, root: Path, engine: sa.Engine) -> AuditStore:
     audit = server.audit
     return AuditStore(engine, spool_path=root / Path(audit.spool), mode=audit.mode,
                       checkpoint_key=checkpoint_signer(server), checkpoint_every=audit.checkpoint_every,
-                      public_keys=public_keys(server, root))
+                      public_keys=public_keys(server, root), vault=content_vault(server, engine))
+
+
+def content_vault(server: ServerSpec, engine: sa.Engine | None) -> ContentVault | None:
+    """The vault of ``audit.master_key`` (None without one); SpecError for a key that is not 32 bytes, or,
+    with *engine*, one that does not unwrap the data keys already there (blocking)."""
+    text = server.audit.master_key
+    if not text:
+        return None
+    try:
+        key = parse_master_key(text)
+    except ValueError as exc:
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.master_key", str(exc))]) from None
+    if engine is None:
+        return None
+    vault = ContentVault(engine, key)
+    try:
+        vault.check()
+    except VaultError as exc:
+        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.master_key", f"{exc}: start with the master "
+                                   "key the log was written with")]) from None
+    return vault
 
 
 def anchor_delivery(server: ServerSpec, root: Path, engine: sa.Engine,

@@ -6,6 +6,7 @@
     inferline audit verify [--since T] [--until T] [--workers N]   exit 1 on any finding
     inferline audit verify --public-key old.pub --public-key new.pub --anchors /mnt/digests
     inferline audit keygen --out audit-signing.pem                  an Ed25519 key pair (and .pub)
+    inferline audit erase --subject tenant:acme                     crypto-shred a subject's encrypted content
     inferline audit export [--format jsonl|csv] [filters]          to stdout
     inferline audit access [--since T] [--until T] [--key-id K] [--action A] [--format table|jsonl|csv]
     inferline audit prune                                           past each pipeline's retention, not on hold
@@ -30,7 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from serving.backends.audit_sink import checkpoint_signer, public_keys
+from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.cli.keys import ENV_DATABASE, database_url
 from serving.runtime.workspace import Workspace, open_workspace
 from store.audit import AuditMaintenance, AuditReader
@@ -108,6 +109,17 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     keygen.add_argument("--out", required=True, metavar="FILE", help="where the private key goes (must not exist)")
     keygen.set_defaults(handler=_keygen)
 
+    erase = actions.add_parser("erase", parents=[common], help="make a subject's encrypted content unreadable",
+                               description="Destroy the data keys of SUBJECT (content: encrypted records): their "
+                                           "content can no longer be read, the records and the chain stay and "
+                                           "verify, and a chained erasure record says who erased what, when. "
+                                           "Refused while any of the subject's records is on legal hold.")
+    erase.add_argument("--subject", required=True,
+                       help="key:KEY_ID, tenant:NAME or tags.FIELD:VALUE, as the audit stage's subject: names it")
+    erase.add_argument("--by", default=os.environ.get("USER") or "cli",
+                       help="who asks (kept in the erasure record; default: $USER)")
+    erase.set_defaults(handler=_reporting(_erase))
+
     export = actions.add_parser("export", parents=[common], help="export records to stdout")
     export.add_argument("--format", default="jsonl", choices=["jsonl", "csv"])
     _filter_options(export, FILTER_FIELDS)
@@ -183,9 +195,11 @@ def _format_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _reader(args: argparse.Namespace) -> AuditReader:
-    """What the listings and verify need: no spool; the config's keys (and ``--public-key``) check checkpoints."""
+    """What the listings and verify need: no spool; the config's keys (and ``--public-key``) check checkpoints,
+    its master key decrypts."""
     workspace, engine = _open(args)
-    return AuditReader(engine, checkpoint_key=_verifier(args, workspace))
+    return AuditReader(engine, checkpoint_key=_verifier(args, workspace),
+                       vault=content_vault(workspace.server, engine))
 
 
 def _verifier(args: argparse.Namespace, workspace: Workspace) -> Verifier:
@@ -269,6 +283,7 @@ def _show(args: argparse.Namespace) -> int:
         print(f"inferline: no audit record {args.record_id!r}", file=sys.stderr)
         return 1
     if not args.spec:
+        found = reader.reveal(found, None, "cli")  # content: encrypted, decrypted (and the read logged)
         print(json.dumps(found, indent=2, default=str))
         return 0
     version = PipelineVersions(reader.engine).by_sha256(found["spec_sha256"], found["pipeline"])
@@ -320,6 +335,20 @@ def _verify(args: argparse.Namespace) -> int:
     if anchored.unchecked:
         print(f"note: {anchored.unchecked} digest(s) not checked: no key given for them")
     return 0 if report.ok and anchored.ok else 1
+
+
+def _erase(args: argparse.Namespace) -> int:
+    workspace, engine = _open(args)
+    vault = content_vault(workspace.server, engine)
+    if vault is None:
+        raise ValueError("no audit.master_key is configured (INFERLINE_AUDIT__MASTER_KEY_FILE): there is no "
+                         "encrypted content to erase")
+    maintenance = AuditMaintenance(engine, checkpoint_key=checkpoint_signer(workspace.server),
+                                   checkpoint_every=workspace.server.audit.checkpoint_every)
+    report = maintenance.erase(vault, args.subject, args.by)
+    print(f"erased subject {report.subject_id[:16]}: the content of {report.records} record(s) can no longer be "
+          f"read ({report.keys_destroyed} data key(s) destroyed); erasure record {report.record_id}")
+    return 0
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -142,6 +142,8 @@ async def record_page(request: Request, record_id: FromPath[str]) -> Response[st
     record = await call(store.get, record_id)
     if record is None:
         raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
+    record = await call(store.reveal, record, session.principal.key_id if session.principal else None,
+                        session.principal.role if session.principal else None)
     return console.page(request, session, "record.html", record=record)
 
 

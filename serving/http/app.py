@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
-from serving.backends.audit_sink import checkpoint_signer, public_keys
+from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import audit_routes, deploy_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
 from serving.http.auth import Authenticator
@@ -42,7 +42,9 @@ from serving.runtime.reloader import PipelineReloader
 from serving.runtime.resources import Runtime, RuntimeOptions
 from serving.runtime.shadow import Shadows
 from serving.runtime.workspace import DEFAULT_CONFIG, Workspace
+from store.db import make_engine
 from store.keys import KeyStore
+from store.migrate import create_schema
 from store.notify import listen
 
 logger = logging.getLogger(__name__)
@@ -144,9 +146,17 @@ def check_bind(workspace: Workspace) -> None:
 
 
 def check_audit_keys(workspace: Workspace) -> None:
-    """Refuse to start with an audit key that is not one (SpecError naming the setting)."""
+    """Refuse to start with an audit key that is not one, or a master key that does not unwrap the data
+    keys the log holds (SpecError naming the setting)."""
     checkpoint_signer(workspace.server)
     public_keys(workspace.server, workspace.root)
+    if workspace.server.audit.master_key:
+        engine = make_engine(workspace.database_url)
+        try:
+            create_schema(engine)
+            content_vault(workspace.server, engine)
+        finally:
+            engine.dispose()
     if workspace.server.audit.anchors is not None and checkpoint_signer(workspace.server) is None:
         raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
                                    "audit.signing_key (inferline audit keygen) or audit.checkpoint_key")])

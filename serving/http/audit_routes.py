@@ -69,11 +69,13 @@ async def records(request: Request, filters: NamedDependency[AuditFilters], sort
 @get("/audit/records/{record_id:str}", summary="One audit record with its stages", **_ROUTE,
      responses=problems(400, 401, 403, 404, 503))
 async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "show", {"record_id": record_id})
+    store, principal = await _reviewer(request, "show", {"record_id": record_id})
     found = await _call(store.get, record_id)
     if found is None:
         raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
-    return found
+    # content: encrypted comes back decrypted beside the ciphertext (or content_erased), the read logged.
+    return await _call(store.reveal, found, principal.key_id if principal else None,
+                       principal.role if principal else None)
 
 
 @get("/audit/records/{record_id:str}/spec", summary="The pipeline file (YAML) that served one record", **_ROUTE,

@@ -1,0 +1,96 @@
+"""content: encrypted through a real server: the content is encrypted at rest and read back decrypted
+by a reviewer (the API, the CLI, the console, each read logged); after ``inferline audit erase`` it is
+unreadable everywhere, the chain verifies and the erasure is on record; a held record refuses; a wrong
+master key stops the server at start."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+import sqlalchemy as sa
+from litestar.testing import TestClient
+
+from pipeline.errors import SpecError
+from serving.cli.main import main
+from serving.runtime.workspace import open_workspace
+from serving.server import create_server
+from store.db import make_engine
+from store.keys import KeyStore
+from store.migrate import create_schema
+from tests.fakes import FakeEngine, FakeEngines
+from tests.serving.console.signin import sign_in
+from tests.serving.workspaces import CHAT, write_workspace
+
+MASTER = base64.b64encode(os.urandom(32)).decode()
+
+
+def encrypted_workspace(tmp_path, monkeypatch):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE", "INFERLINE_AUDIT__MASTER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=True)
+    (tmp_path / "pipelines" / "chat.yaml").write_text(
+        CHAT.replace("with: {content: full}", "with: {content: encrypted, subject: tags.user}"))
+    monkeypatch.setenv("INFERLINE_AUDIT__MASTER_KEY", MASTER)
+    engine = make_engine(f"sqlite:///{tmp_path / 'keys.db'}")
+    create_schema(engine)
+    keys = KeyStore(engine)
+    return config, engine, keys.create("app", "caller")[1], keys.create("review", "auditor")[1]
+
+
+def test_encrypted_content_is_read_decrypted_until_erased(tmp_path, monkeypatch, capsys):
+    config, engine, caller, auditor = encrypted_workspace(tmp_path, monkeypatch)
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))
+    as_caller, as_auditor = ({"Authorization": f"Bearer {key}"} for key in (caller, auditor))
+    with TestClient(app) as client:
+        for user in ("alice", "bob", "alice"):
+            assert client.post("/pipelines/chat", headers=as_caller,
+                               json={"input": f"{user}'s secret question", "tags": {"user": user}}).status_code == 200
+        assert len(client.get("/audit/records", headers=as_auditor).json()["records"]) == 3  # all chained now
+        with engine.connect() as conn:
+            stored = conn.execute(sa.text("SELECT id, content_mode, input_content FROM audit_records "
+                                          "ORDER BY seq")).all()
+        assert [mode for _, mode, _ in stored] == ["encrypted"] * 3
+        assert not any("secret" in text for _, _, text in stored)  # not in the database...
+        journals = list(tmp_path.glob("audit-journal*"))
+        assert journals and not any(b"secret" in path.read_bytes() for path in journals)  # ...nor in the journal
+        alice = stored[0][0]
+        shown = client.get(f"/audit/records/{alice}", headers=as_auditor).json()
+        assert shown["decrypted"] == {"input": "alice's secret question", "output": "Paris."}
+        assert shown["input_content"].startswith("enc:v1:")
+        sign_in(client, auditor)
+        assert "alice&#39;s secret question" in client.get(f"/ui/audit/records/{alice}").text
+        actions = [e["action"] for e in client.get("/audit/access", headers=as_auditor).json()["entries"]]
+        assert actions.count("decrypt") == 2
+
+        assert main(["audit", "erase", "--subject", "tags.user:alice", "--by", "dpo", "--config", str(config)]) == 0
+        assert "the content of 2 record(s) can no longer be read" in capsys.readouterr().out
+        shown = client.get(f"/audit/records/{alice}", headers=as_auditor).json()
+        assert shown["content_erased"] is True and shown["decrypted"] is None
+        assert 'id="content-erased"' in client.get(f"/ui/audit/records/{alice}").text
+        bob = client.get(f"/audit/records/{stored[1][0]}", headers=as_auditor).json()
+        assert bob["decrypted"]["input"] == "bob's secret question"
+        assert client.get("/audit/verify", headers=as_auditor).json()["ok"] is True
+        erasures = [p for r in client.get("/audit/records", headers=as_auditor).json()["records"]
+                    for p in r.get("policy") or [] if p.get("where") == "erase"]
+        assert len(erasures) == 1 and "by dpo" in erasures[0]["message"]
+    assert main(["audit", "show", alice, "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["content_erased"] is True
+    assert main(["audit", "verify", "--config", str(config)]) == 0
+
+
+def test_a_held_record_refuses_erasure_and_a_wrong_master_key_stops_the_server(tmp_path, monkeypatch, capsys):
+    config, _, caller, _ = encrypted_workspace(tmp_path, monkeypatch)
+    with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine("Paris.")))) \
+            as client:
+        assert client.post("/pipelines/chat", headers={"Authorization": f"Bearer {caller}"},
+                           json={"input": "q", "tags": {"user": "carol"}}).status_code == 200
+    assert main(["audit", "hold", "--pipeline", "chat", "--config", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["audit", "erase", "--subject", "tags.user:carol", "--config", str(config)]) == 1
+    assert "legal hold" in capsys.readouterr().err
+    monkeypatch.setenv("INFERLINE_AUDIT__MASTER_KEY", base64.b64encode(os.urandom(32)).decode())
+    with pytest.raises(SpecError, match="does not unwrap the audit data keys"):
+        create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine()))
