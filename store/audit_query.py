@@ -105,7 +105,7 @@ def summarize(conn: sa.Connection, filters: AuditFilters, group_by: str) -> list
     if group_by not in GROUPS:
         raise ValueError(f"cannot group by {group_by!r}; allowed: {', '.join(GROUPS)}")
     c = _records.c
-    key = _day(conn.dialect.name) if group_by == "day" else c[group_by]
+    key = day_column(conn.dialect.name) if group_by == "day" else c[group_by]
     by_key = group_by == "key_id"
     denied = sa.func.sum(sa.case((c.status == "denied", 1), else_=0))
     statement = (sa.select(key.label("key"), sa.func.count().label("count"), denied.label("denied"),
@@ -173,7 +173,8 @@ def _text(value: object) -> str:
     return str(value).replace("\x00", "\ufffd")
 
 
-def _day(dialect: str) -> sa.ColumnElement[Any]:
+def day_column(dialect: str) -> sa.ColumnElement[Any]:
+    """A record's day of arrival (UTC) as YYYY-MM-DD."""
     if dialect == "sqlite":  # stored as naive UTC text
         return sa.func.strftime("%Y-%m-%d", _records.c.received_at)
     return sa.func.to_char(sa.func.timezone("UTC", _records.c.received_at), "YYYY-MM-DD")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -26,6 +27,7 @@ from store.audit_chain import row_to_dict
 from store.audit_filters import AuditFilters
 from store.audit_models import AuditAccess
 from store.audit_query import Page, export_lines, get_record, query_page, summarize
+from store.audit_report import build_report
 from store.audit_signing import Verifier, as_verifier
 from store.audit_vault import ContentVault
 from store.audit_verify import VerifyReport, verify_chain
@@ -81,6 +83,11 @@ class AuditReader:
             return None
         with self.engine.connect() as conn:
             return get_record(conn, record_id)
+
+    def report(self, filters: AuditFilters, anchors: Path | None = None) -> dict[str, Any]:
+        """The reviewers' report over *filters*' period (store/audit_report.py), checked with this reader's
+        keys and, with *anchors*, against the digest files there."""
+        return build_report(self.engine, filters, self._verifier, anchors)
 
     def summary(self, filters: AuditFilters,
                 group_by: Literal["pipeline", "model", "key_id", "day"]) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@
     inferline audit verify --public-key old.pub --public-key new.pub --anchors /mnt/digests
     inferline audit keygen --out audit-signing.pem                  an Ed25519 key pair (and .pub)
     inferline audit erase --subject tenant:acme                     crypto-shred a subject's encrypted content
+    inferline audit report --since 90d [--pipeline P] [--format html|json] [--anchors DIR] > report.html
     inferline audit export [--format jsonl|csv] [filters]          to stdout
     inferline audit access [--since T] [--until T] [--key-id K] [--action A] [--format table|jsonl|csv]
     inferline audit prune                                           past each pipeline's retention, not on hold
@@ -33,6 +34,7 @@ import sqlalchemy as sa
 
 from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.cli.keys import ENV_DATABASE, database_url
+from serving.console.render import report_file
 from serving.runtime.workspace import Workspace, open_workspace
 from store.audit import AuditMaintenance, AuditReader
 from store.audit_access import ACCESS_FIELDS, parse_access_filters
@@ -108,6 +110,20 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                             "public one. To rotate, keep the old .pub in audit.public_keys.")
     keygen.add_argument("--out", required=True, metavar="FILE", help="where the private key goes (must not exist)")
     keygen.set_defaults(handler=_keygen)
+
+    report = actions.add_parser("report", parents=[common], help="a period's report for reviewers (HTML or JSON)",
+                                description="Requests by pipeline, version and model; policy blocks by rule; "
+                                            "errors; cost by key, tenant and pipeline; the chain's (and with "
+                                            "--anchors, the digests') verification; who read the log. For a "
+                                            "quarterly review or an incident. HTML is one self-contained file.")
+    _filter_options(report, {name: FILTER_FIELDS[name] for name in ("since", "until", "pipeline")})
+    report.add_argument("--format", choices=("html", "json"), default="html", help="html (default) or json")
+    report.add_argument("--public-key", action="append", default=[], metavar="FILE",
+                        help="an Ed25519 public key that checks the checkpoints (repeatable)")
+    report.add_argument("--anchors", metavar="DIR", help="also check the database against the digests in DIR "
+                                                         "(default: audit.anchors.dir when configured)")
+    report.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
+    report.set_defaults(handler=_reporting(_report))
 
     erase = actions.add_parser("erase", parents=[common], help="make a subject's encrypted content unreadable",
                                description="Destroy the data keys of SUBJECT (content: encrypted records): their "
@@ -335,6 +351,24 @@ def _verify(args: argparse.Namespace) -> int:
     if anchored.unchecked:
         print(f"note: {anchored.unchecked} digest(s) not checked: no key given for them")
     return 0 if report.ok and anchored.ok else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    workspace, engine = _open(args)
+    anchors = workspace.server.audit.anchors
+    folder = Path(args.anchors) if args.anchors else (workspace.root / anchors.dir if anchors else None)
+    reader = AuditReader(engine, checkpoint_key=_verifier(args, workspace))
+    reader.log_access(None, "cli", "report", {"since": args.since, "until": args.until, "pipeline": args.pipeline})
+    try:
+        report = reader.report(_filters(args, ("since", "until", "pipeline")), folder)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    text = json.dumps(report, indent=2, default=str) + "\n" if args.format == "json" else report_file(report)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def _erase(args: argparse.Namespace) -> int:

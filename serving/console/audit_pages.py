@@ -217,4 +217,26 @@ async def async_lines(lines: Iterator[str]) -> AsyncIterator[bytes]:
         yield line.encode() if isinstance(line, str) else line
 
 
-ROUTES = [audit_page, access_page, record_page, record_spec_page, verify_page, export]
+@get("/audit/report", name="console-audit-report", **_GUARDED)
+async def report_page(request: Request, since: FromQuery[str | None] = None, until: FromQuery[str | None] = None,
+                      pipeline: FromQuery[str | None] = None, format: FromQuery[str | None] = None) -> Response[Any]:
+    """The reviewers' report over a period (default: the last 90 days): requests, blocks, errors, cost, the
+    chain's and the anchors' verification, who read the log. ``format=json`` downloads it."""
+    console = Console.of(request)
+    if format not in (None, "", "json"):
+        raise Problem(400, "Bad request", f"format must be json, not {format!r}", "invalid_query")
+    since_text = since if since is not None else "90d"
+    filters = AuditFilters(since=parse_time("since", since_text), until=parse_time("until", until),
+                           pipeline=pipeline or None)
+    store, session = await reviewer(console, request, "report", {"since": since_text, "until": until,
+                                                                 "pipeline": pipeline})
+    report = await call(store.report, filters, console.anchors_dir())
+    if format == "json":
+        return Response(report, media_type="application/json", headers={
+            **SECURITY_HEADERS, "Content-Disposition": 'attachment; filename="audit-report.json"'})
+    query = urlencode({k: v for k, v in (("since", since_text), ("until", until), ("pipeline", pipeline)) if v})
+    return console.page(request, session, "report.html", report=report, since=since_text, until=until or "",
+                        pipeline=pipeline or "", query=query)
+
+
+ROUTES = [audit_page, access_page, record_page, record_spec_page, verify_page, export, report_page]

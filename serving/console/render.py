@@ -67,6 +67,12 @@ def make_environment() -> Environment:
     return env
 
 
+def report_file(report: dict[str, Any]) -> str:
+    """The audit report (store/audit_report.py) as one self-contained HTML page: inline style and SVG
+    charts, nothing fetched from anywhere."""
+    return make_environment().get_template("report_file.html").render(report=report)
+
+
 def html(body: str, status: int = 200, cookies: list[Cookie] | None = None,
          headers: dict[str, str] | None = None) -> Response[str]:
     """A page response with the console's security headers."""

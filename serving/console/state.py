@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from litestar import Request
@@ -42,6 +43,11 @@ class Console:
         if roles:
             self.sessions.require(session, roles, what)
         return session
+
+    def anchors_dir(self) -> Path | None:
+        """The folder of audit digests (``audit.anchors.dir``), when the server delivers them."""
+        anchors = self.state.workspace.server.audit.anchors
+        return None if anchors is None else self.state.workspace.root / Path(anchors.dir)
 
     def page(self, request: Request, session: Session | None, template: str, status: int = 200,
              **values: Any) -> Response[str]:
