@@ -120,8 +120,8 @@ class Anchors:
                 out.flush()
                 os.fsync(out.fileno())
             try:
-                os.link(staged, path)  # never overwrites: another process may have delivered it first
-            except FileExistsError:
+                _publish(staged, path, data)
+            except FileExistsError:  # another process delivered it first: theirs stands
                 data = path.read_bytes()
                 digest = json.loads(data)
             finally:
@@ -129,6 +129,22 @@ class Anchors:
             delivery.written.append(digest)
             last_seq, last_sha = checkpoint["seq"], hashlib.sha256(data).hexdigest()
         return delivery
+
+
+def _publish(staged: Path, path: Path, data: bytes) -> None:
+    """Make *path* hold *data*, whole, never replacing a file there (FileExistsError): a hard link of the
+    fsynced *staged* file; where the mount has no hard links, an exclusive create."""
+    try:
+        os.link(staged, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:
+        pass
+    with open(path, "xb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 @dataclass(frozen=True, slots=True)
