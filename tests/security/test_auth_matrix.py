@@ -99,6 +99,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/ui/audit/access"): (REVIEWERS, Call("/ui/audit/access", console=True)),
     ("POST", "/ui/api/pipelines/{name:str}/run"): (CALLERS, Call("/ui/api/pipelines/chat/run", json=CHAT,
                                                                  console=True, csrf="header")),
+    ("GET", "/ui/audit/report"): (REVIEWERS, Call("/ui/audit/report", console=True)),
     ("GET", "/ui/api/metrics"): (REVIEWERS, Call("/ui/api/metrics", console=True)),
     ("GET", "/ui/static/{file_path:path}"): (PUBLIC, Call("/ui/static/console.css", console=True)),
 }
