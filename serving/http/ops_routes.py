@@ -1,4 +1,9 @@
-"""Operations: liveness, readiness and Prometheus metrics."""
+"""Operations: liveness, readiness, the version and Prometheus metrics.
+
+``/health`` and ``/version`` answer as vLLM's server does (and SGLang's, TGI's and llama-server's
+``/health``), so that the tools written against those (guidellm's health check, load balancers) work
+unchanged: ``/health`` is 200 once ready, 503 while models load.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from litestar import Request, get
 from litestar.response import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pipeline import __version__
 from serving.http.openapi import Public, problems
 from serving.http.problems import Problem
 from serving.http.state import AppState
@@ -27,6 +33,19 @@ async def readyz(request: Request) -> Response[dict[str, Any]]:
     if not state.ready:
         raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"}, body)
     return Response(body)
+
+
+@get("/health", summary="Health, as vLLM answers it: 200 once ready, 503 while starting", tags=["operations"],
+     responses=problems(503), operation_class=Public)
+async def health(request: Request) -> Response[dict[str, Any]]:
+    if not AppState.of(request).ready:
+        raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"})
+    return Response({})
+
+
+@get("/version", summary="The server's version", tags=["operations"], operation_class=Public)
+async def version() -> dict[str, str]:
+    return {"version": __version__}
 
 
 @get("/metrics", summary="Prometheus metrics (engine, pipelines, stages)", tags=["operations"],
@@ -53,4 +72,4 @@ def _models(state: AppState) -> dict[str, dict[str, Any]]:
     return models
 
 
-ROUTES = [healthz, readyz, metrics]
+ROUTES = [healthz, readyz, health, version, metrics]

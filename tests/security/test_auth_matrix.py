@@ -48,6 +48,8 @@ OPENAI_CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hello"
 ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/healthz"): (PUBLIC, Call("/healthz")),
     ("GET", "/readyz"): (PUBLIC, Call("/readyz")),
+    ("GET", "/health"): (PUBLIC, Call("/health")),
+    ("GET", "/version"): (PUBLIC, Call("/version")),
     ("GET", "/metrics"): (REVIEWERS, Call("/metrics")),
     ("GET", "/pipelines"): (("caller", "auditor"), Call("/pipelines")),
     ("GET", "/pipelines/{name:str}"): (("caller", "auditor"), Call("/pipelines/chat")),

@@ -136,6 +136,8 @@ def test_overload_is_429_with_retry_after(client, fake_engines):
 def test_health_ready_metrics_schema(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
+    assert client.get("/health").status_code == 200 and client.get("/health").json() == {}  # as vLLM answers
+    assert client.get("/version").json()["version"]
     client.post("/pipelines/chat", json={"input": "x"})
     text = client.get("/metrics").text
     names = {family.name for family in text_string_to_metric_families(text)}
