@@ -46,6 +46,23 @@ class HFTokenizer:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def tokenize(self, *, text: str | None = None, messages: Sequence[Mapping[str, str]] | None = None,
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+        """The ids of *text* (with the tokenizer's special tokens unless told not to) or of *messages*
+        through the chat template (its special tokens are in the rendered text), as vLLM's ``/tokenize``."""
+        if messages is not None:
+            rendered = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                           tokenize=False)
+            return list(self._tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"])
+        return list(self._tokenizer(text or "", add_special_tokens=add_special_tokens)["input_ids"])
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it."""
+        return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
+
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._decode_backend is not None:
             return self._decode_backend.decode(token_ids, skip_special_tokens=True)

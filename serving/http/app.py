@@ -30,7 +30,16 @@ from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
 from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.engine.heap import freeze_startup_heap, thaw
-from serving.http import audit_routes, deploy_routes, openai_routes, openapi, ops_routes, pipeline_routes, schemas
+from serving.http import (
+    audit_routes,
+    deploy_routes,
+    openai_routes,
+    openapi,
+    ops_routes,
+    pipeline_routes,
+    schemas,
+    tokenize_routes,
+)
 from serving.http.auth import Authenticator
 from serving.http.metrics import HttpMetrics
 from serving.http.problems import Problem, from_error, title_for
@@ -114,7 +123,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
 
     app = Litestar(
         route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES,
-                        *ops_routes.ROUTES,
+                        *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
         state=State({"inferline": state}),
@@ -132,7 +141,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
                                schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest,
-                               schemas.TrafficRequest, schemas.ShadowRequest)
+                               schemas.TrafficRequest, schemas.ShadowRequest, tokenize_routes.TokenizeRequest,
+                               tokenize_routes.DetokenizeRequest)
     return app
 
 
@@ -198,7 +208,7 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     refusals = AppState.of(request).refusals
     if refusals is not None:
         refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
-    if request.url.path.startswith("/v1/"):
+    if request.url.path.startswith("/v1/") or request.url.path in tokenize_routes.PATHS:
         return openai_routes.error_response(problem)
     return pipeline_routes.problem_response(problem, request.url.path)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from litestar import Request
 from prometheus_client import CollectorRegistry
 
+from pipeline.protocols import EngineProvider
 from pipeline.runner import Pipeline
 from serving.backends.audit_sink import StoreSink
 from serving.backends.model_pool import ModelPool
@@ -61,6 +62,11 @@ class AppState:
                           f"or six or more characters of its spec hash; GET /pipelines/{name}/versions lists them)",
                           "version_not_found")
         return pipeline
+
+    @property
+    def engines(self) -> EngineProvider | None:
+        """The models as the pipelines' stages reach them (the model pool, or the fakes a test passes)."""
+        return self.reloader.runtime.resources.engines if self.reloader is not None else None
 
     @staticmethod
     def of(request: Request) -> AppState:

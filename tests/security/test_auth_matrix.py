@@ -50,6 +50,8 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/readyz"): (PUBLIC, Call("/readyz")),
     ("GET", "/health"): (PUBLIC, Call("/health")),
     ("GET", "/version"): (PUBLIC, Call("/version")),
+    ("POST", "/tokenize"): (CALLERS, Call("/tokenize", json={"model": "chat", "prompt": "hi"})),
+    ("POST", "/detokenize"): (CALLERS, Call("/detokenize", json={"model": "chat", "tokens": [104, 105]})),
     ("GET", "/metrics"): (REVIEWERS, Call("/metrics")),
     ("GET", "/pipelines"): (("caller", "auditor"), Call("/pipelines")),
     ("GET", "/pipelines/{name:str}"): (("caller", "auditor"), Call("/pipelines/chat")),
@@ -164,7 +166,7 @@ def test_route_access(secured, method, path):
         return
     if call.console and not path.startswith("/ui/api/"):  # a page: to the login form, and back after it
         assert is_login_redirect(nobody), (nobody.status_code, nobody.headers)
-    elif path.startswith("/v1/"):  # OpenAI's error shape, as its clients expect
+    elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):  # OpenAI's error shape (vLLM's too)
         assert nobody.status_code == 401 and nobody.json()["error"]["type"] == "authentication_error"
     else:
         assert nobody.status_code == 401, (nobody.status_code, nobody.text[:300])

@@ -1,0 +1,110 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, for the tooling written against it.
+
+    POST /tokenize   {"model": "chat", "prompt": "Hello"}     -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /tokenize   {"model": "chat", "messages": [...], "add_generation_prompt": true}
+    POST /detokenize {"model": "chat", "tokens": [9906, 28]}  -> {"prompt": "Hello!"}
+
+``model`` names a pipeline (its ``tokenize`` stage's model, else the server's first) or a model of
+``inferline.yaml``; the caller needs the pipeline's roles, or ``caller`` for a model. Errors come in
+the OpenAI shape, as vLLM answers them. A model served remotely has no tokenizer here: a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, post
+from litestar.params import JSONBody
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serving.http.openapi import openai_errors
+from serving.http.problems import Problem
+from serving.http.schemas import ChatMessageIn
+from serving.http.state import AppState
+
+#: The most token ids one /detokenize takes, and the longest text one /tokenize takes.
+MAX_TOKENS = 1 << 17
+MAX_TEXT = 1 << 20
+
+
+class TokenizeRequest(BaseModel):
+    # The document says what _one_input checks: exactly one of prompt and messages.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"prompt": {"type": "null"}, "messages": {"type": "array"}}}]})
+    model: str
+    prompt: str | None = Field(None, max_length=MAX_TEXT)
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1)
+    #: Default: true for a prompt, false for messages (the chat template has its special tokens).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int] = Field(max_length=MAX_TOKENS)
+
+
+async def _tokenizer(state: AppState, request: Request, name: str) -> tuple[Any, str]:
+    """The tokenizer *name* means (a pipeline's model, or a model), after checking the caller may use it."""
+    server = state.workspace.server
+    pipeline = state.executor.pipelines.get(name)
+    principal = await state.auth.principal(request)
+    if pipeline is not None:
+        state.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
+        stage = next((s for s in pipeline.spec.stages if s.type == "tokenize"), None)
+        model = str((stage.with_ or {}).get("model") or "") if stage is not None else ""
+        model = model or next(iter(server.models), "")
+    elif name in server.models:
+        state.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
+        model = name
+    else:
+        raise Problem(404, "Not found", f"no pipeline or model {name!r}; pipelines: "
+                      f"{', '.join(sorted(state.executor.pipelines))}; models: {', '.join(server.models)}",
+                      "model_not_found")
+    engines = state.engines
+    engine = await engines.get(model) if engines is not None else None
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "tokenize"):
+        raise Problem(400, "Bad request", f"model {model!r} is served remotely: it has no tokenizer here",
+                      "invalid_request")
+    return tokenizer, model
+
+
+@post("/tokenize", summary="Token ids of a text or a chat, as vLLM's /tokenize", tags=["openai"], status_code=200,
+      responses=openai_errors(400, 401, 403, 404, 422, 503))
+async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[str, Any]:
+    state = AppState.of(request)
+    tokenizer, model = await _tokenizer(state, request, data.model)
+    chat = [{"role": m.role, "content": m.text()} for m in data.messages] if data.messages is not None else None
+    special = data.add_special_tokens if data.add_special_tokens is not None else chat is None
+    ids = tokenizer.tokenize(text=data.prompt, messages=chat, add_special_tokens=special,
+                             add_generation_prompt=data.add_generation_prompt)
+    return {"count": len(ids), "max_model_len": state.workspace.server.models[model].context_window,
+            "tokens": ids, "token_strs": tokenizer.token_strings(ids) if data.return_token_strs else None}
+
+
+@post("/detokenize", summary="The text of token ids, as vLLM's /detokenize", tags=["openai"], status_code=200,
+      responses=openai_errors(400, 401, 403, 404, 422, 503))
+async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dict[str, Any]:
+    state = AppState.of(request)
+    tokenizer, model = await _tokenizer(state, request, data.model)
+    size = tokenizer.vocab_size()
+    bad = [token for token in data.tokens if not 0 <= token < size]
+    if bad:
+        raise Problem(400, "Bad request", f"tokens: {bad[:5]} are not ids of model {model!r} (0 to {size - 1})",
+                      "invalid_request")
+    return {"prompt": tokenizer.decode(data.tokens)}
+
+
+ROUTES = [tokenize, detokenize]
+#: Their errors come in the OpenAI shape, as vLLM's.
+PATHS = frozenset({"/tokenize", "/detokenize"})
