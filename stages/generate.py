@@ -139,8 +139,9 @@ class GenerateConfig(Sampling):
     output: PipelineOutput | None = None
     #: The sampling options a caller's ``params`` may override (``max_tokens`` never above this stage's).
     client_params: list[str] = Field(
-        default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                 "presence_penalty", "frequency_penalty", "logprobs", "output"])
+        default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                                 "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                                 "logprobs", "output"])
     #: Tenants never share prefix-cache blocks (one cannot time another's prompts).
     isolate_tenants: bool = False
     #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).

@@ -171,17 +171,20 @@ def _bad_request(message: str, param: str) -> Problem:
 
 
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
+    if data.min_tokens:
+        raise _bad_request("min_tokens is not supported by this server; send the request without it", "min_tokens")
     state = AppState.of(request)
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
     if isinstance(data, ChatCompletionRequest):
         _offer_tools(ctx, data)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        continuous = bool(data.stream_options and data.stream_options.continuous_usage_stats)
         events = state.executor.stream(pipeline, ctx)
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
-        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage)
+        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous)
         return event_stream(chunks, response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
@@ -237,7 +240,7 @@ def _finish(reason: str) -> str:
 
 
 async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str, kind: str,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     envelope = _envelope(ctx, model, chunk_kind)
 
@@ -245,7 +248,11 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
         choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                   if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
         body = {**envelope, "choices": [choice], **(extra or {})}
-        if include_usage:
+        if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+            usage = ctx.usage
+            body["usage"] = {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
+                             "total_tokens": usage.input_tokens + usage.output_tokens}
+        elif include_usage:
             body["usage"] = None
         return _data(body)
 
@@ -267,7 +274,7 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
                 yield chunk(empty, finish, {"sources": sources_json(event.summary)})
-                if include_usage:
+                if include_usage or continuous:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):
                 yield _data(error_body(from_final(event.kind, event.message, ctx.error)))

@@ -52,6 +52,10 @@ class GenerationParams(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # vLLM's request extensions, which benchmark and evaluation tools send.
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    ignore_eos: bool | None = Field(None, description="Generate past the end-of-sequence token, up to max_tokens.")
     output: dict[str, Any] | None = Field(
         None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
 
@@ -79,6 +83,8 @@ class PipelineRequest(ChatInput, GenerationParams):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    #: vLLM's: every chunk carries the usage so far (guidellm asks for it).
+    continuous_usage_stats: bool = False
 
 
 class FunctionCallIn(BaseModel):
@@ -165,6 +171,8 @@ class OpenAIRequest(GenerationParams):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    #: vLLM's; not supported here: refused by name when above 0 (rather than ignored).
+    min_tokens: int | None = Field(None, ge=0)
 
     def overrides(self) -> dict[str, Any]:
         params = super().overrides()

@@ -75,7 +75,7 @@ async def test_client_params_are_allow_listed_and_capped(registry):
     await run(pipeline, ok)
     assert ok.usage.output_tokens == 8
     for params, message in [({"max_tokens": 65}, "over this pipeline's limit of 64"),
-                            ({"ignore_eos": True}, "does not let callers set ['ignore_eos']"),
+                            ({"speculative": False}, "does not let callers set ['speculative']"),
                             ({"temperature": -1}, "invalid sampling parameters: temperature")]:
         events = await run(pipeline, RequestContext.from_text("chat", "x", params=params))
         final = events[-1]

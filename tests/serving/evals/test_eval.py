@@ -118,7 +118,7 @@ async def test_a_change_compared_with_its_baseline(workspace, tmp_path, capsys):
 
 async def test_a_failed_request_fails_its_checks(workspace, tmp_path):
     path = write_dataset(tmp_path / "cases.jsonl", [
-        {"id": "bad-param", "input": "hi", "params": {"ignore_eos": True},
+        {"id": "bad-param", "input": "hi", "params": {"speculative": False},
          "checks": [{"type": "regex", "pattern": "."}]},
         {"id": "json", "input": "as JSON", "checks": [{"type": "json_schema", "schema": {
             "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}]}])

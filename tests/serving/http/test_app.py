@@ -154,7 +154,7 @@ def test_openai_errors_use_openai_shape(client):
     assert response.json()["error"]["type"] == "not_found_error"
 
 
-def test_openai_chat_json_and_stream(client):
+def test_openai_chat_json_and_stream(client, fake_engines):
     request = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
     body = client.post("/v1/chat/completions", json=request).json()
     assert body["object"] == "chat.completion"
@@ -168,6 +168,19 @@ def test_openai_chat_json_and_stream(client):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Paris is the capital of France."
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    # vLLM's extensions, as guidellm sends them: the usage so far in every chunk; ignore_eos taken;
+    # min_tokens refused by name rather than ignored.
+    continuous = client.post("/v1/chat/completions", json={
+        **request, "stream": True, "ignore_eos": True, "max_tokens": 40,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert continuous.status_code == 200, continuous.text
+    chunks = openai_chunks(continuous.text)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 31  # one token per byte of the fake reply
+    assert fake_engines.engines["smol"].submitted[-1][1].ignore_eos is True  # handed to the engine
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+    refused = client.post("/v1/chat/completions", json={**request, "min_tokens": 4})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
 
 
 #: What the rag pipeline's answer reports over the fake handbook index: both passages, numbered as cited.
