@@ -16,6 +16,10 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, Sam
 
 # OpenTelemetry GenAI semantic conventions.
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+#: Which provider served the model (the 2025 conventions' name; it replaced gen_ai.system).
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+#: The model that answered (a route's fallback may differ from the one requested).
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"

@@ -59,10 +59,12 @@ from pipeline.protocols import Catalog, SamplingParams, SchedulingHints
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.tracing import (
     GEN_AI_OPERATION_NAME,
+    GEN_AI_PROVIDER_NAME,
     GEN_AI_REQUEST_MAX_TOKENS,
     GEN_AI_REQUEST_MODEL,
     GEN_AI_REQUEST_TEMPERATURE,
     GEN_AI_REQUEST_TOP_P,
+    GEN_AI_RESPONSE_MODEL,
 )
 from stages.engines import engine_for
 from stages.failover import submit_with_fallback
@@ -174,29 +176,34 @@ class GenerateStage(Stage):
         if ctx.token_stream is not None:  # served from the response cache: nothing to generate
             scope.set_attribute("inferline.cache.hit", True)
             _, engine = await engine_for(self.resources, ctx.model)
-            self._record(ctx, scope, sampling, engine.weights_hash)
+            self._record(ctx, scope, sampling, engine)
             return
         salt = ctx.tenant if config.isolate_tenants else ""
         ctx.facts["generate_request"] = (sampling, salt)  # for stream's retry_invalid
         deadline_s = None if config.queue_timeout_ms is None else time.perf_counter() + config.queue_timeout_ms / 1000
         hints = SchedulingHints(config.priority, ctx.tenant, deadline_s)
         ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt, hints)
-        self._record(ctx, scope, sampling, engine.weights_hash)
+        self._record(ctx, scope, sampling, engine)
         tried = ctx.facts.get("route", {}).get("fallbacks_tried", [])
         if tried:
             scope.set_attribute("inferline.route.fallbacks_tried", len(tried))
             scope.add_event("inferline.route.fallback", {"models_tried": [t["model"] for t in tried],
                                                          "served_by": ctx.model})
 
-    def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, weights_hash: str) -> None:
+    def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, engine: Any) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
         if sampling.output is not None:
             ctx.facts["sampling"]["output"] = next(iter(sampling.output))
             ctx.facts["output_constraint"] = sampling.output
-        ctx.facts["weights_hash"] = weights_hash
+        ctx.facts["weights_hash"] = engine.weights_hash
         scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
-        scope.set_attribute(GEN_AI_REQUEST_MODEL, ctx.model)
+        # A remote backend speaks OpenAI's API (serving/backends/remote.py); every other engine is ours.
+        scope.set_attribute(GEN_AI_PROVIDER_NAME, "openai" if getattr(engine, "accepts_messages", False)
+                            else "inferline")
+        asked = ctx.facts.get("route", {}).get("model") or ctx.facts.get("prompt_model") or ctx.model
+        scope.set_attribute(GEN_AI_REQUEST_MODEL, asked)  # what the route asked for; a fallback may answer
+        scope.set_attribute(GEN_AI_RESPONSE_MODEL, ctx.model)
         scope.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, sampling.max_tokens)
         scope.set_attribute(GEN_AI_REQUEST_TEMPERATURE, sampling.temperature)
         scope.set_attribute(GEN_AI_REQUEST_TOP_P, sampling.top_p)

@@ -265,7 +265,8 @@ async def test_the_decision_and_the_fallbacks_are_in_the_trace(registry):
     assert (pick["inferline.route.model"], pick["inferline.route.mode"], pick["inferline.route.reason"]) == (
         "smol", "rule", "gold")
     gen = spans["stage gen"].attributes
-    assert gen["gen_ai.request.model"] == "big" and gen["inferline.route.fallbacks_tried"] == 1
+    assert gen["gen_ai.request.model"] == "smol" and gen["gen_ai.response.model"] == "big"  # smol failed over
+    assert gen["gen_ai.provider.name"] == "inferline" and gen["inferline.route.fallbacks_tried"] == 1
 
 
 @pytest.mark.parametrize("late", [
