@@ -275,6 +275,10 @@ class TelemetrySpec(Strict):
     endpoint: str | None = None
     #: ``service.name`` of the spans.
     service_name: str = "inferline"
+    #: ``/metrics`` also carries the engine's series under vLLM's names (``vllm:num_requests_waiting``,
+    #: ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``...), which the Gateway API Inference
+    #: Extension's endpoint picker and KEDA's examples read by default.
+    vllm_metric_names: bool = False
 
 
 class AuthSpec(Strict):

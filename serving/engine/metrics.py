@@ -54,6 +54,29 @@ _COUNTERS = {
     "decode_step_sequences": "Sequences of the decode-only steps, summed (over their count: the mean batch).",
 }
 _PERCENTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
+#: The series vLLM itself has (under ``vllm:``), which routers and autoscalers read by those names.
+VLLM_SERIES = frozenset({*_HISTOGRAMS, *_GAUGES, *_COUNTERS} - {"decode_step_seconds", "prefill_step_seconds",
+                                                                 "num_deadline_drops", "decode_step_sequences"})
+
+
+def with_vllm_names(exposition: str) -> str:
+    """*exposition* (Prometheus text) with each of vLLM's series also under its ``vllm:`` name, and the
+    KV-cache usage also as ``vllm:gpu_cache_usage_perc`` (vLLM's name before 0.10, which older endpoint
+    pickers read)."""
+    extra: list[str] = []
+    for line in exposition.splitlines():
+        body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if not body.startswith(_PREFIX):
+            continue
+        name = body[len(_PREFIX):].split("{", 1)[0].split(" ", 1)[0]
+        family = next((f for f in VLLM_SERIES if name == f or name.startswith(f + "_")), None)
+        if family is None:
+            continue
+        renamed = line.replace(_PREFIX + name, "vllm:" + name, 1)
+        extra.append(renamed)
+        if family == "kv_cache_usage_perc":
+            extra.append(line.replace(_PREFIX + name, "vllm:gpu_cache_usage_perc", 1))
+    return exposition + "".join(f"{line}\n" for line in extra)
 
 # prometheus_client refuses to register a name twice in one registry, while engines of several
 # models sharing the server's registry is the point of the model_name label: so the families are

@@ -14,6 +14,7 @@ from litestar.response import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import __version__
+from serving.engine.metrics import with_vllm_names
 from serving.http.openapi import Public, problems
 from serving.http.problems import Problem
 from serving.http.state import AppState
@@ -53,7 +54,10 @@ async def version() -> dict[str, str]:
 async def metrics(request: Request) -> Response[bytes]:
     state = AppState.of(request)
     await state.auth.authorize(request, ("auditor",), "read metrics")
-    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+    exposition = generate_latest(state.registry)
+    if state.workspace.server.telemetry.vllm_metric_names:
+        exposition = with_vllm_names(exposition.decode()).encode()
+    return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
 
 def _models(state: AppState) -> dict[str, dict[str, Any]]:
