@@ -173,8 +173,13 @@ def _bad_request(message: str, param: str) -> Problem:
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
     if data.min_tokens:
         raise _bad_request("min_tokens is not supported by this server; send the request without it", "min_tokens")
+    if refused := data.refused_fields():
+        raise _bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
+                           "ignored); send the request without it", refused[0])
     state = AppState.of(request)
-    pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), stop=data.stops())
+    tags = {"user": data.user} if data.user else None
+    pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
+                                        stop=data.stops())
     if isinstance(data, ChatCompletionRequest):
         _offer_tools(ctx, data)
     if data.stream:

@@ -164,7 +164,8 @@ TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] 
 class OpenAIRequest(GenerationParams):
     """What the chat and completions requests share."""
 
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    # A field we do not know is kept aside and refused by name (serving/http/openai_routes.py): never ignored.
+    model_config = ConfigDict(extra="allow")
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -173,6 +174,22 @@ class OpenAIRequest(GenerationParams):
     max_completion_tokens: int | None = Field(None, ge=1)
     #: vLLM's; not supported here: refused by name when above 0 (rather than ignored).
     min_tokens: int | None = Field(None, ge=0)
+    #: The end user: kept as the request's ``user`` tag (``when:``, routes, templates, an audit stage's
+    #: ``subject: tags.user``).
+    user: str | None = Field(None, max_length=256)
+    #: Accepted either way: an answer makes at most one tool call, which both values allow.
+    parallel_tool_calls: bool | None = None
+    #: Not supported yet: refused by name when asked for, rather than answered with null.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def refused_fields(self) -> list[str]:
+        """What this request asks for that is not done here: unknown fields, and supported ones set to what
+        we cannot do."""
+        refused = sorted(self.model_extra or {})
+        if self.logprobs or self.top_logprobs:
+            refused += [name for name in ("logprobs", "top_logprobs") if getattr(self, name)]
+        return refused
 
     def overrides(self) -> dict[str, Any]:
         params = super().overrides()

@@ -181,6 +181,14 @@ def test_openai_chat_json_and_stream(client, fake_engines):
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
     refused = client.post("/v1/chat/completions", json={**request, "min_tokens": 4})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    # A parameter is refused by name, never ignored; what we take (user, parallel_tool_calls) is taken.
+    for extra, param in (({"logit_bias": {"1": 5}}, "logit_bias"), ({"logprobs": True}, "logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"bogus": 1}, "bogus")):
+        refused = client.post("/v1/chat/completions", json={**request, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    taken = client.post("/v1/chat/completions", json={**request, "user": "alice", "parallel_tool_calls": False,
+                                                      "logprobs": False})
+    assert taken.status_code == 200, taken.text
 
 
 #: What the rag pipeline's answer reports over the fake handbook index: both passages, numbered as cited.
