@@ -58,6 +58,12 @@ class PipelineVersion:
                    row.deployed_at)
 
 
+def version_matches(label: str, sha256: str, version: str) -> bool:
+    """Whether *version* names the version with this label and spec hash: its ``version:`` label, or six or
+    more characters of its hash (what pins, splits, shadows and activations accept)."""
+    return version == label or (len(version) >= 6 and sha256.startswith(version))
+
+
 class PipelineVersions:
     """The ``pipeline_versions`` table."""
 

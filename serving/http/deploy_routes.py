@@ -37,7 +37,7 @@ from serving.http.problems import Problem
 from serving.http.schemas import ActivateRequest, DeployRequest, ShadowRequest, TrafficRequest
 from serving.http.state import AppState
 from serving.runtime.reloader import PipelineReloader
-from store.pipeline_versions import PipelineVersion, PipelineVersions, Shadow
+from store.pipeline_versions import PipelineVersion, PipelineVersions, Shadow, version_matches
 
 ADMIN = ("admin",)
 
@@ -59,7 +59,7 @@ def _version_json(version: PipelineVersion, serving: str | None) -> dict[str, An
 
 def _named(kept: list[PipelineVersion], version: str) -> list[PipelineVersion]:
     """The kept versions *version* names: by their ``version:`` label, or six or more characters of their hash."""
-    return [v for v in kept if version == v.label or (len(version) >= 6 and v.spec_sha256.startswith(version))]
+    return [v for v in kept if version_matches(v.label, v.spec_sha256, version)]
 
 
 def _serving(state: AppState, name: str) -> str | None:

@@ -45,7 +45,7 @@ from store.counters import RedisCounters, SqlCounters
 from store.db import make_engine
 from store.migrate import create_schema
 from store.notify import announce
-from store.pipeline_versions import PipelineShadows, PipelineTraffic, PipelineVersions, Shadow
+from store.pipeline_versions import PipelineShadows, PipelineTraffic, PipelineVersions, Shadow, version_matches
 
 logger = logging.getLogger(__name__)
 
@@ -177,12 +177,12 @@ class Runtime:
         characters): the one serving when it matches, else a kept version, loaded on first use and kept
         beside the serving one. None when there is no such version."""
         serving = self.pipelines.get(name)
-        if serving is not None and _matches(serving.spec.version, serving.loaded.sha256, version):
+        if serving is not None and version_matches(serving.spec.version, serving.loaded.sha256, version):
             return serving
         if self.versions is None:
             return None
         kept = await asyncio.to_thread(self.versions.list, name)
-        found = next((v for v in kept if _matches(v.label, v.spec_sha256, version)), None)
+        found = next((v for v in kept if version_matches(v.label, v.spec_sha256, version)), None)
         if found is None:
             return None
         pipeline = self._pinned.get(found.spec_sha256)
@@ -298,6 +298,3 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
-
-def _matches(label: str, sha256: str, version: str) -> bool:
-    return version == label or (len(version) >= 6 and sha256.startswith(version))
