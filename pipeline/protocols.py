@@ -54,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     #: Let the engine's speculative decoding guess tokens (same output, only speed differs).
     speculative: bool = True

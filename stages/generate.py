@@ -128,6 +128,8 @@ class Sampling(NoConfig):
     stop_token_ids: list[int] = Field(default_factory=list)
     #: Keep generating past the end-of-sequence token, up to ``max_tokens``.
     ignore_eos: bool = False
+    #: No end-of-sequence or stop token before this many output tokens (at most ``max_tokens``).
+    min_tokens: int = Field(0, ge=0)
     #: Return this many most likely tokens' log-probabilities with each token.
     logprobs: int | None = Field(None, ge=0, le=20)
     #: Let the model's speculative decoding (inferline.yaml) guess tokens: same output, only speed differs.
@@ -143,7 +145,7 @@ class GenerateConfig(Sampling):
     client_params: list[str] = Field(
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                                 "logprobs", "output"])
+                                 "min_tokens", "logprobs", "output"])
     #: Tenants never share prefix-cache blocks (one cannot time another's prompts).
     isolate_tenants: bool = False
     #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).
@@ -232,6 +234,8 @@ def _sampling(config: GenerateConfig, params: dict[str, Any]) -> SamplingParams:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise InvalidInput(f"invalid sampling parameters: {problems}") from None
+    if merged.min_tokens > merged.max_tokens:
+        raise InvalidInput(f"min_tokens {merged.min_tokens} is over max_tokens {merged.max_tokens}")
     if merged.max_tokens > config.max_tokens:
         raise InvalidInput(f"max_tokens {merged.max_tokens} is over this pipeline's limit of {config.max_tokens}")
     data = merged.model_dump()

@@ -1,10 +1,11 @@
 """Turns one step's logits into next tokens.
 
 A constrained request (``Sequence.matcher``, constraints.py) first has the tokens its constraint forbids
-set to -inf. Then per row, in this order (vLLM's and Hugging Face's): repetition penalty (HF-style, over prompt and
-output tokens), presence and frequency penalties (OpenAI-style, over output tokens only), then for
-sampled rows temperature, top-k, top-p (on the top-k-renormalized distribution) and min-p (relative
-to the most likely token), then one draw. Greedy rows (temperature 0) take the first maximum of the
+set to -inf, and a request short of its ``min_tokens`` its end-of-sequence and stop tokens. Then per
+row, in this order (vLLM's and Hugging Face's): repetition penalty (HF-style, over prompt and output
+tokens), presence and frequency penalties (OpenAI-style, over output tokens only), then for sampled
+rows temperature, top-k, top-p (on the top-k-renormalized distribution) and min-p (relative to the
+most likely token), then one draw. Greedy rows (temperature 0) take the first maximum of the
 penalized logits (:func:`greedy_ids`), so ties go to the lowest token id, as in HF ``generate``.
 
 Seeded requests: the draw for output token ``i`` of a request seeded ``s`` is a uniform number
@@ -75,6 +76,13 @@ class Sampler:
             logits = logits.clone()
             for i in constrained:
                 seqs[i].matcher.apply(logits[i])
+        held = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.sampling.min_tokens]
+        if held:  # min_tokens: no end-of-sequence or stop token yet (raw logprobs stay unmasked)
+            logits = logits.clone() if logits is raw else logits
+            for i in held:
+                ends = [t for t in (*seqs[i].eos_token_ids, *seqs[i].sampling.stop_token_ids) if t < logits.shape[1]]
+                if ends:
+                    logits[i, ends] = float("-inf")
         greedy_rows = [i for i, seq in enumerate(seqs) if _is_greedy(seq.sampling)]
         if len(greedy_rows) == len(seqs) and not any(_has_penalty(seq.sampling) for seq in seqs):
             token_ids = greedy_ids(logits)  # the common case: one kernel, one sync

@@ -24,6 +24,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """End-of-sequence and stop token ids cannot be sampled before this many output tokens (vLLM's)."""
     logprobs: int | None = None
     """Return this many top log-probabilities per token (None: none)."""
     speculative: bool = True
@@ -43,6 +45,8 @@ class SamplingParams:
         """Raise :class:`InvalidRequest` naming the first bad parameter."""
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

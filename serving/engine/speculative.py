@@ -68,6 +68,10 @@ class Guessed:
         return self.seq.sampling
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.seq.eos_token_ids
+
+    @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids + self.extra
 

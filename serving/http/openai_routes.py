@@ -171,8 +171,6 @@ def _bad_request(message: str, param: str) -> Problem:
 
 
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
-    if data.min_tokens:
-        raise _bad_request("min_tokens is not supported by this server; send the request without it", "min_tokens")
     if refused := data.refused_fields():
         raise _bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
                            "ignored); send the request without it", refused[0])

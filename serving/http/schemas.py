@@ -56,6 +56,8 @@ class GenerationParams(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool | None = Field(None, description="Generate past the end-of-sequence token, up to max_tokens.")
+    min_tokens: int | None = Field(None, ge=0, le=1_000_000,
+                                   description="No end-of-sequence or stop token before this many output tokens.")
     output: dict[str, Any] | None = Field(
         None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
 
@@ -172,8 +174,6 @@ class OpenAIRequest(GenerationParams):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    #: vLLM's; not supported here: refused by name when above 0 (rather than ignored).
-    min_tokens: int | None = Field(None, ge=0)
     #: The end user: kept as the request's ``user`` tag (``when:``, routes, templates, an audit stage's
     #: ``subject: tags.user``).
     user: str | None = Field(None, max_length=256)

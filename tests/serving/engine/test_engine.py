@@ -124,6 +124,18 @@ def test_seeded_sampling_reproduces_whatever_the_batch(loaded_model, chat_prompt
     assert in_batch == alone
 
 
+def test_min_tokens_generates_past_the_end_it_would_stop_at(loaded_model, chat_prompts):
+    engine = make_engine(loaded_model)
+    free = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=200, temperature=0))[0]
+    assert free.finish_reason == "stop"  # the model ends this answer by itself
+    held = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=200, temperature=0,
+                                                             min_tokens=len(free.token_ids) + 5))[0]
+    assert len(held.token_ids) >= len(free.token_ids) + 5
+    assert not set(held.token_ids[:len(free.token_ids) + 4]) & engine.eos_token_ids
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=5))
+
+
 def test_invalid_requests_are_refused_before_queueing(loaded_model):
     engine = make_engine(loaded_model)
     with pytest.raises(InvalidRequest, match="top_p"):

@@ -244,3 +244,17 @@ def test_empty_batch_and_shape_mismatch():
     assert Sampler()(torch.empty(0, 10), []).token_ids == []
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, 10), [make_seq()])
+
+
+# min_tokens
+
+
+def test_min_tokens_holds_back_end_and_stop_tokens_until_reached():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])  # 0 the likeliest, then the stop token 1
+    short = Sequence(0, [3, 3], 2, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(1,)),
+                     eos_token_ids=frozenset({0}))
+    out = Sampler()(logits, [short])
+    assert out.token_ids == [2]  # neither EOS nor the stop token yet
+    assert out.logprobs == [None] and torch.equal(logits, torch.tensor([[5.0, 4.0, 3.0, 0.0]]))
+    reached = Sequence(0, [3, 3, 2, 2], 2, short.sampling, eos_token_ids=frozenset({0}))
+    assert Sampler()(logits, [reached]).token_ids == [0]  # two output tokens: EOS may come

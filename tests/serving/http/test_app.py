@@ -168,8 +168,8 @@ def test_openai_chat_json_and_stream(client, fake_engines):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Paris is the capital of France."
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
-    # vLLM's extensions, as guidellm sends them: the usage so far in every chunk; ignore_eos taken;
-    # min_tokens refused by name rather than ignored.
+    # vLLM's extensions, as guidellm sends them: the usage so far in every chunk; ignore_eos and
+    # min_tokens handed to the engine.
     continuous = client.post("/v1/chat/completions", json={
         **request, "stream": True, "ignore_eos": True, "max_tokens": 40,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
@@ -179,8 +179,10 @@ def test_openai_chat_json_and_stream(client, fake_engines):
     assert counts == sorted(counts) and counts[-1] == 31  # one token per byte of the fake reply
     assert fake_engines.engines["smol"].submitted[-1][1].ignore_eos is True  # handed to the engine
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
-    refused = client.post("/v1/chat/completions", json={**request, "min_tokens": 4})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    taken = client.post("/v1/chat/completions", json={**request, "min_tokens": 4})
+    assert taken.status_code == 200 and fake_engines.engines["smol"].submitted[-1][1].min_tokens == 4
+    over = client.post("/v1/chat/completions", json={**request, "min_tokens": 50, "max_tokens": 40})
+    assert over.status_code == 400 and "min_tokens" in over.json()["error"]["message"], over.text
     # A parameter is refused by name, never ignored; what we take (user, parallel_tool_calls) is taken.
     for extra, param in (({"logit_bias": {"1": 5}}, "logit_bias"), ({"logprobs": True}, "logprobs"),
                          ({"top_logprobs": 2}, "top_logprobs"), ({"bogus": 1}, "bogus")):
