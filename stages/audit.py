@@ -77,7 +77,7 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
         "client_addr": ctx.client_addr or None,
         "pipeline": ctx.pipeline, "pipeline_version": ctx.pipeline_version, "spec_sha256": ctx.spec_sha256,
         "model": ctx.model or None, "weights_hash": ctx.facts.get("weights_hash"),
-        "params": ctx.facts.get("sampling", {}),
+        "params": _params(ctx),
         "input_tokens": ctx.usage.input_tokens, "output_tokens": ctx.usage.output_tokens,
         "cost_usd": ctx.ledger.total_usd,
         "route": ctx.facts.get("route"), "retrieval": ctx.facts.get("retrieval"), "policy": policy,
@@ -90,6 +90,14 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
                     "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id)}
                    for s in ctx.stages] + _shadow_stage(ctx),
     }
+
+
+def _params(ctx: RequestContext) -> dict[str, Any]:
+    """The sampling the request was generated with, and the end user it names (``user``), if any."""
+    params = dict(ctx.facts.get("sampling", {}))
+    if ctx.tags.get("user"):
+        params["user"] = ctx.tags["user"]
+    return params
 
 
 def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:

@@ -44,9 +44,11 @@ class LimitValues(NoConfig):
 
 
 class LimitsConfig(LimitValues):
-    #: Whose counter a request counts against.
-    per: Literal["key", "tenant", "client", "pipeline"] = "key"
-    #: Limits for particular API key ids or tenant names; each value set replaces the default.
+    #: Whose counter a request counts against: ``user`` is the end user the request names (OpenAI's
+    #: ``user``, Anthropic's ``metadata.user_id``, the ``user`` tag), counted within the caller's key.
+    per: Literal["key", "tenant", "client", "pipeline", "user"] = "key"
+    #: Limits for particular API key ids, tenant names or (``per: user``) users; each value set replaces
+    #: the default.
     overrides: dict[str, LimitValues] = Field(default_factory=dict)
     #: Output tokens reserved from ``tokens_per_day`` when the policy sets no ``max_output_tokens``;
     #: generation is capped at what was reserved.
@@ -59,7 +61,9 @@ class LimitsConfig(LimitValues):
     def values_for(self, ctx: RequestContext) -> LimitValues:
         principal = ctx.principal
         override = None
-        if principal is not None:
+        if self.per == "user" and ctx.tags.get("user"):
+            override = self.overrides.get(ctx.tags["user"])
+        if override is None and principal is not None:
             override = self.overrides.get(principal.key_id) or self.overrides.get(principal.tenant)
         if override is None:
             return self
@@ -72,6 +76,9 @@ class LimitsConfig(LimitValues):
         if self.per == "client":
             return ctx.client_addr or "unknown"
         principal = ctx.principal
+        key = principal.key_id if principal is not None else "anonymous"
+        if self.per == "user":  # within the key: one key's users never use up another key's budgets
+            return f"{key}/{ctx.tags.get('user', '')}"
         if principal is None:
             return "anonymous"
         return principal.tenant if self.per == "tenant" else principal.key_id

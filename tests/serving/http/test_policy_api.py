@@ -160,3 +160,42 @@ def test_keys_of_one_tenant_share_its_limit(tmp_path, monkeypatch, engine, fresh
             return client.post("/pipelines/per-tenant", json={"input": "hi"},
                                headers={"Authorization": f"Bearer {key}"}).status_code
         assert [call(app_key), call(batch_key), call(own_key)] == [200, 429, 200]
+
+
+def test_limits_per_user_count_each_end_user_within_its_key(tmp_path, monkeypatch, engine, fresh_minute):
+    from store.db import make_engine
+    from store.keys import KeyStore
+
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=True)
+    (tmp_path / "pipelines" / "per-user.yaml").write_text(textwrap.dedent("""
+        name: per-user
+        stages:
+          - {id: guard, type: policy, with: {limits: {requests_per_minute: 1, per: user,
+                                                      overrides: {vip: {requests_per_minute: 2}}}}}
+          - {id: prompt, type: prompt}
+          - {id: tok, type: tokenize}
+          - {id: gen, type: generate, with: {max_tokens: 20, temperature: 0}}
+          - {id: out, type: stream}
+          - {id: log, type: audit, always: true}
+        """))
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))
+    with TestClient(app) as client:
+        store = KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}"))
+        one, other = (store.create(name, "caller")[1] for name in ("one", "other"))
+        auditor = store.create("reviewer", "auditor")[1]
+
+        def call(key: str, user: str | None) -> int:
+            body = {"model": "per-user", "messages": [{"role": "user", "content": "hi"}],
+                    **({"user": user} if user else {})}
+            return client.post("/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}).status_code
+        # alice's second request is over her limit; bob's first is not; another key's alice is another user;
+        # a request naming no user counts as that key's one anonymous user; vip has an override of 2.
+        assert [call(one, "alice"), call(one, "alice"), call(one, "bob"), call(other, "alice"),
+                call(one, None), call(one, None), call(one, "vip"), call(one, "vip"), call(one, "vip")] == \
+            [200, 429, 200, 200, 200, 429, 200, 200, 429]
+        records = client.get("/audit/records", params={"pipeline": "per-user", "status": "ok"},
+                             headers={"Authorization": f"Bearer {auditor}"}).json()["records"]
+        assert sorted(r["params"].get("user", "") for r in records) == ["", "alice", "alice", "bob", "vip", "vip"]
