@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 MODEL  := models/smollm2-135m-instruct/inferline-model.json
 HANDBOOK_INDEX := indexes/handbook/CURRENT
 CHROMIUM := /usr/bin/chromium
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM := $(GUIDELLM_VENV)/bin/guidellm
 PIP    := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: install run test test-fast bench bench-deps lint clean reliability schemas
@@ -45,11 +47,17 @@ $(CHROMIUM):
 	  echo "warning: no apt-get here: install Chromium at $(CHROMIUM) for the console's browser tests" >&2; \
 	fi
 
+# guidellm, the benchmark tool of vLLM's users, for the test that runs it against a real server
+# (tests/serving/cli/test_clients.py). Its own venv: its pins (click, multidict) clash with ours.
+$(GUIDELLM):
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check install --quiet 'guidellm==0.8.1' 'torch==2.13.0'
+
 # Serves every pipeline of inferline.yaml on 127.0.0.1:8000 (auth off, loopback only).
 run: install
 	$(VENV)/bin/inferline serve
 
-test: install $(CHROMIUM)
+test: install $(CHROMIUM) $(GUIDELLM)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
@@ -84,4 +92,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) models indexes build *.egg-info
+	rm -rf $(VENV) $(GUIDELLM_VENV) models indexes build *.egg-info
