@@ -195,6 +195,28 @@ def schema_problem(schema: Mapping[str, Any]) -> str | None:
     return None
 
 
+def strict_problem(schema: Mapping[str, Any], path: str = "") -> str | None:
+    """Why *schema* cannot be used with ``strict: true`` (OpenAI's rules), or None: every object lists
+    all its properties in ``required`` and sets ``additionalProperties: false``, so an answer can be
+    neither short of a property nor carry one the schema does not name."""
+    if schema.get("type") == "object" or "properties" in schema:
+        if schema.get("additionalProperties") is not False:
+            return f"{path or '/'}: 'additionalProperties' must be false with strict: true"
+        missing = sorted(set(schema.get("properties", {})) - set(schema.get("required", [])))
+        if missing:
+            return f"{path or '/'}: 'required' must name every property with strict: true; missing {missing}"
+    children = [(f"{path}/properties/{name}", value) for name, value in schema.get("properties", {}).items()]
+    children += [(f"{path}/{key}", schema[key]) for key in ("items", "additionalItems") if key in schema]
+    children += [(f"{path}/{key}/{i}", value) for key in ("anyOf", "allOf", "oneOf", "prefixItems")
+                 for i, value in enumerate(schema.get(key, []))]
+    children += [(f"{path}/{key}/{name}", value) for key in ("$defs", "definitions")
+                 for name, value in schema.get(key, {}).items()]
+    for where, child in children:
+        if isinstance(child, Mapping) and (problem := strict_problem(child, where)):
+            return problem
+    return None
+
+
 def schema_errors(value: Any, schema: Mapping[str, Any]) -> list[str]:
     """Where *value* breaks *schema* (a JSON Schema, checked with :func:`schema_problem` beforehand)."""
     return [f"{'/'.join(map(str, e.absolute_path)) or '/'}: {e.message}"

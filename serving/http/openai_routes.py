@@ -110,6 +110,9 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
         schema = {"type": "object"}
     elif isinstance(response_format, JsonSchemaFormat):
         schema = response_format.json_schema.schema_
+        problem = tools.strict_problem(schema) if response_format.json_schema.strict else None
+        if problem is not None:
+            raise _bad_request(f"response_format.json_schema.schema: {problem}", "response_format")
     forced = tools.forced_names(ctx.tools, ctx.tool_choice)
     if forced:  # a call is the whole reply: a response format has nothing left to shape
         schema = tools.call_schema(ctx.tools, forced)
@@ -120,7 +123,7 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
-    offered = [t.model_dump() for t in _checked(TOOLS, value, "tools") or []]
+    offered = [t.model_dump(exclude_none=True) for t in _checked(TOOLS, value, "tools") or []]
     names = [t["function"]["name"] for t in offered]
     if len(set(names)) != len(names):
         raise _bad_request("tools: function names must be unique", "tools")
@@ -128,6 +131,8 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         problem = tools.schema_problem(function["parameters"])
         if problem is None and function["parameters"].get("type", "object") != "object":
             problem = "the arguments are an object: 'type' must be 'object'"
+        if problem is None and function.get("strict"):
+            problem = tools.strict_problem(function["parameters"])
         if problem is not None:
             raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
     return offered

@@ -116,14 +116,17 @@ class ChatMessageIn(BaseModel):
 
 
 class FunctionIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    #: Honoured by every call: a call is answered only with arguments its ``parameters`` accept (a forced
+    #: call is decoded under that schema). ``true`` also asks for OpenAI's strict schema rules, checked.
+    strict: bool | None = None
 
 
 class ToolIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionIn
 

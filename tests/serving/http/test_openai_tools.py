@@ -21,6 +21,7 @@ TIME = {"type": "function", "function": {
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+STRICT = {**SCHEMA, "additionalProperties": False}
 
 
 @pytest.fixture
@@ -59,8 +60,9 @@ def openai_client(client) -> OpenAI:
     (None, None),
     ({"type": "text"}, None),
     ({"type": "json_object"}, {"json_schema": {"type": "object"}}),
-    ({"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}},
-     {"json_schema": SCHEMA}),
+    ({"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}, {"json_schema": SCHEMA}),
+    ({"type": "json_schema", "json_schema": {"name": "answer", "schema": STRICT, "strict": True}},
+     {"json_schema": STRICT}),
 ])
 def test_response_format_becomes_the_output_constraint(client, fake_engines, response_format, output):
     response = chat(client, **({"response_format": response_format} if response_format else {}))
@@ -201,12 +203,37 @@ def test_auto_with_a_response_format_allows_the_format_or_a_call(client, fake_en
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
      "no function 'get_time' in tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    # strict: true asks for OpenAI's strict schema rules, as OpenAI checks them; an unknown field is refused.
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]}, "tools",
+     "tools[0].function.parameters: /: 'additionalProperties' must be false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a"],
+        "properties": {"a": {"type": "string"}, "b": {"type": "object", "properties": {}}}}}}]}, "tools",
+     "missing ['b']"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["b"],
+        "properties": {"b": {"type": "object", "properties": {"c": {"type": "string"}}}}}}}]}, "tools",
+     "/properties/b: 'additionalProperties' must be false"),
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "returns": "str"}}]}, "tools",
+     "tools[0].function.returns: Extra inputs are not permitted"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     "response_format", "'additionalProperties' must be false"),
 ])
 def test_malformed_tools_are_openais_400(client, fake_engines, body, param, needle):
     response = chat(client, **body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param) and needle in error["message"]
+
+
+def test_a_strict_function_is_called_under_its_schema(client, fake_engines):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True, "parameters": {
+        **WEATHER["function"]["parameters"], "additionalProperties": False}}}
+    reply(fake_engines, CALL)
+    response = chat(client, tools=[strict], tool_choice="required")
+    assert response.status_code == 200, response.text
+    assert sampled(fake_engines).output == {"json_schema": tools.call_schema([strict], ["get_weather"])}
+    assert response.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 @pytest.mark.parametrize(("tool_choice", "content"), [
