@@ -133,6 +133,8 @@ FIELDS: dict[str, FieldInfo] = {
     "tools": FieldInfo("list[dict[str, Any]]", "functions the client offers the model (OpenAI's tools)",
                        initial=True),
     "tool_choice": FieldInfo("str | dict[str, Any]", "auto | none | required | one named function", initial=True),
+    "operation": FieldInfo("str", "what the client asked for, as OpenTelemetry's GenAI conventions name it: "
+                                  "chat, text_completion or embeddings", initial=True),
     "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
     "documents": FieldInfo("list[Document]", "retrieved passages"),
     "model": FieldInfo("str", "name of the model chosen for the request"),
@@ -211,6 +213,7 @@ class RequestContext:
     #: Functions the model may call, as OpenAI's ``tools`` (see stages/tools.py); empty: none offered.
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
+    operation: str = "chat"
     messages: list[ChatMessage] = field(default_factory=list)
     documents: list[Document] = field(default_factory=list)
     model: str = ""

@@ -18,6 +18,7 @@ cancellation completes. Events come out of :meth:`Runner.stream`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -127,8 +128,10 @@ class _Clock:
 class Runner:
     """Runs requests; one runner can serve every pipeline of a process."""
 
-    def __init__(self, tracer: Tracer | None = None):
+    def __init__(self, tracer: Tracer | None = None, *, capture_content: bool = False):
         self.tracer = tracer or trace.get_tracer("inferline.pipeline")
+        #: Message content on request spans (OpenTelemetry's opt-in ``gen_ai.*.messages``).
+        self.capture_content = capture_content
 
     async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error:
         """Run to the end and return the final event."""
@@ -163,7 +166,7 @@ class Runner:
         clock = _Clock()
         cancelled = False
         span_attrs = {attr.PIPELINE_NAME: pipeline.name, attr.PIPELINE_VERSION: pipeline.spec.version,
-                      attr.REQUEST_ID: ctx.request_id}
+                      attr.REQUEST_ID: ctx.request_id, attr.GEN_AI_OPERATION_NAME: ctx.operation}
         with self.tracer.start_as_current_span(f"pipeline {pipeline.name}", attributes=span_attrs) as span:
             ctx.trace_id = format(span.get_span_context().trace_id, "032x")
             ctx.pipeline_version, ctx.spec_sha256 = pipeline.spec.version, pipeline.loaded.sha256
@@ -176,7 +179,7 @@ class Runner:
                         ctx.status, ctx.error = "cancelled", None
                     _uncancel()
             cancelled |= await _finalize(ctx)
-            _close_request_span(span, ctx)
+            _close_request_span(span, ctx, self.capture_content)
             emit(_final(pipeline, ctx, clock))
         if cancelled:
             raise asyncio.CancelledError
@@ -294,9 +297,16 @@ def _uncancel() -> None:
         task.uncancel()
 
 
-def _close_request_span(span: Span, ctx: RequestContext) -> None:
+def _close_request_span(span: Span, ctx: RequestContext, capture_content: bool = False) -> None:
     span.set_attribute(attr.REQUEST_STATUS, ctx.status)
     span.set_attribute(attr.COST_USD, ctx.ledger.total_usd)
+    if capture_content and span.is_recording():  # the GenAI conventions' JSON shapes of messages
+        span.set_attribute(attr.GEN_AI_INPUT_MESSAGES, json.dumps(
+            [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in ctx.input_messages],
+            ensure_ascii=False))
+        span.set_attribute(attr.GEN_AI_OUTPUT_MESSAGES, json.dumps(
+            [{"role": "assistant", "parts": [{"type": "text", "content": ctx.output_text}],
+              "finish_reason": ctx.finish_reason or ctx.status}], ensure_ascii=False))
     if ctx.status != "ok":
         span.set_status(Status(StatusCode.ERROR, ctx.status))
 

@@ -279,6 +279,10 @@ class TelemetrySpec(Strict):
     #: ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``...), which the Gateway API Inference
     #: Extension's endpoint picker and KEDA's examples read by default.
     vllm_metric_names: bool = False
+    #: Put the request's messages and the answer on its span (``gen_ai.input.messages``,
+    #: ``gen_ai.output.messages``): prompts are data, so off unless asked for, here or with
+    #: ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``.
+    capture_message_content: bool = False
 
 
 class AuthSpec(Strict):

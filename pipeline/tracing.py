@@ -27,6 +27,9 @@ GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+#: Opt-in only (telemetry.capture_message_content): the request's messages and the answer, as JSON.
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 
 # Ours.
 PIPELINE_NAME = "inferline.pipeline.name"

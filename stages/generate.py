@@ -199,7 +199,7 @@ class GenerateStage(Stage):
             ctx.facts["sampling"]["output"] = next(iter(sampling.output))
             ctx.facts["output_constraint"] = sampling.output
         ctx.facts["weights_hash"] = engine.weights_hash
-        scope.set_attribute(GEN_AI_OPERATION_NAME, "chat")
+        scope.set_attribute(GEN_AI_OPERATION_NAME, ctx.operation)
         # A remote backend speaks OpenAI's API (serving/backends/remote.py); every other engine is ours.
         scope.set_attribute(GEN_AI_PROVIDER_NAME, "openai" if getattr(engine, "accepts_messages", False)
                             else "inferline")

@@ -182,7 +182,8 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
-                                        stop=data.stops())
+                                        stop=data.stops(), operation="chat" if kind == "chat.completion"
+                                        else "text_completion")
     if isinstance(data, ChatCompletionRequest):
         _offer_tools(ctx, data)
     if data.stream:

@@ -69,7 +69,7 @@ def answered_by(ctx: RequestContext) -> dict[str, Any]:
 
 async def start_request(state: AppState, request: Request, name: str, messages: list[ChatMessage],
                         params: dict[str, Any], tags: dict[str, str] | None = None,
-                        stop: list[str] | None = None) -> tuple[Pipeline, RequestContext]:
+                        stop: list[str] | None = None, operation: str = "chat") -> tuple[Pipeline, RequestContext]:
     """Authorize the caller for pipeline *name* and build its request context. ``name@version`` (the
     OpenAI API's ``model``) or an ``X-Pipeline-Version`` header pins a kept version of it."""
     name, _, pin = name.partition("@")
@@ -86,7 +86,7 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
         raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "
                       "(audit.mode: required); retry shortly", "audit_unavailable", {"Retry-After": "5"})
     ctx = RequestContext(pipeline=name, input_messages=messages, principal=principal, tags=dict(tags or {}),
-                         params=params, stop=list(stop or []),
+                         params=params, stop=list(stop or []), operation=operation,
                          client_addr=request.client.host if request.client else "")
     attempt.ctx = ctx
     return pipeline, ctx

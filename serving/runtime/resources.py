@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -85,7 +86,9 @@ class Runtime:
         self.options = options
         telemetry = server.telemetry
         self.tracer_provider = make_tracer_provider(telemetry.exporter, telemetry.endpoint, telemetry.service_name)
-        self.runner = Runner(self.tracer_provider.get_tracer("inferline"))
+        capture = telemetry.capture_message_content or os.environ.get(
+            "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").lower() == "true"
+        self.runner = Runner(self.tracer_provider.get_tracer("inferline"), capture_content=capture)
         self.pool = ModelPool(server, workspace.root, options.metrics_registry)
         #: The pipelines' models: the pool, or what replaced it.
         self.engines: EngineProvider = options.engines or self.pool
