@@ -21,6 +21,12 @@ memory      ``LlamaModel.weight_bytes()``: bytes held by the weights the forward
 decode      One request alone, a short prompt and D (128) new tokens with EOS ignored, R (3) rounds with the
             dtypes interleaved, best round of each (shared machine). ``int8_decode_speedup`` = int8 tok/s /
             float32 tok/s (target >= 1.5). ``--decode-tokens 0`` skips it.
+rounding    What the weights' rounding alone costs, whatever the kernels: the float32 model with every linear
+            weight but the embedding rounded and stored back in float32 (round to nearest, symmetric), then the
+            same perplexity and next-token agreement against float32: ``rounding_int8_channel_*`` (int8, one
+            scale per output channel, as ``dtype: int8`` stores them), ``rounding_int8_g32_*`` (int8, one
+            float16 scale per 32 inputs: GGUF's Q8_0), ``rounding_bfloat16_*`` (bfloat16 weights, float32
+            activations). ``int8_ppl_ratio`` = int8 / float32 perplexity (the engine's ``dtype: int8``).
 gguf        With ``--gguf FILE``: the same perplexity for that file loaded as float32 (its own precision,
             dequantized) and as int8 (requantized per channel). Off by default: loading a GGUF file
             through transformers takes about 25 s.
@@ -189,6 +195,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 (logits[dtype].argmax(-1) == logits["float32"].argmax(-1)).float().mean().item())
     result["perplexity_tokens"] = len(passage)
 
+    result["int8_ppl_ratio"] = result["int8_perplexity"] / result["float32_perplexity"]
+    start = time.perf_counter()
+    result.update(rounding(engines["float32"].hf_config, args.model, passage, logits["float32"]))
+    timings["rounding_s"] = time.perf_counter() - start
+
     if args.decode_tokens:
         start = time.perf_counter()
         speeds = decode_speeds(engines, args.decode_tokens, args.rounds)
@@ -208,6 +219,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """*weight* ``[out, in]`` rounded as *kind* stores it, back in float32."""
+    if kind == "bfloat16":
+        return weight.bfloat16().float()
+    groups = weight.reshape(weight.shape[0], -1, 32 if kind == "int8_g32" else weight.shape[1])
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if kind == "int8_g32":
+        scale = scale.half().float()
+    return (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(weight.shape)
+
+
+def rounding(config, folder: str, passage: list[int], reference: torch.Tensor) -> dict[str, float]:
+    """Perplexity and next-token agreement of the float32 model with its linear weights rounded."""
+    from serving.engine.models import loader
+
+    state = loader._read_safetensors(Path(folder))
+    out: dict[str, float] = {}
+    for kind in ("int8_channel", "int8_g32", "bfloat16"):
+        changed = {name: rounded(t.float(), kind) if t.dim() == 2 and name.endswith("proj.weight") else t.float()
+                   for name, t in state.items()}
+        model = LlamaModel(config, changed, torch.float32, torch.device("cpu"))
+        logits = next_token_logits(model, passage)
+        out[f"rounding_{kind}_perplexity"] = perplexity(logits, passage)
+        out[f"rounding_{kind}_next_token_agreement"] = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return out
+
+
 def print_table(result: dict[str, Any]) -> None:
     dtypes = [d for d in ("float32", "int8", "bfloat16") if f"{d}_perplexity" in result]
     columns = ("perplexity", "next_token_agreement", "greedy_agreement", "greedy_prefix_agreement", "weight_bytes",
@@ -220,6 +259,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"int8 weight memory / float32: {_fmt(result['int8_weight_memory_ratio'])}; "
           f"int8 decode speedup: {_fmt(result.get('int8_decode_speedup'))}; "
           f"bfloat16 probe slowdown: {_fmt(result['bf16_slowdown'])} (slow: {result['bf16_slow']})")
+    for kind in ("int8_channel", "int8_g32", "bfloat16"):
+        print(f"weights rounded as {kind}: perplexity {_fmt(result[f'rounding_{kind}_perplexity'])}, next-token "
+              f"agreement {_fmt(result[f'rounding_{kind}_next_token_agreement'])}")
     for dtype in ("float32", "int8"):
         if f"gguf_{dtype}_perplexity" in result:
             print(f"gguf loaded as {dtype}: perplexity {_fmt(result[f'gguf_{dtype}_perplexity'])}")
