@@ -33,6 +33,7 @@ from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import (
     audit_routes,
     deploy_routes,
+    openai_common,
     openai_routes,
     openapi,
     ops_routes,
@@ -209,7 +210,7 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     if refusals is not None:
         refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
     if request.url.path.startswith("/v1/") or request.url.path in tokenize_routes.PATHS:
-        return openai_routes.error_response(problem)
+        return openai_common.error_response(problem)
     return pipeline_routes.problem_response(problem, request.url.path)
 
 
