@@ -6,6 +6,7 @@ behind a real HTTP server, through the official ``openai`` package."""
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -307,13 +308,14 @@ ROOT = Path(__file__).parents[3]
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    """The app on the real model (the repository's pipelines), served by uvicorn on loopback, auth off."""
+    """The app on the real model with the repository's ``tool_call`` pipeline, served by uvicorn on loopback,
+    auth off."""
     tmp = tmp_path_factory.mktemp("responses-server")
+    (tmp / "pipelines").mkdir()
+    shutil.copy(ROOT / "pipelines" / "tool_call.yaml", tmp / "pipelines")
     config = tmp / "inferline.yaml"
-    config.write_text((ROOT / "inferline.yaml").read_text()
-                      .replace("source: models/", f"source: {ROOT}/models/")
-                      .replace("pipelines: pipelines/", f"pipelines: {ROOT}/pipelines/")
-                      .replace("database: sqlite:///inferline.db", f"database: sqlite:///{tmp}/server.db"))
+    config.write_text(f"models:\n  smol: {{source: {ROOT}/models/smollm2-135m-instruct}}\n"
+                      f"database: sqlite:///{tmp}/server.db\npipelines: pipelines/\nauth: {{enabled: false}}\n")
     server = LiveServer(create_server(open_workspace(str(config))))
     yield server
     server.stop()
