@@ -19,6 +19,7 @@ from serving.server import create_server
 from stages import tools
 from store.db import make_engine, utcnow
 from store.keys import KeyStore
+from tests import fakes
 from tests.serving import workspaces as serving
 from tests.serving.live_server import LiveServer
 
@@ -178,6 +179,32 @@ def test_streamed_content_with_tools_offered_is_a_message(client):
     assert "".join(e["delta"] for e in sent if e["type"] == "response.output_text.delta") == ANSWER
 
 
+def test_held_content_that_looked_like_a_call_is_a_message(client, fake_engines):
+    reply(fake_engines, '{"city": "Paris"}')  # JSON, but no call: content, sent once it is known
+    sent = events(create(client, stream=True, tools=[WEATHER]))
+    assert [e["delta"] for e in sent if e["type"] == "response.output_text.delta"] == ['{"city": "Paris"}']
+    assert sent[-1]["response"]["output"][0]["type"] == "message"
+
+
+def test_a_failure_after_the_start_is_an_error_event(client, monkeypatch):
+    class Failing(fakes.FakeStream):
+        async def _events(self):
+            async for event in super()._events():
+                yield event
+                if event.num_output_tokens == 3:
+                    raise RuntimeError("the engine went away")
+
+    monkeypatch.setattr(fakes, "FakeStream", Failing)
+    response = create(client, stream=True)
+    assert response.status_code == 200
+    sent = events(response)
+    assert [e["type"] for e in sent[:4]] == ["response.created", "response.in_progress",
+                                             "response.output_item.added", "response.content_part.added"]
+    assert sent[-1]["type"] == "error" and sent[-1]["message"] and sent[-1]["sequence_number"] == len(sent) - 1
+    assert "response.completed" not in {e["type"] for e in sent}
+    assert client.get(f"/v1/responses/{sent[0]['response']['id']}").status_code == 404  # nothing stored
+
+
 def test_a_streamed_reply_cut_short_is_incomplete(client):
     sent = events(create(client, stream=True, max_output_tokens=4))
     assert sent[-1]["type"] == "response.incomplete"
@@ -248,6 +275,9 @@ def test_another_key_cannot_read_continue_or_delete(tmp_path, monkeypatch, fake_
         assert client.post("/v1/responses", headers=owner, json={
             "model": "chat", "input": "Hi", "previous_response_id": body["id"]}).status_code == 200
         assert client.delete(path, headers=owner).status_code == 200
+        audited = client.get("/audit/records", headers=auditor).json()["records"]  # the pipeline's audit stage
+        assert body["id"].removeprefix("resp_") in {record["request_id"] for record in audited}
+        assert len(audited) == 2  # the two that ran: the other key's continuation did not
 
 
 # -- refused -----------------------------------------------------------------------------------------
