@@ -32,8 +32,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -46,7 +46,6 @@ from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openai_common import (
     HeldReply,
-    bad_request,
     chat_turns,
     check_choice,
     check_functions,
@@ -59,18 +58,16 @@ from serving.http.openai_common import (
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import failure, response_headers, start_request
 from serving.http.problems import Problem, from_final
+from serving.http.responses_input import chat_messages, input_items
 from serving.http.schemas import (
     RESPONSES_TEXT,
     RESPONSES_TOOL_CHOICE,
     RESPONSES_TOOLS,
-    ChatMessageIn,
-    FunctionCallIn,
     JsonObjectFormat,
     ResponsesJsonSchemaFormat,
     ResponsesNamedChoice,
     ResponsesRequest,
     ResponsesText,
-    ToolCallIn,
 )
 from serving.http.served import event_stream, head_of_stream, sse_event, with_head
 from serving.http.state import AppState
@@ -83,11 +80,6 @@ logger = logging.getLogger(__name__)
 #: How often expired responses are deleted, in seconds (and once at start).
 PRUNE_EVERY_S = 3600.0
 
-_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
-              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-              "function_call_output": {"type", "call_id", "output", "id", "status"}}
-_PART_KEYS = {"type", "text", "annotations", "logprobs"}
-_ROLES = ("user", "assistant", "system", "developer")
 _CHOICES = """'auto', 'none', 'required' or {"type": "function", "name": ...}"""
 
 
@@ -104,7 +96,7 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
                                         {"user": data.user} if data.user else None)
     earlier = await _continued(state, data.previous_response_id, ctx.principal)
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
-    ctx.input_messages = system + chat_turns(_messages(earlier + items))
+    ctx.input_messages = system + chat_turns(chat_messages(earlier + items))
     ctx.tools = check_functions([_chat_tool(t.model_dump()) for t in offered], ".parameters")
     ctx.tool_choice = check_choice({"type": "function", "function": {"name": choice.name}}
                                    if isinstance(choice, ResponsesNamedChoice) else choice,
@@ -166,76 +158,6 @@ async def prune_expired(store: ResponseStore, every_s: float = PRUNE_EVERY_S) ->
 # -- the input ------------------------------------------------------------------------------------
 
 
-def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
-    """``input`` as conversation items (``message`` with text content, ``function_call``,
-    ``function_call_output``); a 400 naming the bad item otherwise."""
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    if not value:
-        raise bad_request("input: give a string or a list of at least one item", "input")
-    return [_item(item, f"input[{index}]") for index, item in enumerate(value)]
-
-
-def _item(item: Any, where: str) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        raise bad_request(f"{where}: expected an item object (a message, function_call or function_call_output)",
-                          "input")
-    kind = item.get("type", "message")
-    keys = _ITEM_KEYS.get(kind) if isinstance(kind, str) else None
-    if keys is None:
-        raise bad_request(f"{where}.type: {kind!r} items are not supported by this server (message, function_call "
-                          "and function_call_output are)", "input")
-    if unknown := sorted(set(item) - keys):
-        raise bad_request(f"{where}: {', '.join(unknown)}: not supported by this server in a {kind} item", "input")
-    if kind == "message":
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"{where}.role: expected one of {', '.join(_ROLES)}, got {role!r}", "input")
-        return {"type": kind, "role": role, "content": _content(item.get("content"), f"{where}.content")}
-    names = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
-    for name in names:
-        if not isinstance(item.get(name), str):
-            raise bad_request(f"{where}.{name}: expected a string", "input")
-    return {"type": kind, **{name: item[name] for name in names}}
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}: expected a string or a list of input_text parts", "input")
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise bad_request(f"{where}[{index}]: {kind or 'this part'} is not supported by this server (text only: "
-                              "input_text or output_text parts)", "input")
-        if unknown := sorted(set(part) - _PART_KEYS):
-            raise bad_request(f"{where}[{index}]: {', '.join(unknown)}: not supported by this server", "input")
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{index}].text: expected a string", "input")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _messages(items: list[dict[str, Any]]) -> list[ChatMessageIn]:
-    """Conversation items as chat messages: a function call joins the assistant turn before it."""
-    messages: list[ChatMessageIn] = []
-    for item in items:
-        if item["type"] == "message":
-            messages.append(ChatMessageIn(role=item["role"], content=item["content"]))
-        elif item["type"] == "function_call":
-            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=item["name"],
-                                                                          arguments=item["arguments"]))
-            if messages and messages[-1].role == "assistant":
-                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
-            else:
-                messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
-        else:
-            messages.append(ChatMessageIn(role="tool", content=item["output"], tool_call_id=item["call_id"]))
-    return messages
-
-
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A flat Responses function tool in the chat API's shape, which :mod:`stages.tools` reads."""
     return {"type": "function", "function": {
@@ -266,7 +188,7 @@ class _Made:
     created_at: int
     conversation: list[dict[str, Any]]
     text: ResponsesText
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]]
 
     @property
     def id(self) -> str:
@@ -392,7 +314,7 @@ async def _events(events: AsyncIterator[Event], made: _Made, state: AppState) ->
 class _MessageEvents:
     """The events of the one message item of a streamed response: opened at its first text."""
 
-    def __init__(self, item_id: str, send: Any):
+    def __init__(self, item_id: str, send: Callable[..., bytes]):
         self.item_id = item_id
         self.text = ""
         self._send = send
