@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from litestar.testing import TestClient
 from openai import NotFoundError, OpenAI
 
 from serving.runtime.workspace import open_workspace
@@ -205,6 +207,19 @@ def test_a_failure_after_the_start_is_an_error_event(client, monkeypatch):
     assert client.get(f"/v1/responses/{sent[0]['response']['id']}").status_code == 404  # nothing stored
 
 
+def test_the_openai_stream_helper_accumulates_a_call(client, fake_engines):
+    reply(fake_engines, CALL)
+    openai = OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client)
+    with openai.responses.stream(model="chat", input="Weather in Paris?", tools=[WEATHER],
+                                 tool_choice="required") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    [call] = final.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+    assert openai.responses.retrieve(final.id).output[0].call_id == call.call_id
+
+
 def test_a_streamed_reply_cut_short_is_incomplete(client):
     sent = events(create(client, stream=True, max_output_tokens=4))
     assert sent[-1]["type"] == "response.incomplete"
@@ -256,6 +271,26 @@ def test_an_expired_response_is_gone(client, tmp_path):
     assert str(expires).startswith(str((utcnow() + timedelta(days=30)).date()))  # the default: 30 days
     assert client.get(f"/v1/responses/{body['id']}").status_code == 404
     assert create(client, previous_response_id=body["id"]).status_code == 404
+
+
+def test_expired_responses_are_pruned_at_start(tmp_path, monkeypatch, fake_engines):
+    with serving.client_for(tmp_path, monkeypatch, fake_engines, auth=False) as client:
+        expired, kept = create(client).json()["id"], create(client).json()["id"]
+    engine = make_engine(f"sqlite:///{tmp_path / 'keys.db'}")
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE responses SET expires_at = :t WHERE id = :id"),
+                     {"t": utcnow() - timedelta(seconds=1), "id": expired})
+    again = TestClient(create_server(open_workspace(str(tmp_path / "inferline.yaml")), engines=fake_engines))
+    with again:  # a restart: its first pass deletes what expired (a background task: wait for it)
+        for _ in range(500):
+            with engine.connect() as conn:
+                left = conn.execute(sa.text("SELECT id FROM responses")).scalars().all()
+            if left == [kept]:
+                break
+            time.sleep(0.01)
+        assert left == [kept]
+        assert again.get(f"/v1/responses/{kept}").status_code == 200
+    engine.dispose()
 
 
 def test_another_key_cannot_read_continue_or_delete(tmp_path, monkeypatch, fake_engines):
