@@ -246,7 +246,8 @@ def _usage(final: Done) -> dict[str, Any]:
 
 
 async def _keep(state: AppState, made: _Made, body: dict[str, Any], output: list[dict[str, Any]]) -> None:
-    """Store the response (``store: true``) with its conversation, until the retention runs out."""
+    """Store the response (``store: true``) with its conversation, until the retention runs out; a 503 when
+    the database cannot take it (a response said to be stored is one)."""
     if not made.data.store:
         return
     created = utcnow()
@@ -258,7 +259,12 @@ async def _keep(state: AppState, made: _Made, body: dict[str, Any], output: list
         for item in output]
     stored = StoredResponse(made.id, _owner(made.ctx.principal), made.ctx.pipeline, conversation, body, created,
                             None if days is None else created + timedelta(days=days))
-    await asyncio.to_thread(_store(state).save, stored)
+    try:
+        await asyncio.to_thread(_store(state).save, stored)
+    except SQLAlchemyError as exc:
+        logger.warning("response %s not stored: %s", made.id, exc)
+        raise Problem(503, "Backend unavailable", "the response was made but could not be stored; retry, or send "
+                      "store: false", "backend_error", {"Retry-After": "5"}) from exc
 
 
 async def _events(events: AsyncIterator[Event], made: _Made, state: AppState) -> AsyncIterator[bytes]:
@@ -302,13 +308,20 @@ async def _events(events: AsyncIterator[Event], made: _Made, state: AppState) ->
                     output = [_message_item(ctx, message.text, status)]
                     yield message.done(output[0])
                 body = made.body(status, output, event)
-                await _keep(state, made, body, output)
+                try:
+                    await _keep(state, made, body, output)
+                except Problem as problem:
+                    yield _error(send, problem)
+                    continue
                 yield send("response.completed" if status == "completed" else "response.incomplete", response=body)
             elif isinstance(event, Error):
-                problem = from_final(event.kind, event.message, ctx.error)
-                yield send("error", code=problem.kind, message=problem.detail or problem.title, param=None)
+                yield _error(send, from_final(event.kind, event.message, ctx.error))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def _error(send: Callable[..., bytes], problem: Problem) -> bytes:
+    return send("error", code=problem.kind, message=problem.detail or problem.title, param=None)
 
 
 class _MessageEvents:

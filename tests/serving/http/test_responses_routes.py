@@ -21,6 +21,7 @@ from serving.server import create_server
 from stages import tools
 from store.db import make_engine, utcnow
 from store.keys import KeyStore
+from store.responses import ResponseStore
 from tests import fakes
 from tests.serving import workspaces as serving
 from tests.serving.live_server import LiveServer
@@ -253,6 +254,19 @@ def test_get_and_delete(client):
         assert response.status_code == 404
         assert response.json()["error"]["type"] == "not_found_error"
     assert create(client, previous_response_id=body["id"]).json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_response_that_cannot_be_stored_says_so(client, monkeypatch):
+    def away(self, response):
+        raise sa.exc.OperationalError("INSERT", {}, Exception("the database is away"))
+
+    monkeypatch.setattr(ResponseStore, "save", away)
+    response = create(client)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "backend_error"
+    sent = events(create(client, stream=True))
+    assert sent[-1]["type"] == "error" and "could not be stored" in sent[-1]["message"]
+    assert "response.completed" not in {e["type"] for e in sent}
+    assert create(client, store=False).status_code == 200
 
 
 def test_store_false_keeps_nothing(client):
