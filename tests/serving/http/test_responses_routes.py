@@ -395,7 +395,7 @@ def real_server(tmp_path_factory):
     config = tmp / "inferline.yaml"
     config.write_text(f"models:\n  smol: {{source: {ROOT}/models/smollm2-135m-instruct}}\n"
                       f"database: sqlite:///{tmp}/server.db\npipelines: pipelines/\nauth: {{enabled: false}}\n")
-    server = LiveServer(create_server(open_workspace(str(config))))
+    server = LiveServer(create_server(open_workspace(str(config))), start_timeout_s=180)  # loads the model
     yield server
     server.stop()
 
