@@ -108,6 +108,14 @@ def test_items_and_instructions_make_the_conversation(client, fake_engines):
     assert '<user><tool_response>\n{"temp_c": 21}\n</tool_response><assistant>It is 21 C.<user>And tomorrow?' in sent
 
 
+def test_user_is_the_requests_user_tag(tmp_path, monkeypatch, fake_engines):
+    monkeypatch.setattr(serving, "CHAT", serving.CHAT.replace(
+        "{id: prompt, type: prompt}", "{id: prompt, type: prompt, with: {system: 'Hello {{ tags.user }}.'}}"))
+    with serving.client_for(tmp_path, monkeypatch, fake_engines, auth=False) as client:
+        assert create(client, user="alice").status_code == 200
+    assert prompt(fake_engines).startswith("<system>Hello alice.<user>")
+
+
 @pytest.mark.parametrize(("fmt", "output"), [
     ({"type": "text"}, None),
     ({"type": "json_object"}, {"json_schema": {"type": "object"}}),
