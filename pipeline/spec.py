@@ -364,6 +364,15 @@ class ReloadSpec(Strict):
     poll_s: float = Field(1.0, gt=0, le=3600)
 
 
+class ResponsesSpec(Strict):
+    """The responses that ``POST /v1/responses`` keeps (``store: true``, the default) for ``GET`` and for
+    ``previous_response_id``."""
+
+    #: Days a stored response is kept; later it is no longer returned, and it is deleted (at start, then
+    #: hourly). null: kept until deleted (``DELETE /v1/responses/{id}``).
+    retention_days: PositiveFloat | None = 30
+
+
 class HttpSpec(Strict):
     """Where and how ``inferline serve`` listens."""
 
@@ -403,6 +412,8 @@ class ServerSpec(Strict):
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     #: How ``inferline serve`` follows its pipelines folder: watched, and reloaded on SIGHUP.
     reload: ReloadSpec = Field(default_factory=ReloadSpec)
+    #: What the Responses API keeps, and for how long.
+    responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.

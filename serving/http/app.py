@@ -33,10 +33,12 @@ from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import (
     audit_routes,
     deploy_routes,
+    openai_common,
     openai_routes,
     openapi,
     ops_routes,
     pipeline_routes,
+    responses_routes,
     schemas,
     tokenize_routes,
 )
@@ -55,6 +57,7 @@ from store.db import make_engine
 from store.keys import KeyStore
 from store.migrate import create_schema
 from store.notify import listen
+from store.responses import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +96,13 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
         async with runtime:
             assert runtime.db is not None and runtime.audit_sink is not None  # opened by the runtime
             state.auth.keys = KeyStore(runtime.db)
+            state.responses = ResponseStore(runtime.db)
             state.audit = runtime.audit
             state.audit_sink = refusals.sink = runtime.audit_sink
             frozen = False
             watcher = asyncio.create_task(reloader.watch(server.reload.poll_s if server.reload.watch else None))
             notices = asyncio.create_task(listen(runtime.db, reloader.trigger))  # PostgreSQL: NOTIFY
+            pruner = asyncio.create_task(responses_routes.prune_expired(state.responses))
             on_sighup = _reload_on_sighup(reloader.trigger)
             try:
                 if freeze_heap:
@@ -110,6 +115,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                 state.ready = False
                 watcher.cancel()
                 notices.cancel()
+                pruner.cancel()
                 on_sighup()
                 if not await executor.drain(server.http.shutdown_grace_s):
                     logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
@@ -122,7 +128,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                     thaw()
 
     app = Litestar(
-        route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES,
+        route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES,
+                        *responses_routes.ROUTES, *audit_routes.ROUTES,
                         *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
@@ -140,9 +147,9 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                                      security=openapi.SECURITY if server.auth.enabled else None),
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
-                               schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest,
-                               schemas.TrafficRequest, schemas.ShadowRequest, tokenize_routes.TokenizeRequest,
-                               tokenize_routes.DetokenizeRequest)
+                               schemas.CompletionRequest, schemas.ResponsesRequest, schemas.DeployRequest,
+                               schemas.ActivateRequest, schemas.TrafficRequest, schemas.ShadowRequest,
+                               tokenize_routes.TokenizeRequest, tokenize_routes.DetokenizeRequest)
     return app
 
 
@@ -209,7 +216,7 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     if refusals is not None:
         refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
     if request.url.path.startswith("/v1/") or request.url.path in tokenize_routes.PATHS:
-        return openai_routes.error_response(problem)
+        return openai_common.error_response(problem)
     return pipeline_routes.problem_response(problem, request.url.path)
 
 

@@ -24,7 +24,6 @@ API (:func:`serving.http.pipeline_routes.source_json`); an empty list when nothi
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,19 +31,30 @@ from typing import Any
 from litestar import Request, get, post
 from litestar.params import JSONBody
 from litestar.response import Response
-from pydantic import TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.http.openai_common import (
+    HeldReply,
+    bad_request,
+    chat_turns,
+    check_choice,
+    check_functions,
+    checked,
+    constrain_output,
+    cut_call,
+    error_body,
+    refuse,
+    reply_call,
+)
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
-from serving.http.problems import Problem, from_final
+from serving.http.problems import from_final
 from serving.http.schemas import (
     RESPONSE_FORMAT,
     TOOL_CHOICE,
     TOOLS,
     ChatCompletionRequest,
-    ChatMessageIn,
     CompletionRequest,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -55,15 +65,11 @@ from serving.http.served import encode_json, event_stream, head_of_stream, with_
 from serving.http.state import AppState
 from stages import tools
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error"}
-
 
 @post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200,
       operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
 async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response[Any]:
-    return await _complete(request, data, _chat(data.messages), "chat.completion")
+    return await _complete(request, data, chat_turns(data.messages), "chat.completion")
 
 
 @post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200,
@@ -81,30 +87,15 @@ async def list_models(request: Request) -> dict[str, Any]:
                                        for name in sorted(state.executor.pipelines)]}
 
 
-def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """The turns, with earlier tool calls as the assistant's text and results as user turns (a pipeline's
-    prompt builds on the last user turn, and most chat templates know no ``tool`` role)."""
-    turns: list[ChatMessage] = []
-    for m in messages:
-        if m.role == "tool":
-            result = tools.result_text(m.text())
-            if turns and turns[-1].role == "user" and turns[-1].content.startswith("<tool_response>"):
-                turns[-1].content += "\n" + result  # parallel calls' results: one turn
-            else:
-                turns.append(ChatMessage("user", result))
-        elif m.role == "assistant" and m.tool_calls:
-            calls = [tools.call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
-            turns.append(ChatMessage("assistant", "\n".join([m.text(), *calls]).strip()))
-        else:
-            turns.append(ChatMessage("system" if m.role == "developer" else m.role, m.text()))
-    return turns
-
-
 def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
     """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
-    response_format = _checked(RESPONSE_FORMAT, data.response_format, "response_format")
-    ctx.tools = _tools(data.tools)
-    ctx.tool_choice = _tool_choice(data.tool_choice, list(tools.functions(ctx.tools)))
+    response_format = checked(RESPONSE_FORMAT, data.response_format, "response_format")
+    ctx.tools = check_functions([t.model_dump(exclude_none=True) for t in checked(TOOLS, data.tools, "tools") or []],
+                                ".function.parameters")
+    choice = checked(TOOL_CHOICE, data.tool_choice, "tool_choice",
+                     """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""")
+    ctx.tool_choice = check_choice(choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+                                   list(tools.functions(ctx.tools)))
     schema: dict[str, Any] | None = None
     if isinstance(response_format, JsonObjectFormat):
         schema = {"type": "object"}
@@ -112,73 +103,12 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
         schema = response_format.json_schema.schema_
         problem = tools.strict_problem(schema) if response_format.json_schema.strict else None
         if problem is not None:
-            raise _bad_request(f"response_format.json_schema.schema: {problem}", "response_format")
-    forced = tools.forced_names(ctx.tools, ctx.tool_choice)
-    if forced:  # a call is the whole reply: a response format has nothing left to shape
-        schema = tools.call_schema(ctx.tools, forced)
-    elif schema is not None and tools.is_offered(ctx.tools, ctx.tool_choice):  # the format, or a call
-        schema = {"anyOf": [schema, tools.call_schema(ctx.tools, list(tools.functions(ctx.tools)))]}
-    if schema is not None:
-        ctx.params["output"] = {"json_schema": schema}
-
-
-def _tools(value: Any) -> list[dict[str, Any]]:
-    offered = [t.model_dump(exclude_none=True) for t in _checked(TOOLS, value, "tools") or []]
-    names = [t["function"]["name"] for t in offered]
-    if len(set(names)) != len(names):
-        raise _bad_request("tools: function names must be unique", "tools")
-    for index, function in enumerate(t["function"] for t in offered):
-        problem = tools.schema_problem(function["parameters"])
-        if problem is None and function["parameters"].get("type", "object") != "object":
-            problem = "the arguments are an object: 'type' must be 'object'"
-        if problem is None and function.get("strict"):
-            problem = tools.strict_problem(function["parameters"])
-        if problem is not None:
-            raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
-    return offered
-
-
-def _tool_choice(value: Any, names: list[str]) -> str | dict[str, Any]:
-    choice = _checked(TOOL_CHOICE, value, "tool_choice",
-                      """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""") or "auto"
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise _bad_request(f"tool_choice: no function {choice.function.name!r} in tools", "tool_choice")
-        return choice.model_dump()
-    if choice == "required" and not names:
-        raise _bad_request("tool_choice 'required' needs tools", "tool_choice")
-    return choice
-
-
-def _checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "") -> Any:
-    """*value* validated by *adapter*; a 400 naming *param* (and where in it) if it does not fit."""
-    if value is None:
-        return None
-    try:
-        return adapter.validate_python(value)
-    except ValidationError as exc:
-        if expected:
-            raise _bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
-        tag = (value.get("type"),) if isinstance(value, dict) else ()
-        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
-        raise _bad_request(where, param) from None
-
-
-def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
-    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
-    if tag and loc[:1] == tag:
-        loc = loc[1:]
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
-
-
-def _bad_request(message: str, param: str) -> Problem:
-    return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})
+            raise bad_request(f"response_format.json_schema.schema: {problem}", "response_format")
+    constrain_output(ctx, schema)
 
 
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
-    if refused := data.refused_fields():
-        raise _bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
-                           "ignored); send the request without it", refused[0])
+    refuse(data.refused_fields())
     state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
@@ -203,12 +133,12 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
     summary = final.summary
-    call = _call(ctx, summary.output_text)
+    call = reply_call(ctx, summary.output_text)
     if call is not None:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
-    elif _cut_call(ctx, summary.finish_reason):
+    elif cut_call(ctx, summary.finish_reason):
         choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
                   "logprobs": None}
     elif kind == "chat.completion":
@@ -220,17 +150,6 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
     return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
             "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
             "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
-
-
-def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
-    """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
-    return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
-
-
-def _cut_call(ctx: RequestContext, finish_reason: str) -> bool:
-    """Whether the reply is a forced call that ``max_tokens`` cut short: half a call is neither a call nor
-    content, so the answer has neither, only ``finish_reason: "length"``."""
-    return finish_reason == "length" and bool(tools.forced_names(ctx.tools, ctx.tool_choice))
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -265,20 +184,21 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
             body["usage"] = None
         return _data(body)
 
-    held = _HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
+    held = HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
     try:
         if chunk_kind.startswith("chat") and held is None:
             yield chunk({"role": "assistant", "content": ""}, None)
         async for event in events:
             if isinstance(event, TextDelta) and held is not None:
-                for delta in held.feed(event.text):
-                    yield chunk(delta, None)
+                passing = held.passing
+                if (content := held.feed(event.text)) is not None:
+                    yield chunk({"content": content} if passing else {"role": "assistant", "content": content}, None)
             elif isinstance(event, TextDelta):
                 yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
             elif isinstance(event, Done):
                 finish = _finish(event.summary.finish_reason)
                 if held is not None:
-                    deltas, finish = held.end(finish)
+                    deltas, finish = _held_end(held, finish)
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
@@ -292,51 +212,23 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
         await events.aclose()  # type: ignore[attr-defined]
 
 
-class _HeldReply:
-    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of
-    it when a call is forced), then sent as content or as one call (id and name, then the arguments)."""
-
-    def __init__(self, ctx: RequestContext):
-        self._ctx = ctx
-        self._forced = bool(tools.forced_names(ctx.tools, ctx.tool_choice))
-        self._text = ""
-        self._passing = False
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if self._passing:
-            return [{"content": text}]
-        self._text += text
-        if self._forced or tools.could_be_call(self._text):
-            return []
-        self._passing = True
-        return [{"role": "assistant", "content": self._text}]
-
-    def end(self, finish: str) -> tuple[list[dict[str, Any]], str]:
-        if self._passing:
-            return [], finish
-        call = _call(self._ctx, self._text)
-        if call is None and _cut_call(self._ctx, finish):
-            return [{"role": "assistant", "content": None}], finish
-        if call is None:
-            return [{"role": "assistant", "content": self._text}], finish
-        head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+def _held_end(held: HeldReply, finish: str) -> tuple[list[dict[str, Any]], str]:
+    """The last deltas of a held reply, and the finish reason: the content held, or one call (id and name,
+    then the arguments), or, for a forced call cut short, no content."""
+    passing = held.passing
+    reply = held.end(finish)
+    if isinstance(reply, tools.ToolCall):
+        head = {"index": 0, "id": reply.id, "type": "function", "function": {"name": reply.name, "arguments": ""}}
         return [{"role": "assistant", "content": None, "tool_calls": [head]},
-                {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}], "tool_calls"
+                {"tool_calls": [{"index": 0, "function": {"arguments": reply.arguments}}]}], "tool_calls"
+    if reply is not None:
+        return [{"role": "assistant", "content": reply}], finish
+    return ([] if passing else [{"role": "assistant", "content": None}]), finish
 
 
 def _data(body: dict[str, Any]) -> bytes:
     """One chunk of a stream, as OpenAI sends it: compact JSON on one line."""
     return b"data: " + encode_json(body) + b"\n\n"
-
-
-def error_body(problem: Problem) -> dict[str, Any]:
-    return {"error": {"message": problem.detail or problem.title,
-                      "type": _ERROR_TYPES.get(problem.status, "server_error"),
-                      "param": problem.extra.get("param"), "code": problem.kind}}
-
-
-def error_response(problem: Problem) -> Response[Any]:
-    return Response(error_body(problem), status_code=problem.status, headers=problem.headers)
 
 
 ROUTES = [chat_completions, completions, list_models]

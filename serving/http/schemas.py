@@ -216,6 +216,78 @@ class CompletionRequest(OpenAIRequest):
     prompt: str
 
 
+# -- the Responses API ------------------------------------------------------------------------
+
+
+class ResponsesFunctionIn(BaseModel):
+    """A function tool in the Responses API's flat shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesJsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Annotated[TextFormat | JsonObjectFormat | ResponsesJsonSchemaFormat,
+                      Field(discriminator="type")] = Field(default_factory=lambda: TextFormat(type="text"))
+
+
+RESPONSES_TEXT: TypeAdapter[ResponsesText] = TypeAdapter(ResponsesText)
+RESPONSES_TOOLS: TypeAdapter[list[ResponsesFunctionIn]] = TypeAdapter(list[ResponsesFunctionIn])
+RESPONSES_TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(Literal["auto", "none", "required"] | ResponsesNamedChoice)
+
+
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses``: OpenAI's Responses API, the parameters this server does."""
+
+    # A field we do not know is kept aside and refused by name (serving/http/responses_routes.py).
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: str | list[Any] = Field(description="A user message, or a list of items: messages, function calls "
+                                   "and their outputs.")
+    instructions: str | None = Field(None, description="A system message before the input (not carried over "
+                                     "by previous_response_id).")
+    max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
+    text: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    #: Accepted either way: an answer makes at most one tool call, which both values allow.
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    store: bool = Field(True, description="Keep the response for GET /v1/responses/{id} and previous_response_id.")
+    previous_response_id: str | None = Field(None, max_length=64)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
+    #: The end user: kept as the request's ``user`` tag, as in the chat API.
+    user: str | None = Field(None, max_length=256)
+
+    def overrides(self) -> dict[str, Any]:
+        params = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        return {name: value for name, value in params.items() if value is not None}
+
+
 # -- deploying pipeline versions ----------------------------------------------------------------
 
 

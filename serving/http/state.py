@@ -18,6 +18,7 @@ from serving.http.served import Executor
 from serving.runtime.reloader import PipelineReloader
 from serving.runtime.workspace import Workspace
 from store.audit import AuditStore
+from store.responses import ResponseStore
 
 #: The longest an audit read waits for journaled records to be chained (the database may be away).
 AUDIT_READ_WAIT_S = 5.0
@@ -37,6 +38,8 @@ class AppState:
     refusals: RefusalRecorder | None = None
     #: Follows the pipelines folder (hot reload); its failed edits are shown with the pipelines.
     reloader: PipelineReloader | None = None
+    #: The Responses API's stored responses (``store: true``).
+    responses: ResponseStore | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
 

@@ -13,14 +13,15 @@ import store.audit_models
 import store.audit_vault
 import store.counters
 import store.eval_runs
-import store.pipeline_versions  # noqa: F401  (their tables, for the drift check)
+import store.pipeline_versions
+import store.responses  # noqa: F401  (their tables, for the drift check)
 from store.db import Base, make_engine
 from store.keys import ApiKey, KeyStore
 from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
-          "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys"}
-HEAD = "0010"
+          "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys", "responses"}
+HEAD = "0011"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])

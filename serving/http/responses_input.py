@@ -1,0 +1,92 @@
+"""The Responses API's ``input`` (:mod:`serving.http.responses_routes`): its items checked, and read as the chat
+API's messages.
+
+An item is a message (``role`` user, assistant, system or developer; ``content`` a string or a list of
+``input_text``/``output_text`` parts; ``type: "message"`` optional), a ``function_call`` (``call_id``,
+``name``, ``arguments``) or a ``function_call_output`` (``call_id``, ``output``). An output item sent back
+as it is (with its ``id``, ``status``, ``annotations``) is accepted; anything else, an image or a file
+part among them, is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.http.openai_common import bad_request
+from serving.http.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
+
+_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
+              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+              "function_call_output": {"type", "call_id", "output", "id", "status"}}
+_PART_KEYS = {"type", "text", "annotations", "logprobs"}
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+    """``input`` as conversation items (``message`` with text content, ``function_call``,
+    ``function_call_output``); a 400 naming the bad item otherwise."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not value:
+        raise bad_request("input: give a string or a list of at least one item", "input")
+    return [_item(item, f"input[{index}]") for index, item in enumerate(value)]
+
+
+def _item(item: Any, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise bad_request(f"{where}: expected an item object (a message, function_call or function_call_output)",
+                          "input")
+    kind = item.get("type", "message")
+    keys = _ITEM_KEYS.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+        raise bad_request(f"{where}.type: {kind!r} items are not supported by this server (message, function_call "
+                          "and function_call_output are)", "input")
+    if unknown := sorted(set(item) - keys):
+        raise bad_request(f"{where}: {', '.join(unknown)}: not supported by this server in a {kind} item", "input")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role: expected one of {', '.join(_ROLES)}, got {role!r}", "input")
+        return {"type": kind, "role": role, "content": _content(item.get("content"), f"{where}.content")}
+    names = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    for name in names:
+        if not isinstance(item.get(name), str):
+            raise bad_request(f"{where}.{name}: expected a string", "input")
+    return {"type": kind, **{name: item[name] for name in names}}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: expected a string or a list of input_text parts", "input")
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text"):
+            raise bad_request(f"{where}[{index}]: {kind or 'this part'} is not supported by this server (text only: "
+                              "input_text or output_text parts)", "input")
+        if unknown := sorted(set(part) - _PART_KEYS):
+            raise bad_request(f"{where}[{index}]: {', '.join(unknown)}: not supported by this server", "input")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{index}].text: expected a string", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[ChatMessageIn]:
+    """Conversation items as chat messages: a function call joins the assistant turn before it."""
+    messages: list[ChatMessageIn] = []
+    for item in items:
+        if item["type"] == "message":
+            messages.append(ChatMessageIn(role=item["role"], content=item["content"]))
+        elif item["type"] == "function_call":
+            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=item["name"],
+                                                                          arguments=item["arguments"]))
+            if messages and messages[-1].role == "assistant":
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            else:
+                messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
+        else:
+            messages.append(ChatMessageIn(role="tool", content=item["output"], tool_call_id=item["call_id"]))
+    return messages
