@@ -53,6 +53,7 @@ from serving.http.schemas import (
 )
 from serving.http.served import encode_json, event_stream, head_of_stream, with_head
 from serving.http.state import AppState
+from serving.http.tool_replies import HeldReply, call_of, is_cut_call, may_call, offer_tools, parameters_problem
 from stages import tools
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -103,20 +104,14 @@ def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
     """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
     response_format = _checked(RESPONSE_FORMAT, data.response_format, "response_format")
-    ctx.tools = _tools(data.tools)
-    ctx.tool_choice = _tool_choice(data.tool_choice, list(tools.functions(ctx.tools)))
+    offered = _tools(data.tools)
+    choice = _tool_choice(data.tool_choice, list(tools.functions(offered)))
     schema: dict[str, Any] | None = None
     if isinstance(response_format, JsonObjectFormat):
         schema = {"type": "object"}
     elif isinstance(response_format, JsonSchemaFormat):
         schema = response_format.json_schema.schema_
-    forced = tools.forced_names(ctx.tools, ctx.tool_choice)
-    if forced:  # a call is the whole reply: a response format has nothing left to shape
-        schema = tools.call_schema(ctx.tools, forced)
-    elif schema is not None and tools.is_offered(ctx.tools, ctx.tool_choice):  # the format, or a call
-        schema = {"anyOf": [schema, tools.call_schema(ctx.tools, list(tools.functions(ctx.tools)))]}
-    if schema is not None:
-        ctx.params["output"] = {"json_schema": schema}
+    offer_tools(ctx, offered, choice, schema)
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
@@ -125,10 +120,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     if len(set(names)) != len(names):
         raise _bad_request("tools: function names must be unique", "tools")
     for index, function in enumerate(t["function"] for t in offered):
-        problem = tools.schema_problem(function["parameters"])
-        if problem is None and function["parameters"].get("type", "object") != "object":
-            problem = "the arguments are an object: 'type' must be 'object'"
-        if problem is not None:
+        if (problem := parameters_problem(function["parameters"])) is not None:
             raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
     return offered
 
@@ -199,12 +191,12 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
     summary = final.summary
-    call = _call(ctx, summary.output_text)
+    call = call_of(ctx, summary.output_text)
     if call is not None:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
-    elif _cut_call(ctx, summary.finish_reason):
+    elif is_cut_call(ctx, summary.finish_reason):
         choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
                   "logprobs": None}
     elif kind == "chat.completion":
@@ -216,17 +208,6 @@ def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, 
     return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
             "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
             "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
-
-
-def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
-    """The tool call the reply makes, if tools were offered and it is one (else it is content)."""
-    return tools.parse_call(text, ctx.tools) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
-
-
-def _cut_call(ctx: RequestContext, finish_reason: str) -> bool:
-    """Whether the reply is a forced call that ``max_tokens`` cut short: half a call is neither a call nor
-    content, so the answer has neither, only ``finish_reason: "length"``."""
-    return finish_reason == "length" and bool(tools.forced_names(ctx.tools, ctx.tool_choice))
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -261,20 +242,20 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
             body["usage"] = None
         return _data(body)
 
-    held = _HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
+    held = _HeldDeltas(ctx) if chunk_kind.startswith("chat") and may_call(ctx) else None
     try:
         if chunk_kind.startswith("chat") and held is None:
             yield chunk({"role": "assistant", "content": ""}, None)
         async for event in events:
             if isinstance(event, TextDelta) and held is not None:
-                for delta in held.feed(event.text):
+                for delta in held.deltas(event.text):
                     yield chunk(delta, None)
             elif isinstance(event, TextDelta):
                 yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
             elif isinstance(event, Done):
                 finish = _finish(event.summary.finish_reason)
                 if held is not None:
-                    deltas, finish = held.end(finish)
+                    deltas, finish = held.end_deltas(finish)
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
@@ -288,36 +269,26 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
         await events.aclose()  # type: ignore[attr-defined]
 
 
-class _HeldReply:
-    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of
-    it when a call is forced), then sent as content or as one call (id and name, then the arguments)."""
+class _HeldDeltas(HeldReply):
+    """A held reply (:class:`HeldReply`) as chunks' deltas: content, or one call (id and name, then the
+    arguments)."""
 
-    def __init__(self, ctx: RequestContext):
-        self._ctx = ctx
-        self._forced = bool(tools.forced_names(ctx.tools, ctx.tool_choice))
-        self._text = ""
-        self._passing = False
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if self._passing:
-            return [{"content": text}]
-        self._text += text
-        if self._forced or tools.could_be_call(self._text):
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        passing = self.passing
+        text = self.feed(text)
+        if not self.passing:
             return []
-        self._passing = True
-        return [{"role": "assistant", "content": self._text}]
+        return [{"content": text}] if passing else [{"role": "assistant", "content": text}]
 
-    def end(self, finish: str) -> tuple[list[dict[str, Any]], str]:
-        if self._passing:
+    def end_deltas(self, finish: str) -> tuple[list[dict[str, Any]], str]:
+        if self.passing:
             return [], finish
-        call = _call(self._ctx, self._text)
-        if call is None and _cut_call(self._ctx, finish):
-            return [{"role": "assistant", "content": None}], finish
-        if call is None:
-            return [{"role": "assistant", "content": self._text}], finish
-        head = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        reply = self.end(finish)
+        if reply is None or isinstance(reply, str):
+            return [{"role": "assistant", "content": reply}], finish
+        head = {"index": 0, "id": reply.id, "type": "function", "function": {"name": reply.name, "arguments": ""}}
         return [{"role": "assistant", "content": None, "tool_calls": [head]},
-                {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]}], "tool_calls"
+                {"tool_calls": [{"index": 0, "function": {"arguments": reply.arguments}}]}], "tool_calls"
 
 
 def _data(body: dict[str, Any]) -> bytes:
