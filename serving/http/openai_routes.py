@@ -24,7 +24,6 @@ API (:func:`serving.http.pipeline_routes.source_json`); an empty list when nothi
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,13 +31,12 @@ from typing import Any
 from litestar import Request, get, post
 from litestar.params import JSONBody
 from litestar.response import Response
-from pydantic import TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
-from serving.http.problems import Problem, from_final
+from serving.http.problems import Problem, bad_request, checked, from_final
 from serving.http.schemas import (
     RESPONSE_FORMAT,
     TOOL_CHOICE,
@@ -103,7 +101,7 @@ def _chat(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
     """Set the request's tools, tool choice and the ``output`` constraint its options ask for."""
-    response_format = _checked(RESPONSE_FORMAT, data.response_format, "response_format")
+    response_format = checked(RESPONSE_FORMAT, data.response_format, "response_format")
     offered = _tools(data.tools)
     choice = _tool_choice(data.tool_choice, list(tools.functions(offered)))
     schema: dict[str, Any] | None = None
@@ -115,58 +113,33 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
-    offered = [t.model_dump() for t in _checked(TOOLS, value, "tools") or []]
+    offered = [t.model_dump() for t in checked(TOOLS, value, "tools") or []]
     names = [t["function"]["name"] for t in offered]
     if len(set(names)) != len(names):
-        raise _bad_request("tools: function names must be unique", "tools")
+        raise bad_request("tools: function names must be unique", "tools")
     for index, function in enumerate(t["function"] for t in offered):
         if (problem := parameters_problem(function["parameters"])) is not None:
-            raise _bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
+            raise bad_request(f"tools[{index}].function.parameters: {problem}", "tools")
     return offered
 
 
 def _tool_choice(value: Any, names: list[str]) -> str | dict[str, Any]:
-    choice = _checked(TOOL_CHOICE, value, "tool_choice",
+    choice = checked(TOOL_CHOICE, value, "tool_choice",
                       """'auto', 'none', 'required' or {"type": "function", "function": {"name": ...}}""") or "auto"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise _bad_request(f"tool_choice: no function {choice.function.name!r} in tools", "tool_choice")
+            raise bad_request(f"tool_choice: no function {choice.function.name!r} in tools", "tool_choice")
         return choice.model_dump()
     if choice == "required" and not names:
-        raise _bad_request("tool_choice 'required' needs tools", "tool_choice")
+        raise bad_request("tool_choice 'required' needs tools", "tool_choice")
     return choice
-
-
-def _checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "") -> Any:
-    """*value* validated by *adapter*; a 400 naming *param* (and where in it) if it does not fit."""
-    if value is None:
-        return None
-    try:
-        return adapter.validate_python(value)
-    except ValidationError as exc:
-        if expected:
-            raise _bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
-        tag = (value.get("type"),) if isinstance(value, dict) else ()
-        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
-        raise _bad_request(where, param) from None
-
-
-def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
-    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
-    if tag and loc[:1] == tag:
-        loc = loc[1:]
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
-
-
-def _bad_request(message: str, param: str) -> Problem:
-    return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})
 
 
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
     if data.min_tokens:
-        raise _bad_request("min_tokens is not supported by this server; send the request without it", "min_tokens")
+        raise bad_request("min_tokens is not supported by this server; send the request without it", "min_tokens")
     if refused := data.refused_fields():
-        raise _bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
+        raise bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
                            "ignored); send the request without it", refused[0])
     state = AppState.of(request)
     tags = {"user": data.user} if data.user else None

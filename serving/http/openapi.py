@@ -12,7 +12,8 @@ Request bodies are described by pydantic's own JSON Schema of their models
 that is 0 (``ge=0``, ``gt=0``), so the document would accept bodies the server refuses.
 
 Errors are RFC 9457 problem details (``application/problem+json``, serving/http/problems.py), except on
-the OpenAI-compatible routes, which answer in OpenAI's own error shape. Bearer keys are declared as
+the OpenAI-compatible routes, which answer in OpenAI's own error shape, and Anthropic's Messages API
+(``/v1/messages``), in Anthropic's. Bearer keys are declared as
 the document's security scheme; routes anyone may call say so with ``operation_class=Public``.
 
 The document is served as ``/schema/openapi.json`` (and ``.yaml``); ``/schema`` is Swagger UI over it,
@@ -78,6 +79,20 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorBody
 
 
+class AnthropicErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    error: AnthropicErrorBody
+
+
 def problems(*statuses: int) -> dict[int, ResponseSpec]:
     """*statuses* answered as problem details."""
     return {status: ResponseSpec(ProblemDetails, description=title_for(status), media_type=PROBLEM_MEDIA_TYPE,
@@ -87,6 +102,12 @@ def problems(*statuses: int) -> dict[int, ResponseSpec]:
 def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
     """*statuses* answered in OpenAI's error shape (application/json)."""
     return {status: ResponseSpec(OpenAIError, description=title_for(status), generate_examples=False)
+            for status in statuses}
+
+
+def anthropic_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """*statuses* answered in Anthropic's error shape (application/json)."""
+    return {status: ResponseSpec(AnthropicError, description=title_for(status), generate_examples=False)
             for status in statuses}
 
 
