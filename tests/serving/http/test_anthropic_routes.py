@@ -5,6 +5,7 @@ against a real server process over HTTP on the real model, with auth on (``x-api
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -278,8 +279,19 @@ def test_keys_come_as_x_api_key(auth_client, keys, path):
 # -- the anthropic package, against a real server on the real model ------------------------------------
 
 
+ROOT = Path(__file__).parents[3]
+
+
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
+def this_checkout():
+    """Server processes import this checkout's code (not wherever the environment's editable install points)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT))
+        yield
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory, this_checkout):
     from tests.serving.cli.test_serve import Server  # imported here: fast runs need not start it
 
     running = Server(tmp_path_factory.mktemp("anthropic-server"))
@@ -362,7 +374,7 @@ def test_the_anthropic_package_gets_its_own_errors(real_server, real_client):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_the_anthropic_package_without_auth(tmp_path_factory):
+def test_the_anthropic_package_without_auth(tmp_path_factory, this_checkout):
     from tests.serving.cli.test_serve import Server
 
     running = Server(tmp_path_factory.mktemp("anthropic-open"), auth=False)
