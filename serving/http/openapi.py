@@ -13,8 +13,8 @@ that is 0 (``ge=0``, ``gt=0``), so the document would accept bodies the server r
 
 Errors are RFC 9457 problem details (``application/problem+json``, serving/http/problems.py), except on
 the OpenAI-compatible routes, which answer in OpenAI's own error shape, and Anthropic's Messages API
-(``/v1/messages``), in Anthropic's. Bearer keys are declared as
-the document's security scheme; routes anyone may call say so with ``operation_class=Public``.
+(``/v1/messages``), in Anthropic's. Keys (bearer, or ``x-api-key``) are declared as
+the document's security schemes; routes anyone may call say so with ``operation_class=Public``.
 
 The document is served as ``/schema/openapi.json`` (and ``.yaml``); ``/schema`` is Swagger UI over it,
 whose scripts, stylesheet and icon come from the ``swagger-ui-py`` package through
@@ -42,16 +42,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving.http.problems import title_for
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-#: The document's one security scheme, required by every operation but the :class:`Public` ones.
+#: The document's security schemes, either of which every operation but the :class:`Public` ones requires:
+#: the key as a bearer token, or in ``x-api-key`` (as Anthropic's clients send it).
 BEARER = "bearer"
-SECURITY = [{BEARER: []}]
+API_KEY = "x-api-key"
+SECURITY = [{BEARER: []}, {API_KEY: []}]
 
 
 def components() -> Components:
-    """The document's components: the bearer scheme (a fresh object per app: Litestar adds to it)."""
-    return Components(security_schemes={BEARER: SecurityScheme(
-        type="http", scheme="bearer",
-        description="An API key: `Authorization: Bearer il_...` (made by `inferline keys create`)")})
+    """The document's components: the key's schemes (a fresh object per app: Litestar adds to it)."""
+    return Components(security_schemes={
+        BEARER: SecurityScheme(
+            type="http", scheme="bearer",
+            description="An API key: `Authorization: Bearer il_...` (made by `inferline keys create`)"),
+        API_KEY: SecurityScheme(type="apiKey", name="x-api-key", security_scheme_in="header",
+                                description="The same API key as `x-api-key: il_...`, as Anthropic's clients send it")})
 
 
 class ProblemDetails(BaseModel):

@@ -11,7 +11,9 @@ import anthropic
 import httpx
 import pytest
 
+from pipeline.errors import Overloaded
 from stages import tools
+from tests import fakes
 from tests.serving import workspaces as serving
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
@@ -188,6 +190,36 @@ def test_streamed_text_with_tools_offered(client):
     found = events(create(client, stream=True, tools=[WEATHER]))
     text = "".join(data["delta"]["text"] for name, data in found if name == "content_block_delta")
     assert text == REPLY and found[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_an_error_once_the_stream_started_is_an_error_event(client, fake_engines, monkeypatch):
+    class Breaking(fakes.FakeStream):
+        async def _events(self):
+            async for event in super()._events():
+                yield event
+                if self.sent == 5:
+                    raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(fakes, "FakeStream", Breaking)
+    response = create(client, stream=True)
+    assert response.status_code == 200
+    found = events(response)
+    assert [name for name, _ in found][:3] == ["message_start", "ping", "content_block_start"]
+    assert "".join(data["delta"]["text"] for name, data in found if name == "content_block_delta") == "Paris"
+    name, data = found[-1]
+    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error", data
+    assert "message_stop" not in [name for name, _ in found]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_overloaded_engine_is_anthropics_429(client, fake_engines, stream):
+    async def overloaded(prompt_ids, sampling, cache_salt="", *, hints=None):
+        raise Overloaded("queue full", retry_after_s=2.0)
+
+    fake_engines.engines["smol"].submit = overloaded
+    response = create(client, stream=stream)
+    assert_anthropic_error(response, 429, "rate_limit_error", "queue full")
+    assert response.headers["retry-after"] == "2"
 
 
 # -- count_tokens -------------------------------------------------------------------------------------
