@@ -136,43 +136,25 @@ def _stop(ctx: RequestContext, finish_reason: str, data: MessagesRequest) -> tup
 
 async def _events(events: AsyncIterator[Event], ctx: RequestContext, data: MessagesRequest) -> AsyncIterator[bytes]:
     """The stream's events, as Anthropic sends them."""
-    held = HeldReply(ctx) if may_call(ctx) else None
-    text_open = False  # a text block was started
+    blocks = _Blocks(ctx, data)
     start = {**_envelope(ctx, data.model), "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": ctx.usage.input_tokens or ctx.prompt_tokens, "output_tokens": 0}}
     try:
         yield sse_event("message_start", {"type": "message_start", "message": start})
         yield sse_event("ping", {"type": "ping"})
-        if held is None:
-            yield _block_start({"type": "text", "text": ""})
-            text_open = True
+        for chunk in blocks.begin():
+            yield chunk
         async for event in events:
             if isinstance(event, TextDelta):
-                text = held.feed(event.text) if held is not None else event.text
-                if held is not None and held.passing and not text_open:
-                    yield _block_start({"type": "text", "text": ""})
-                    text_open = True
-                if text:
-                    yield _delta({"type": "text_delta", "text": text})
+                for chunk in blocks.text(event.text):
+                    yield chunk
             elif isinstance(event, Done):
-                stop_reason, stop_sequence = _stop(ctx, event.summary.finish_reason, data)
-                if held is not None and not held.passing:
-                    reply = held.end(event.summary.finish_reason)
-                    if isinstance(reply, tools.ToolCall):
-                        yield _block_start({**_tool_use(reply, {}), "input": {}})
-                        yield _delta({"type": "input_json_delta", "partial_json": reply.arguments})
-                        yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-                        stop_reason, stop_sequence = "tool_use", None
-                    elif reply is not None:
-                        yield _block_start({"type": "text", "text": ""})
-                        text_open = True
-                        if reply:
-                            yield _delta({"type": "text_delta", "text": reply})
-                if text_open:
-                    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for chunk in blocks.end(event.summary.finish_reason):
+                    yield chunk
                 usage = event.summary.usage
                 yield sse_event("message_delta", {
-                    "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "type": "message_delta", "delta": {"stop_reason": blocks.stop_reason,
+                                                       "stop_sequence": blocks.stop_sequence},
                     "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}})
                 yield sse_event("message_stop", {"type": "message_stop"})
             elif isinstance(event, Error):
@@ -181,12 +163,61 @@ async def _events(events: AsyncIterator[Event], ctx: RequestContext, data: Messa
         await events.aclose()  # type: ignore[attr-defined]
 
 
+class _Blocks:
+    """The streamed reply's one content block: text as it comes, or, while tools are offered, held back
+    (:class:`HeldReply`) until it is text after all or, at the end, a ``tool_use``."""
+
+    def __init__(self, ctx: RequestContext, data: MessagesRequest):
+        self._ctx, self._data = ctx, data
+        self._held = HeldReply(ctx) if may_call(ctx) else None
+        self._open = False  # the text block was started
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+
+    def begin(self) -> list[bytes]:
+        return self._start_text() if self._held is None else []
+
+    def text(self, text: str) -> list[bytes]:
+        chunks: list[bytes] = []
+        if self._held is not None:
+            text = self._held.feed(text)
+            if self._held.passing and not self._open:
+                chunks += self._start_text()
+        if text:
+            chunks.append(_delta({"type": "text_delta", "text": text}))
+        return chunks
+
+    def end(self, finish_reason: str) -> list[bytes]:
+        """The block's last events; sets the stop reason."""
+        self.stop_reason, self.stop_sequence = _stop(self._ctx, finish_reason, self._data)
+        chunks: list[bytes] = []
+        reply = self._held.end(finish_reason) if self._held is not None and not self._held.passing else None
+        if isinstance(reply, tools.ToolCall):
+            self.stop_reason, self.stop_sequence = "tool_use", None
+            chunks += [_block_start({**_tool_use(reply, {}), "input": {}}),
+                       _delta({"type": "input_json_delta", "partial_json": reply.arguments}), _BLOCK_STOP]
+        elif reply is not None:  # held text that was no call after all
+            chunks += self._start_text()
+            if reply:
+                chunks.append(_delta({"type": "text_delta", "text": reply}))
+        if self._open:
+            chunks.append(_BLOCK_STOP)
+        return chunks
+
+    def _start_text(self) -> list[bytes]:
+        self._open = True
+        return [_block_start({"type": "text", "text": ""})]
+
+
 def _block_start(block: dict[str, Any]) -> bytes:
     return sse_event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block})
 
 
 def _delta(delta: dict[str, Any]) -> bytes:
     return sse_event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+
+
+_BLOCK_STOP = sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
 
 
 def error_body(problem: Problem) -> dict[str, Any]:

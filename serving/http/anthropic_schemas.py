@@ -164,29 +164,44 @@ def conversation(data: CountTokensRequest) -> Conversation:
     seen: set[str] = set()
     for index, message in enumerate(data.messages):
         blocks = _blocks(message, index)
-        if any(not isinstance(b, TextBlock) for b in blocks) and not offered:
-            raise bad_request(f"messages[{index}].content: requests that include tool_use or tool_result blocks "
-                              "must define tools", "messages")
-        results = [b for b in blocks if isinstance(b, ToolResultBlock)]
-        if unexpected := [b.tool_use_id for b in results if b.tool_use_id not in pending]:
-            raise bad_request(f"messages[{index}].content: unexpected tool_use_id {unexpected[0]!r} in tool_result "
-                              "blocks: each tool_result must answer a tool_use of the previous message", "messages")
-        if missing := [i for i in pending if i not in {b.tool_use_id for b in results}]:
-            raise bad_request(f"messages[{index}]: tool_use ids were found without tool_result blocks immediately "
-                              f"after: {', '.join(missing)}", "messages")
-        calls = [b for b in blocks if isinstance(b, ToolUseBlock)]
-        if repeated := [c.id for c in calls if c.id in seen]:
-            raise bad_request(f"messages[{index}].content: tool_use ids must be unique: {repeated[0]!r}", "messages")
-        seen |= {c.id for c in calls}
-        pending = [c.id for c in calls]
-        text = "\n".join([*(tools.result_text(b.text()) for b in results),
-                          *(b.text for b in blocks if isinstance(b, TextBlock)),
-                          *(tools.call_text(c.name, json.dumps(c.input)) for c in calls)])
+        pending = _check_tool_blocks(index, blocks, pending, seen, bool(offered))
+        text = "\n".join(_text(block) for kind in (ToolResultBlock, TextBlock, ToolUseBlock)
+                         for block in blocks if isinstance(block, kind))  # results first, calls last
         if turns and turns[-1].role == message.role:
             turns[-1].content += "\n" + text  # Anthropic merges consecutive turns of one role
         else:
             turns.append(ChatMessage(message.role, text))
     return Conversation(turns, offered, choice)
+
+
+def _text(block: TextBlock | ToolUseBlock | ToolResultBlock) -> str:
+    """A block as the model sees it: a call as the JSON it would have written, a result in its tags."""
+    if isinstance(block, ToolResultBlock):
+        return tools.result_text(block.text())
+    if isinstance(block, ToolUseBlock):
+        return tools.call_text(block.name, json.dumps(block.input))
+    return block.text
+
+
+def _check_tool_blocks(index: int, blocks: list[Any], pending: list[str], seen: set[str],
+                       has_tools: bool) -> list[str]:
+    """Check turn *index*'s tool blocks as Anthropic does: its results answer exactly the calls of the turn
+    before (*pending*), its calls' ids are new (*seen*, updated), tools are defined. Returns its calls' ids."""
+    if any(not isinstance(b, TextBlock) for b in blocks) and not has_tools:
+        raise bad_request(f"messages[{index}].content: requests that include tool_use or tool_result blocks "
+                          "must define tools", "messages")
+    answered = [b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)]
+    if unexpected := [i for i in answered if i not in pending]:
+        raise bad_request(f"messages[{index}].content: unexpected tool_use_id {unexpected[0]!r} in tool_result "
+                          "blocks: each tool_result must answer a tool_use of the previous message", "messages")
+    if missing := [i for i in pending if i not in answered]:
+        raise bad_request(f"messages[{index}]: tool_use ids were found without tool_result blocks immediately "
+                          f"after: {', '.join(missing)}", "messages")
+    calls = [b.id for b in blocks if isinstance(b, ToolUseBlock)]
+    if repeated := [i for i in calls if i in seen]:
+        raise bad_request(f"messages[{index}].content: tool_use ids must be unique: {repeated[0]!r}", "messages")
+    seen.update(calls)
+    return calls
 
 
 def _system(system: str | list[dict[str, Any]]) -> str:
