@@ -67,17 +67,16 @@ async def create_message(data: JSONBody[MessagesRequest], request: Request) -> R
     pipeline, ctx = await start_request(state, request, data.model, chat.messages, data.overrides(),
                                         {"user": user} if user else None, stop=data.stop_sequences)
     offer_tools(ctx, chat.tools, chat.tool_choice)
-    headers = {**response_headers(ctx), "request-id": ctx.request_id}
     if data.stream:
         events = state.executor.stream(pipeline, ctx)
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
-        return event_stream(_events(with_head(head, events), ctx, data), headers)
+        return event_stream(_events(with_head(head, events), ctx, data), _headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
-    return Response(_message(final, ctx, data), headers=headers)
+    return Response(_message(final, ctx, data), headers=_headers(ctx))
 
 
 @post("/v1/messages/count_tokens", summary="Anthropic-compatible token count", tags=["anthropic"],
@@ -97,6 +96,11 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request) -> 
     turns = chat_turns(prompt.build(ctx) if prompt is not None else chat.messages)
     encode, rendered = tools.prompt_encoder(tokenizer, turns, chat.tools, chat.tool_choice)
     return {"input_tokens": len(encode(rendered))}
+
+
+def _headers(ctx: RequestContext) -> dict[str, str]:
+    """Those of every pipeline call (once the policy stage has counted the request), and Anthropic's."""
+    return {**response_headers(ctx), "request-id": ctx.request_id}
 
 
 def _message(final: Done, ctx: RequestContext, data: MessagesRequest) -> dict[str, Any]:

@@ -111,6 +111,34 @@ def test_metadata_user_id_is_the_user_tag(tagged_client, fake_engines):
     assert "User u-42." in submitted(fake_engines)[0]
 
 
+def test_a_message_is_audited_as_every_pipeline_call(client):
+    usage = create(client, metadata={"user_id": "u-42"}).json()["usage"]
+    (record,) = client.get("/audit/records", params={"pipeline": "chat"}).json()["records"]
+    assert (record["status"], record["input_tokens"], record["output_tokens"]) == (
+        "ok", usage["input_tokens"], usage["output_tokens"])
+
+
+@pytest.fixture
+def limited_client(tmp_path, monkeypatch, fake_engines, fresh_minute):
+    """The app whose chat pipeline takes two requests a minute."""
+    monkeypatch.setattr(serving, "CHAT", serving.CHAT.replace(
+        "stages:\n", "stages:\n  - {id: guard, type: policy, with: {limits: {requests_per_minute: 2}}}\n"))
+    with serving.client_for(tmp_path, monkeypatch, fake_engines, auth=False) as test_client:
+        yield test_client
+
+
+def test_rate_limits_count_messages(limited_client):
+    first = create(limited_client)
+    assert first.status_code == 200 and first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert create(limited_client, stream=True).headers["x-ratelimit-remaining-requests"] == "0"
+    for stream in (False, True):
+        refused = create(limited_client, stream=stream)
+        assert_anthropic_error(refused, 429, "rate_limit_error")
+        assert int(refused.headers["retry-after"]) > 0
+    counted = limited_client.post("/v1/messages/count_tokens", json={"model": "chat", "messages": ASK})
+    assert counted.status_code == 200  # a count runs no stage: no limit counts it
+
+
 # -- tools ----------------------------------------------------------------------------------------
 
 
