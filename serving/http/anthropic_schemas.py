@@ -129,7 +129,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    stop_sequences: list[str] | None = Field(None, max_length=16)
+    stop_sequences: list[str] | None = Field(None, max_length=64)
     stream: bool = False
     metadata: Metadata | None = None
 
