@@ -165,6 +165,8 @@ class Facts(TypedDict, total=False):
     sampling: dict[str, Any]
     #: generate: the sampling parameters and cache salt it submitted (stream's ``retry_invalid`` resubmits).
     generate_request: tuple[Any, str]
+    #: stream: the stop string that ended the output (the pipeline's or the caller's), when one did.
+    stop_sequence: str
     #: generate: the constraint the output was decoded under (stream validates the text against it).
     output_constraint: dict[str, Any]
     #: generate: the SHA-256 of the weights that answered.

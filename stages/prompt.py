@@ -87,13 +87,19 @@ class PromptStage(Stage):
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(PromptConfig, self.config)
+        if ctx.documents and config.max_document_tokens is not None:
+            ctx.documents = await self._within_budget(ctx, config.max_document_tokens)
+        ctx.messages = self.build(ctx)
+
+    def build(self, ctx: RequestContext) -> list[ChatMessage]:
+        """The messages for *ctx*, with the documents it holds (the server also counts a request's prompt
+        tokens with this, before anything is retrieved: Anthropic's ``count_tokens``)."""
+        config = cast(PromptConfig, self.config)
         templates = config.templates
         messages: list[ChatMessage] = []
         system = templates.get("system")
         if system is not None:
             messages.append(ChatMessage("system", _render(system, ctx)))
-        if ctx.documents and config.max_document_tokens is not None:
-            ctx.documents = await self._within_budget(ctx, config.max_document_tokens)
         if ctx.documents and not (system is not None and "documents" in system.names):
             block = _sources(config.sources_heading, ctx.documents)
             if messages:
@@ -105,8 +111,7 @@ class PromptStage(Stage):
             messages += [ChatMessage(m.role, m.content) for m in earlier
                          if not (m.role == "system" and system is not None)]
         messages.append(ChatMessage("user", _render(templates["user"], ctx)))
-        ctx.messages = messages
-
+        return messages
 
     async def _within_budget(self, ctx: RequestContext, budget: int) -> list[Document]:
         """The best-ranked documents whose texts fit in *budget* tokens together."""

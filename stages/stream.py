@@ -83,6 +83,10 @@ class StreamStage(Stage):
         started = time.perf_counter()
         try:
             ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope, held)
+            if stops.matched is not None:
+                ctx.facts["stop_sequence"] = stops.matched
+            else:
+                ctx.facts.pop("stop_sequence", None)  # a retry's own stop, or none
         finally:
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)

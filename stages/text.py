@@ -58,15 +58,18 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]):
         self._stops = [s for s in stops if s]
         self._held = ""
+        #: The stop string that was hit, once one was.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buffer.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._held = ""
-            return buffer[:min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buffer[:at], True
         keep = self._partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep], False

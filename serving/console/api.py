@@ -35,8 +35,10 @@ async def run(name: FromPath[str], data: JSONBody[PipelineRequest], request: Req
 
 def as_bearer(request: Request, key: str) -> Request:
     """*request* as the API expects it: the key as ``Authorization: Bearer``, the console's cookies gone
-    (nothing downstream needs them). Without a key (auth off) no Authorization header is sent."""
-    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in (b"authorization", b"cookie")]
+    (nothing downstream needs them), and any key the request carried itself (``Authorization``,
+    ``x-api-key``) too: it acts as the session, only. Without a key (auth off) none is sent."""
+    headers = [(k, v) for k, v in request.scope["headers"]
+               if k.lower() not in (b"authorization", b"x-api-key", b"cookie")]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     # A fresh connection state: Litestar caches parsed headers there.

@@ -31,6 +31,8 @@ from pipeline.protocols import EngineProvider
 from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import (
+    anthropic_routes,
+    anthropic_schemas,
     audit_routes,
     deploy_routes,
     openai_common,
@@ -129,7 +131,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
 
     app = Litestar(
         route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES,
-                        *responses_routes.ROUTES, *audit_routes.ROUTES,
+                        *responses_routes.ROUTES, *anthropic_routes.ROUTES, *audit_routes.ROUTES,
                         *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
@@ -142,14 +144,15 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
         plugins=list(plugins(state)),
         request_max_body_size=server.http.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Inferline", version=__version__, path="/schema",
-                                     description="Every pipeline an endpoint; an OpenAI-compatible API.",
+                                     description="Every pipeline an endpoint; OpenAI- and Anthropic-compatible APIs.",
                                      components=openapi.components(), render_plugins=openapi.render_plugins(),
                                      security=openapi.SECURITY if server.auth.enabled else None),
     )
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
                                schemas.CompletionRequest, schemas.ResponsesRequest, schemas.DeployRequest,
                                schemas.ActivateRequest, schemas.TrafficRequest, schemas.ShadowRequest,
-                               tokenize_routes.TokenizeRequest, tokenize_routes.DetokenizeRequest)
+                               tokenize_routes.TokenizeRequest, tokenize_routes.DetokenizeRequest,
+                               anthropic_schemas.MessagesRequest, anthropic_schemas.CountTokensRequest)
     return app
 
 
@@ -215,6 +218,8 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     refusals = AppState.of(request).refusals
     if refusals is not None:
         refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
+    if request.url.path.startswith(anthropic_routes.PATH_PREFIX):
+        return anthropic_routes.error_response(problem)
     if request.url.path.startswith("/v1/") or request.url.path in tokenize_routes.PATHS:
         return openai_common.error_response(problem)
     return pipeline_routes.problem_response(problem, request.url.path)

@@ -1,4 +1,7 @@
-"""Who is calling: bearer API keys checked against the hashed keys in the SQL store.
+"""Who is calling: API keys checked against the hashed keys in the SQL store.
+
+A key comes as ``Authorization: Bearer <key>`` (OpenAI's clients, ours) or as ``x-api-key: <key>``
+(Anthropic's clients), on every route of the API; the bearer header wins when both are sent.
 
 Roles: ``caller`` (calls pipelines its ``access.roles`` allow), ``auditor``
 (reads audits and metrics), ``admin`` (everything). With auth off (only
@@ -40,12 +43,14 @@ class Authenticator:
         """The caller, or a 401 problem; None when auth is off."""
         if not self.enabled:
             return None
-        return await self.verify(bearer_token(request.headers.get("authorization", "")))
+        headers = request.headers
+        return await self.verify(api_key(headers.get("authorization", ""), headers.get("x-api-key", "")))
 
     async def verify(self, token: str | None) -> Principal:
         """The key *token*'s holder, or a 401 (none, or a bad key) or 503 (key store away) problem."""
         if token is None:
-            raise Problem(401, "Unauthorized", "send an API key as 'Authorization: Bearer <key>'",
+            raise Problem(401, "Unauthorized",
+                          "send an API key as 'Authorization: Bearer <key>' or as 'x-api-key: <key>'",
                           "unauthorized", {"WWW-Authenticate": "Bearer"})
         if self.keys is None:
             raise Problem(503, "Backend unavailable", "the key store is not open", "backend_error")
@@ -91,6 +96,11 @@ class Authenticator:
         principal = await self.principal(request)
         self.require(principal, roles, what)
         return principal
+
+
+def api_key(authorization: str, x_api_key: str) -> str | None:
+    """The key in an ``Authorization: Bearer`` header, else in an ``x-api-key`` header; None without one."""
+    return bearer_token(authorization) if authorization else (x_api_key.strip() or None)
 
 
 def bearer_token(header: str) -> str | None:

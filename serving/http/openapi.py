@@ -12,8 +12,9 @@ Request bodies are described by pydantic's own JSON Schema of their models
 that is 0 (``ge=0``, ``gt=0``), so the document would accept bodies the server refuses.
 
 Errors are RFC 9457 problem details (``application/problem+json``, serving/http/problems.py), except on
-the OpenAI-compatible routes, which answer in OpenAI's own error shape. Bearer keys are declared as
-the document's security scheme; routes anyone may call say so with ``operation_class=Public``.
+the OpenAI-compatible routes, which answer in OpenAI's own error shape, and Anthropic's Messages API
+(``/v1/messages``), in Anthropic's. Keys (bearer, or ``x-api-key``) are declared as
+the document's security schemes; routes anyone may call say so with ``operation_class=Public``.
 
 The document is served as ``/schema/openapi.json`` (and ``.yaml``); ``/schema`` is Swagger UI over it,
 whose scripts, stylesheet and icon come from the ``swagger-ui-py`` package through
@@ -41,16 +42,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving.http.problems import title_for
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-#: The document's one security scheme, required by every operation but the :class:`Public` ones.
+#: The document's security schemes, either of which every operation but the :class:`Public` ones requires:
+#: the key as a bearer token, or in ``x-api-key`` (as Anthropic's clients send it).
 BEARER = "bearer"
-SECURITY = [{BEARER: []}]
+API_KEY = "x-api-key"
+SECURITY = [{BEARER: []}, {API_KEY: []}]
 
 
 def components() -> Components:
-    """The document's components: the bearer scheme (a fresh object per app: Litestar adds to it)."""
-    return Components(security_schemes={BEARER: SecurityScheme(
-        type="http", scheme="bearer",
-        description="An API key: `Authorization: Bearer il_...` (made by `inferline keys create`)")})
+    """The document's components: the key's schemes (a fresh object per app: Litestar adds to it)."""
+    return Components(security_schemes={
+        BEARER: SecurityScheme(
+            type="http", scheme="bearer",
+            description="An API key: `Authorization: Bearer il_...` (made by `inferline keys create`)"),
+        API_KEY: SecurityScheme(type="apiKey", name="x-api-key", security_scheme_in="header",
+                                description="The same API key as `x-api-key: il_...`, as Anthropic's clients send it")})
 
 
 class ProblemDetails(BaseModel):
@@ -78,6 +84,20 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorBody
 
 
+class AnthropicErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    error: AnthropicErrorBody
+
+
 def problems(*statuses: int) -> dict[int, ResponseSpec]:
     """*statuses* answered as problem details."""
     return {status: ResponseSpec(ProblemDetails, description=title_for(status), media_type=PROBLEM_MEDIA_TYPE,
@@ -87,6 +107,12 @@ def problems(*statuses: int) -> dict[int, ResponseSpec]:
 def openai_errors(*statuses: int) -> dict[int, ResponseSpec]:
     """*statuses* answered in OpenAI's error shape (application/json)."""
     return {status: ResponseSpec(OpenAIError, description=title_for(status), generate_examples=False)
+            for status in statuses}
+
+
+def anthropic_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """*statuses* answered in Anthropic's error shape (application/json)."""
+    return {status: ResponseSpec(AnthropicError, description=title_for(status), generate_examples=False)
             for status in statuses}
 
 

@@ -7,8 +7,11 @@ body. A client's mistake is always 4xx; only our own failures are 5xx.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from pipeline.errors import InferlineError, PolicyDenied, status_of
 
@@ -92,3 +95,29 @@ def limit_headers(limits: dict[str, dict[str, float]] | None) -> dict[str, str]:
 
 def title_for(status: int) -> str:
     return _TITLES.get(status, "Error")
+
+
+def checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "") -> Any:
+    """*value* validated by *adapter*; a 400 naming *param* (and where in it) if it does not fit."""
+    if value is None:
+        return None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        if expected:
+            raise bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
+        tag = (value.get("type"),) if isinstance(value, dict) else ()
+        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
+        raise bad_request(where, param) from None
+
+
+def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
+    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
+    if tag and loc[:1] == tag:
+        loc = loc[1:]
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def bad_request(message: str, param: str) -> Problem:
+    """A 400 naming the request's field *param*."""
+    return Problem(400, "Bad request", message, "invalid_request", extra={"param": param})

@@ -33,7 +33,7 @@ from pipeline.errors import Overloaded, PolicyDenied, RateLimited
 from pipeline.runner import Pipeline
 from pipeline.spec import RefusalsSpec
 from serving.backends.audit_sink import StoreSink
-from serving.http.auth import Authenticator, bearer_token
+from serving.http.auth import Authenticator, api_key
 from serving.http.problems import Problem
 from store.keys import public_id
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #: The statuses recorded as refusals.
 REFUSED_STATUSES = frozenset({401, 403, 413, 429})
 #: The routes that call a pipeline (POST); the pipeline route is ``/pipelines/{name}``.
-OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 #: At most this many client buckets are kept (the least recently used go first; a client forgotten
 #: starts full again, and the shared bucket still bounds the total).
 MAX_CLIENTS = 10_000
@@ -133,7 +133,7 @@ class RefusalRecorder:
         ctx = attempt.ctx
         if ctx is not None and ctx.facts.get("audited"):
             return  # the pipeline's audit stage recorded it
-        token = bearer_token(request.headers.get("authorization", ""))
+        token = api_key(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
         reason = _reason(problem, token, ctx)
         client = request.client.host if request.client else ""
         if not self._admit(client, reason.code):

@@ -17,6 +17,7 @@ from litestar import Request, post
 from litestar.params import JSONBody
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.runner import Pipeline
 from serving.http.openapi import openai_errors
 from serving.http.problems import Problem
 from serving.http.schemas import ChatMessageIn
@@ -60,20 +61,33 @@ async def _tokenizer(state: AppState, request: Request, name: str) -> tuple[Any,
     principal = await state.auth.principal(request)
     if pipeline is not None:
         state.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
-        stage = next((s for s in pipeline.spec.stages if s.type == "tokenize"), None)
-        model = str((stage.with_ or {}).get("model") or "") if stage is not None else ""
-        model = model or next(iter(server.models), "")
-    elif name in server.models:
-        state.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
-        model = name
-    else:
+        return await _model_tokenizer(state, _model_of(state, pipeline))
+    if name not in server.models:
         raise Problem(404, "Not found", f"no pipeline or model {name!r}; pipelines: "
                       f"{', '.join(sorted(state.executor.pipelines))}; models: {', '.join(server.models)}",
                       "model_not_found")
+    state.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
+    return await _model_tokenizer(state, name)
+
+
+async def tokenizer_of(state: AppState, pipeline: Pipeline) -> tuple[Any, str]:
+    """The tokenizer of *pipeline*'s ``tokenize`` stage's model (else the server's first), and that model:
+    what encodes its prompts."""
+    return await _model_tokenizer(state, _model_of(state, pipeline), "encode_chat")
+
+
+def _model_of(state: AppState, pipeline: Pipeline) -> str:
+    stage = next((s for s in pipeline.spec.stages if s.type == "tokenize"), None)
+    model = str((stage.with_ or {}).get("model") or "") if stage is not None else ""
+    return model or next(iter(state.workspace.server.models), "")
+
+
+async def _model_tokenizer(state: AppState, model: str, needs: str = "tokenize") -> tuple[Any, str]:
+    """*model*'s tokenizer, which must have the method *needs* (a remote model's has none)."""
     engines = state.engines
     engine = await engines.get(model) if engines is not None else None
     tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None or not hasattr(tokenizer, "tokenize"):
+    if tokenizer is None or not hasattr(tokenizer, needs):
         raise Problem(400, "Bad request", f"model {model!r} is served remotely: it has no tokenizer here",
                       "invalid_request")
     return tokenizer, model

@@ -75,6 +75,8 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("POST", "/v1/responses"): (CALLERS, Call("/v1/responses", json={"model": "chat", "input": "hello"})),
     ("GET", "/v1/responses/{response_id:str}"): (CALLERS, Call("/v1/responses/resp_none")),
     ("DELETE", "/v1/responses/{response_id:str}"): (CALLERS, Call("/v1/responses/resp_none")),
+    ("POST", "/v1/messages"): (CALLERS, Call("/v1/messages", json={**OPENAI_CHAT, "max_tokens": 8})),
+    ("POST", "/v1/messages/count_tokens"): (CALLERS, Call("/v1/messages/count_tokens", json=OPENAI_CHAT)),
     ("GET", "/audit/records"): (REVIEWERS, Call("/audit/records")),
     ("GET", "/audit/records/{record_id:str}"): (REVIEWERS, Call("/audit/records/no-such-record")),
     ("GET", "/audit/records/{record_id:str}/spec"): (REVIEWERS, Call("/audit/records/no-such-record/spec")),
@@ -169,6 +171,9 @@ def test_route_access(secured, method, path):
         return
     if call.console and not path.startswith("/ui/api/"):  # a page: to the login form, and back after it
         assert is_login_redirect(nobody), (nobody.status_code, nobody.headers)
+    elif path.startswith("/v1/messages"):  # Anthropic's error shape
+        assert nobody.status_code == 401 and nobody.json()["error"]["type"] == "authentication_error"
+        assert nobody.json()["type"] == "error"
     elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):  # OpenAI's error shape (vLLM's too)
         assert nobody.status_code == 401 and nobody.json()["error"]["type"] == "authentication_error"
     else:
@@ -196,3 +201,21 @@ def test_a_bad_key_is_401_everywhere(secured):
         for header in ("Basic dXNlcjpwYXNz", "bearer", "", secured.keys["admin"]):  # wrong scheme, no key
             response = secured.client.request(method, call.path, json=call.json, headers={"Authorization": header})
             assert response.status_code == 401, (method, path, header[:10], response.status_code)
+
+
+def test_a_key_may_come_as_x_api_key(secured):
+    """Anthropic's clients send the key as ``x-api-key``: taken on every API route, checked as a bearer key."""
+    for (method, path), (allowed, call) in sorted(ACCESS.items()):
+        if allowed == PUBLIC or call.console:
+            continue
+        for bad in ("il_AAAAAAAAAAAA_" + "A" * 43, secured.keys["caller"][:-1] + "x", " "):
+            response = secured.client.request(method, call.path, json=call.json, headers={"x-api-key": bad})
+            assert response.status_code == 401, (method, path, bad, response.status_code)
+        roles = ROLES if allowed == SIGNED_IN else (*allowed, "admin")
+        for role in ROLES:
+            response = secured.client.request(method, call.path, json=call.json,
+                                              headers={"x-api-key": secured.keys[role]})
+            if role in roles:
+                assert response.status_code not in (401, 403), (path, role, response.status_code)
+            else:
+                assert response.status_code == 403, (path, role, response.status_code)

@@ -42,6 +42,17 @@ def test_every_console_post_is_csrf_protected(secured):
         assert accepted.status_code not in (401, 403), (path, accepted.status_code, accepted.text[:300])
 
 
+@pytest.mark.parametrize("header", ["x-api-key", "authorization"])
+def test_a_console_run_acts_as_its_session_only(secured, header):
+    """A key the request carries itself (as ``x-api-key`` or a bearer) is dropped: the session's decides."""
+    key, admin = secured.keys["caller"], secured.keys["admin"]
+    token = csrf_token(secured, NONCE, key, "caller")
+    carried = {header: admin if header == "x-api-key" else f"Bearer {admin}"}
+    refused = post(secured, "/ui/api/pipelines/reviews/run", key, token, {"input": "hi"}, carried)
+    assert refused.status_code == 403, (refused.status_code, refused.text[:300])  # reviews: auditors only
+    assert post(secured, "/ui/api/pipelines/chat/run", key, token, {"input": "hi"}, carried).status_code == 200
+
+
 def post(secured: App, path: str, key: str, token: str | None, json_body: dict | None, extra: dict[str, str]):
     headers = {"cookie": f"{KEY_COOKIE}={key}; {CSRF_COOKIE}={NONCE}", **extra}
     form = {"api_key": key}

@@ -4,7 +4,8 @@ Oversized and endless bodies, deeply nested JSON, invalid UTF-8, numbers out of 
 NaN, infinite), and pipeline names with path traversal, control and odd Unicode characters. (Prompts
 past the context window need the real engine: tests/faults/test_server_faults.py.) The
 OpenAI-compatible routes answer the same requests in OpenAI's error shape (``{"error": {...}}``)
-with the same statuses, as OpenAI clients expect.
+with the same statuses, as OpenAI clients expect; Anthropic's Messages API in Anthropic's (a 400
+where the others answer 422, as Anthropic does).
 """
 
 from __future__ import annotations
@@ -106,6 +107,24 @@ def test_bad_bodies_on_the_openai_route_get_an_openai_error(secured, name):
         assert 200 in statuses
         return
     assert_openai_error(response, statuses)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BODIES))
+def test_bad_bodies_on_the_anthropic_route_get_an_anthropic_error(secured, name):
+    if name in NOT_FOR_OPENAI:
+        pytest.skip("no such field in a message request")
+    content, statuses = BAD_BODIES[name]
+    if content.startswith(b'{"input": "x"'):  # the same fault in a message request's body
+        content = (b'{"model": "chat", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]'
+                   + content[len(b'{"input": "x"'):])
+    response = post(secured, "/v1/messages", content)
+    if response.status_code == 200:
+        assert 200 in statuses
+        return
+    # Anthropic answers a body that does not fit the schema with a 400, not a 422.
+    assert response.status_code in {400 if status == 422 else status for status in statuses}, response.text[:500]
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body
 
 
 def test_a_body_without_length_past_the_limit_is_413(secured):

@@ -60,7 +60,9 @@ def test_partial_match_is_released_when_it_is_not_a_stop():
 
 def test_earliest_of_several_stops_wins():
     stops = StopStrings(["END", "\n"])
+    assert stops.matched is None
     assert stops.feed("one\ntwo END") == ("one", True)
+    assert stops.matched == "\n"  # which one ended the text (Anthropic's stop_sequence)
 
 
 def test_no_stops_passes_through():
