@@ -184,7 +184,7 @@ class _Blocks:
     def text(self, text: str) -> list[bytes]:
         chunks: list[bytes] = []
         if self._held is not None:
-            text = self._held.feed(text)
+            text = self._held.feed(text) or ""
             if self._held.passing and not self._open:
                 chunks += self._start_text()
         if text:

@@ -35,21 +35,15 @@ from litestar.response import Response
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openai_common import (
-    HeldReply,
-    bad_request,
     chat_turns,
     check_choice,
     check_functions,
-    checked,
-    constrain_output,
-    cut_call,
     error_body,
     refuse,
-    reply_call,
 )
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
-from serving.http.problems import from_final
+from serving.http.problems import bad_request, checked, from_final
 from serving.http.schemas import (
     RESPONSE_FORMAT,
     TOOL_CHOICE,
@@ -63,6 +57,7 @@ from serving.http.schemas import (
 )
 from serving.http.served import encode_json, event_stream, head_of_stream, with_head
 from serving.http.state import AppState
+from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
 
 
@@ -133,12 +128,12 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
     summary = final.summary
-    call = reply_call(ctx, summary.output_text)
+    call = call_of(ctx, summary.output_text)
     if call is not None:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
-    elif cut_call(ctx, summary.finish_reason):
+    elif is_cut_call(ctx, summary.finish_reason):
         choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
                   "logprobs": None}
     elif kind == "chat.completion":

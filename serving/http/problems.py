@@ -106,16 +106,27 @@ def checked(adapter: TypeAdapter[Any], value: Any, param: str, expected: str = "
     except ValidationError as exc:
         if expected:
             raise bad_request(f"{param}: expected {expected}, got {json.dumps(value)[:100]}", param) from None
-        tag = (value.get("type"),) if isinstance(value, dict) else ()
-        where = "; ".join(f"{param}{_path(e['loc'], tag)}: {e['msg']}" for e in exc.errors())
+        where = "; ".join(f"{param}{_path(e['loc'], value)}: {e['msg']}" for e in exc.errors())
         raise bad_request(where, param) from None
 
 
-def _path(loc: tuple[Any, ...], tag: tuple[Any, ...]) -> str:
-    """``[0].function.name``; without the tag a tagged union puts first (``json_schema.json_schema``)."""
-    if tag and loc[:1] == tag:
-        loc = loc[1:]
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+def _path(loc: tuple[Any, ...], value: Any) -> str:
+    """``[0].function.name``: where in *value* the error is, without the tags that a tagged union puts in
+    (``json_schema.json_schema``: the object's ``type``, then its field)."""
+    parts, node, tag_skipped = [], value, False
+    for part in loc:
+        if isinstance(node, dict) and part == node.get("type") and part not in node and not tag_skipped:
+            tag_skipped = True
+            continue
+        parts.append(f"[{part}]" if isinstance(part, int) else f".{part}")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            node = None
+        tag_skipped = False
+    return "".join(parts)
 
 
 def bad_request(message: str, param: str) -> Problem:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.http.openai_common import bad_request
+from serving.http.problems import bad_request
 from serving.http.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
 
 _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},

@@ -45,20 +45,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openai_common import (
-    HeldReply,
-    bad_request,
     chat_turns,
     check_choice,
     check_functions,
-    checked,
-    constrain_output,
-    cut_call,
     refuse,
-    reply_call,
 )
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import failure, response_headers, start_request
-from serving.http.problems import Problem, from_final
+from serving.http.problems import Problem, bad_request, checked, from_final
 from serving.http.responses_input import chat_messages, input_items
 from serving.http.schemas import (
     RESPONSES_TEXT,
@@ -72,6 +66,7 @@ from serving.http.schemas import (
 )
 from serving.http.served import event_stream, head_of_stream, sse_event, with_head
 from serving.http.state import AppState
+from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
 from store.db import utcnow
 from store.responses import ResponseStore, StoredResponse
@@ -219,10 +214,10 @@ class _Made:
 def _output(ctx: RequestContext, text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
     """The output items of a reply, and the response's status."""
     status = "incomplete" if finish_reason == "length" else "completed"
-    call = reply_call(ctx, text)
+    call = call_of(ctx, text)
     if call is not None:
         return [_call_item(ctx, call, "completed")], "completed"
-    if cut_call(ctx, finish_reason):  # half a call is neither a call nor content
+    if is_cut_call(ctx, finish_reason):  # half a call is neither a call nor content
         return [], "incomplete"
     return [_message_item(ctx, text, status)], status
 

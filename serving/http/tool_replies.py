@@ -6,7 +6,8 @@ Both APIs put the offered functions on the request context in OpenAI's shape (``
 makes a forced call the only thing the model can write. A reply is a call when tools were offered and
 it parses as one (:func:`call_of`); a forced call that ``max_tokens`` cut short is neither a call nor
 text (:func:`is_cut_call`). Streamed, :class:`HeldReply` holds the text back while it may still be a
-call, and says at the end what it was.
+call, and says at the end what it was. The OpenAI routes (:mod:`serving.http.openai_common`) and the
+Anthropic ones read replies through these.
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ def offer_tools(ctx: RequestContext, offered: list[dict[str, Any]], choice: str 
     schema the reply must match when it is not a call (a response format)."""
     ctx.tools = offered
     ctx.tool_choice = choice
-    forced = tools.forced_names(offered, choice)
+    constrain_output(ctx, schema)
+
+
+def constrain_output(ctx: RequestContext, schema: dict[str, Any] | None) -> None:
+    """Set ``output`` from a response format's *schema* (None: free text) and the tools already offered: a
+    forced call is the whole reply, an offered one is the format or a call."""
+    forced = tools.forced_names(ctx.tools, ctx.tool_choice)
     if forced:  # a call is the whole reply: a response format has nothing left to shape
-        schema = tools.call_schema(offered, forced)
-    elif schema is not None and tools.is_offered(offered, choice):  # the format, or a call
-        schema = {"anyOf": [schema, tools.call_schema(offered, list(tools.functions(offered)))]}
+        schema = tools.call_schema(ctx.tools, forced)
+    elif schema is not None and tools.is_offered(ctx.tools, ctx.tool_choice):  # the format, or a call
+        schema = {"anyOf": [schema, tools.call_schema(ctx.tools, list(tools.functions(ctx.tools)))]}
     if schema is not None:
         ctx.params["output"] = {"json_schema": schema}
 
@@ -58,29 +65,31 @@ def may_call(ctx: RequestContext) -> bool:
 
 
 class HeldReply:
-    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of
-    it when a call is forced). Once it cannot be a call, it is ``passing``: :meth:`feed` returns the text
-    held so far, then each piece as it comes."""
+    """A streamed reply that may be a tool call: its text is held back while it may still be one (all of it
+    when a call is forced), then passed on as text, or read at the end as a call."""
 
     def __init__(self, ctx: RequestContext):
         self._ctx = ctx
         self._forced = bool(tools.forced_names(ctx.tools, ctx.tool_choice))
         self._text = ""
+        #: Whether the reply turned out to be text, and is passed on as it comes.
         self.passing = False
 
-    def feed(self, text: str) -> str:
-        """The text to send now: nothing while the reply may still be a call."""
+    def feed(self, text: str) -> str | None:
+        """The text to send now: *text*, or all that was held once it cannot be a call; None while held."""
         if self.passing:
             return text
         self._text += text
         if self._forced or tools.could_be_call(self._text):
-            return ""
+            return None
         self.passing = True
         return self._text
 
     def end(self, finish_reason: str) -> tools.ToolCall | str | None:
-        """What a reply that never passed is: a call, text (all of it), or None for a forced call that
-        ``max_tokens`` cut short."""
+        """What the held reply is: a call, or text (all that was held) to send; None when there is nothing
+        more to send (the reply was passed on already, or it is a forced call cut short)."""
+        if self.passing:
+            return None
         call = call_of(self._ctx, self._text)
         if call is not None:
             return call
