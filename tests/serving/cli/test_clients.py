@@ -1,8 +1,9 @@
 """The tools and client packages people point at a server, unchanged, against a real ``inferline serve``.
 
 One server with auth on (keys made with the real CLI) and one with auth off (loopback), both on the
-bundled model: guidellm (vLLM's users' benchmark tool, run from its own virtual environment made by
-``make test``, since its pins clash with ours).
+bundled model, shared by every test here: guidellm (vLLM's users' benchmark tool, run from its own
+virtual environment made by ``make test``, since its pins clash with ours); the official ``anthropic``
+package (messages plain, streamed and with tools, count_tokens, its own errors).
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import json
 import subprocess
 from collections.abc import Iterator
 
+import anthropic
+import httpx
 import pytest
 
+from stages import tools
 from tests.serving.cli.test_serve import ROOT, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
+WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +34,21 @@ def secured(tmp_path_factory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
+def open_server(tmp_path_factory) -> Iterator[Server]:
+    running = Server(tmp_path_factory.mktemp("open"), auth=False)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
 def caller_key(secured) -> str:
     return secured.key("caller")
+
+
+@pytest.fixture(scope="module")
+def anth(secured, caller_key) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=secured.url, api_key=caller_key) as client:  # sent as x-api-key
+        yield client
 
 
 def test_guidellm_streams_concurrently_with_no_error_and_exact_output_lengths(secured, caller_key, tmp_path):
@@ -50,3 +69,72 @@ def test_guidellm_streams_concurrently_with_no_error_and_exact_output_lengths(se
     assert [r["output_tokens"] for r in requests["successful"]] == [48] * 8
     body = json.loads(requests["successful"][0]["request_args"])["body"]
     assert body["ignore_eos"] is True and body["stream_options"]["continuous_usage_stats"] is True
+
+
+def test_the_anthropic_package_creates_streams_and_counts(anth):
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    message = anth.messages.create(model="chat", max_tokens=32, messages=ask, system="Answer in one sentence.")
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "text"
+    assert "Paris" in message.content[0].text
+    assert message.stop_reason in {"end_turn", "max_tokens"} and message.usage.output_tokens > 0
+    counted = anth.messages.count_tokens(model="chat", messages=ask, system="Answer in one sentence.")
+    assert counted.input_tokens == message.usage.input_tokens
+    with anth.messages.stream(model="chat", max_tokens=32, messages=ask,
+                                     system="Answer in one sentence.") as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == message.content[0].text  # temperature 0: the same answer
+    assert final.usage.input_tokens == message.usage.input_tokens
+    assert final.stop_reason == message.stop_reason
+    cut = anth.messages.create(model="chat", max_tokens=3, messages=ask)
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+    first_word = message.content[0].text.split()[1]
+    stopped = anth.messages.create(model="chat", max_tokens=32, messages=ask, system="Answer in one sentence.",
+                                          stop_sequences=[first_word])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", first_word)
+    assert stopped.content[0].text == message.content[0].text.split(first_word)[0]
+
+
+def test_the_anthropic_package_makes_a_forced_tool_call_and_takes_its_result(anth):
+    weather = {**WEATHER, "input_schema": {**WEATHER["input_schema"], "additionalProperties": False}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    message = anth.messages.create(model="tool_call", max_tokens=64, messages=ask, tools=[weather],
+                                          tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    (call,) = message.content
+    assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
+    assert tools.schema_errors(call.input, weather["input_schema"]) == []
+    with anth.messages.stream(model="tool_call", max_tokens=64, messages=ask, tools=[weather],
+                                     tool_choice={"type": "any"}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and streamed.content[0].input == call.input
+    followup = anth.messages.create(model="tool_call", max_tokens=32, tools=[weather], messages=[
+        *ask, {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in message.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C, clear"}]}])
+    assert followup.stop_reason in {"end_turn", "max_tokens", "tool_use"}
+    counted = anth.messages.count_tokens(model="tool_call", messages=ask, tools=[weather],
+                                                tool_choice={"type": "any"})
+    assert counted.input_tokens == streamed.usage.input_tokens
+
+
+def test_the_anthropic_package_gets_its_own_errors(secured, anth):
+    ask = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(anthropic.NotFoundError, match="nope"):
+        anth.messages.create(model="nope", max_tokens=8, messages=ask)
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):
+        anth.messages.create(model="chat", max_tokens=8, messages=ask,
+                                    thinking={"type": "enabled", "budget_tokens": 1024})
+    with anthropic.Anthropic(base_url=secured.url, api_key="il_wrong") as stranger, \
+            pytest.raises(anthropic.AuthenticationError):
+        stranger.messages.create(model="chat", max_tokens=8, messages=ask)
+    with anthropic.Anthropic(base_url=secured.url, api_key=secured.key("auditor")) as auditor, \
+            pytest.raises(anthropic.PermissionDeniedError):
+        auditor.messages.count_tokens(model="chat", messages=ask)
+
+
+def test_the_anthropic_package_without_auth(open_server):
+    with anthropic.Anthropic(base_url=open_server.url, api_key="unused") as client:
+        message = client.messages.create(model="chat", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+    assert message.usage.output_tokens > 0
+    raw = httpx.post(f"{open_server.url}/v1/messages", json={"model": "chat", "max_tokens": 8, "messages": []})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -44,8 +45,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed in stop()
+        # This checkout's code, whichever checkout the environment's editable install points at.
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([EXE, "serve", "--config", self.config, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -62,7 +65,8 @@ class Server:
 
     def key(self, role: str) -> str:
         out = subprocess.run([EXE, "keys", "create", "--role", role, "--name", f"test-{role}", "--config",
-                              self.config], capture_output=True, text=True, check=True, cwd=self.config.parent)
+                              self.config], capture_output=True, text=True, check=True, cwd=self.config.parent,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
         return out.stdout.strip()
 
     def stop(self) -> int:
