@@ -3,7 +3,8 @@
 One server with auth on (keys made with the real CLI) and one with auth off (loopback), both on the
 bundled model, shared by every test here: guidellm (vLLM's users' benchmark tool, run from its own
 virtual environment made by ``make test``, since its pins clash with ours); the official ``anthropic``
-package (messages plain, streamed and with tools, count_tokens, its own errors).
+package (messages plain, streamed and with tools, count_tokens, its own errors); the official ``openai``
+package (responses plain, streamed, continued, with a JSON schema and a forced call).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import anthropic
 import httpx
 import pytest
+from openai import NotFoundError, OpenAI
 
 from stages import tools
 from tests.serving.cli.test_serve import ROOT, Server
@@ -24,6 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
 WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+FUNCTION = {"type": "function", "name": "get_weather", "description": "Current weather for a city.",
+            "parameters": WEATHER["input_schema"]}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"],
+          "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +49,12 @@ def open_server(tmp_path_factory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def caller_key(secured) -> str:
     return secured.key("caller")
+
+
+@pytest.fixture(scope="module")
+def oai(secured, caller_key) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{secured.url}/v1", api_key=caller_key) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +150,59 @@ def test_the_anthropic_package_without_auth(open_server):
     assert message.usage.output_tokens > 0
     raw = httpx.post(f"{open_server.url}/v1/messages", json={"model": "chat", "max_tokens": 8, "messages": []})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_openai_package_creates_and_continues_responses(oai):
+    first = oai.responses.create(model="tool_call", input="What is the capital of France?",
+                                         max_output_tokens=16)
+    assert first.status in {"completed", "incomplete"} and first.output_text
+    assert first.output[0].type == "message" and first.usage.total_tokens > first.usage.input_tokens
+    alone = oai.responses.create(model="tool_call", input="And of Spain?", max_output_tokens=8)
+    second = oai.responses.create(model="tool_call", input="And of Spain?", max_output_tokens=8,
+                                          previous_response_id=first.id)
+    # The first turn, question and answer, is in the second's prompt.
+    assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens
+    assert oai.responses.retrieve(second.id).output_text == second.output_text
+    assert oai.responses.delete(second.id) is None
+    with pytest.raises(NotFoundError):
+        oai.responses.retrieve(second.id)
+
+
+def test_the_real_model_answers_a_response_in_the_json_schema(oai):
+    response = oai.responses.create(
+        model="tool_call", input="What is the capital of France? Answer in JSON.", max_output_tokens=48,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})
+    assert response.status == "completed", response.output_text
+    assert tools.schema_errors(json.loads(response.output_text), SCHEMA) == []
+
+
+def test_the_real_model_makes_a_forced_call_in_a_response(oai):
+    response = oai.responses.create(model="tool_call", input="What is the weather in Paris?",
+                                            tools=[FUNCTION], tool_choice="required", max_output_tokens=64)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert tools.schema_errors(json.loads(call.arguments), FUNCTION["parameters"]) == []
+    followup = oai.responses.create(
+        model="tool_call", previous_response_id=response.id, max_output_tokens=16, tools=[FUNCTION],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
+    assert followup.status in {"completed", "incomplete"}
+
+
+def test_the_openai_package_streams_a_response(oai):
+    with oai.responses.stream(model="tool_call", input="What is the capital of France?",
+                                      max_output_tokens=16) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert deltas and "".join(deltas) == final.output_text
+    assert final.usage.output_tokens > 0 and final.status in {"completed", "incomplete"}
+    kinds = [event.type for event in oai.responses.create(
+        model="tool_call", input="Hi", max_output_tokens=8, stream=True)]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in {"response.completed", "response.incomplete"}
+
+
+def test_the_openai_package_without_auth(open_server):
+    with OpenAI(base_url=f"{open_server.url}/v1", api_key="unused") as client:
+        response = client.responses.create(model="chat", input="Hi", max_output_tokens=8)
+        assert response.output_text and response.usage.output_tokens > 0
+        assert client.responses.retrieve(response.id).id == response.id

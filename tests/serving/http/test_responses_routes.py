@@ -6,25 +6,21 @@ behind a real HTTP server, through the official ``openai`` package."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from litestar.testing import TestClient
-from openai import NotFoundError, OpenAI
+from openai import OpenAI
 
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from stages import tools
 from store.db import make_engine, utcnow
 from store.keys import KeyStore
 from store.responses import ResponseStore
 from tests import fakes
 from tests.serving import workspaces as serving
-from tests.serving.live_server import LiveServer
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -386,88 +382,3 @@ def test_a_missing_response_is_an_openai_404(client):
     for response in (client.get("/v1/responses/resp_nope"), client.delete("/v1/responses/resp_nope")):
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "response_not_found"
-
-
-# -- the real model, through the openai package ---------------------------------------------------------
-
-ROOT = Path(__file__).parents[3]
-
-
-@pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
-    """The app on the real model with the repository's ``tool_call`` pipeline, served by uvicorn on loopback,
-    auth off."""
-    tmp = tmp_path_factory.mktemp("responses-server")
-    (tmp / "pipelines").mkdir()
-    shutil.copy(ROOT / "pipelines" / "tool_call.yaml", tmp / "pipelines")
-    config = tmp / "inferline.yaml"
-    config.write_text(f"models:\n  smol: {{source: {ROOT}/models/smollm2-135m-instruct}}\n"
-                      f"database: sqlite:///{tmp}/server.db\npipelines: pipelines/\nauth: {{enabled: false}}\n")
-    server = LiveServer(create_server(open_workspace(str(config))), start_timeout_s=180)  # loads the model
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def real_client(real_server):
-    with OpenAI(base_url=f"{real_server.url}/v1", api_key="unused") as client:
-        yield client
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_the_openai_package_creates_and_continues_responses(real_client):
-    first = real_client.responses.create(model="tool_call", input="What is the capital of France?",
-                                         max_output_tokens=16)
-    assert first.status in {"completed", "incomplete"} and first.output_text
-    assert first.output[0].type == "message" and first.usage.total_tokens > first.usage.input_tokens
-    alone = real_client.responses.create(model="tool_call", input="And of Spain?", max_output_tokens=8)
-    second = real_client.responses.create(model="tool_call", input="And of Spain?", max_output_tokens=8,
-                                          previous_response_id=first.id)
-    # The first turn, question and answer, is in the second's prompt.
-    assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens
-    assert real_client.responses.retrieve(second.id).output_text == second.output_text
-    assert real_client.responses.delete(second.id) is None
-    with pytest.raises(NotFoundError):
-        real_client.responses.retrieve(second.id)
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_the_real_model_answers_in_the_json_schema(real_client):
-    response = real_client.responses.create(
-        model="tool_call", input="What is the capital of France? Answer in JSON.", max_output_tokens=48,
-        text={"format": {"type": "json_schema", "name": "answer", "schema": {
-            "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"],
-            "additionalProperties": False}, "strict": True}})
-    assert response.status == "completed", response.output_text
-    assert tools.schema_errors(json.loads(response.output_text), SCHEMA) == []
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_the_real_model_makes_a_forced_call(real_client):
-    response = real_client.responses.create(model="tool_call", input="What is the weather in Paris?",
-                                            tools=[WEATHER], tool_choice="required", max_output_tokens=64)
-    [call] = response.output
-    assert call.type == "function_call" and call.name == "get_weather"
-    assert tools.schema_errors(json.loads(call.arguments), WEATHER["parameters"]) == []
-    followup = real_client.responses.create(
-        model="tool_call", previous_response_id=response.id, max_output_tokens=16, tools=[WEATHER],
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
-    assert followup.status in {"completed", "incomplete"}
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_the_openai_package_streams_a_response(real_client):
-    with real_client.responses.stream(model="tool_call", input="What is the capital of France?",
-                                      max_output_tokens=16) as stream:
-        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
-        final = stream.get_final_response()
-    assert deltas and "".join(deltas) == final.output_text
-    assert final.usage.output_tokens > 0 and final.status in {"completed", "incomplete"}
-    kinds = [event.type for event in real_client.responses.create(
-        model="tool_call", input="Hi", max_output_tokens=8, stream=True)]
-    assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] in {"response.completed", "response.incomplete"}
