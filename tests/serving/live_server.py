@@ -12,8 +12,7 @@ import uvicorn
 class LiveServer:
     """create_server over fake engines, served by uvicorn on a free loopback port, in a thread."""
 
-    def __init__(self, app, start_timeout_s: float = 30):
-        """*start_timeout_s*: how long the app's start may take (a real model loads in it)."""
+    def __init__(self, app):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -22,7 +21,7 @@ class LiveServer:
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + start_timeout_s
+        deadline = time.monotonic() + 30
         while not self.server.started:
             assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
             time.sleep(0.05)
