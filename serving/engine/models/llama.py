@@ -399,7 +399,7 @@ class LlamaModel:
                 setattr(layer, name, quantize_weight(getattr(layer, name), self.device))
         self.lm_head = quantize_weight(self.lm_head, self.device)  # its own copy: the embedding stays dense
         weights = [getattr(layer, name) for layer in self.layers for name in LINEARS] + [self.lm_head]
-        if self.device.type == "cpu" and all(w.int8 is not None for w in weights):
+        if self.device.type == "cpu":
             # The plain int8 matrices a decode step streams, back to back in step order, as _pack's float32 ones.
             plain = iter(_in_one_arena([w.int8 for w in weights], torch.int8, self.device))
             for layer in self.layers:
