@@ -33,6 +33,7 @@ from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import (
     audit_routes,
     deploy_routes,
+    embeddings_routes,
     openai_routes,
     openapi,
     ops_routes,
@@ -122,7 +123,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                     thaw()
 
     app = Litestar(
-        route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES, *audit_routes.ROUTES,
+        route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES,
+                        *embeddings_routes.ROUTES, *audit_routes.ROUTES,
                         *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
@@ -142,7 +144,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     openapi.use_pydantic_schemas(app, schemas.PipelineRequest, schemas.ChatCompletionRequest,
                                schemas.CompletionRequest, schemas.DeployRequest, schemas.ActivateRequest,
                                schemas.TrafficRequest, schemas.ShadowRequest, tokenize_routes.TokenizeRequest,
-                               tokenize_routes.DetokenizeRequest)
+                               tokenize_routes.DetokenizeRequest, embeddings_routes.EmbeddingRequest)
     return app
 
 

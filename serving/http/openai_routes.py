@@ -36,6 +36,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.http.embeddings_routes import embeds
 from serving.http.openapi import JsonOrEventStream, openai_errors
 from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
 from serving.http.problems import Problem, from_final
@@ -180,6 +181,9 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     tags = {"user": data.user} if data.user else None
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
                                         stop=data.stops())
+    if embeds(pipeline):
+        raise _bad_request(f"model: pipeline {pipeline.name!r} makes embeddings, not text: call /v1/embeddings",
+                           "model")
     if isinstance(data, ChatCompletionRequest):
         _offer_tools(ctx, data)
     if data.stream:

@@ -72,6 +72,8 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("POST", "/v1/chat/completions"): (CALLERS, Call("/v1/chat/completions", json=OPENAI_CHAT)),
     ("POST", "/v1/completions"): (CALLERS, Call("/v1/completions", json={"model": "chat", "prompt": "hello"})),
     ("GET", "/v1/models"): (("caller", "auditor"), Call("/v1/models")),
+    # `chat` makes no embeddings: a caller's call is a 400 naming `model` (the real model: test_embeddings_routes.py).
+    ("POST", "/v1/embeddings"): (CALLERS, Call("/v1/embeddings", json={"model": "chat", "input": "hello"})),
     ("GET", "/audit/records"): (REVIEWERS, Call("/audit/records")),
     ("GET", "/audit/records/{record_id:str}"): (REVIEWERS, Call("/audit/records/no-such-record")),
     ("GET", "/audit/records/{record_id:str}/spec"): (REVIEWERS, Call("/audit/records/no-such-record/spec")),
