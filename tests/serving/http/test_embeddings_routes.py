@@ -7,6 +7,7 @@ calls a real server (uvicorn on a loopback port).
 from __future__ import annotations
 
 import base64
+import json
 import textwrap
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from litestar.testing import TestClient
 from openai import OpenAI
 
+from serving.http.embeddings_routes import nine_digits
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.db import make_engine
@@ -197,3 +199,13 @@ def test_the_openai_package_against_a_real_server(app, client, keys):
     np.testing.assert_array_equal(got, np.array([d.embedding for d in floats.data], dtype=np.float32))
     np.testing.assert_allclose(got, reference(TEXTS[:5]), atol=1e-5)
     assert result.usage.prompt_tokens == result.usage.total_tokens > 5
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-7, 1e-30, 1e30])
+def test_nine_digits_give_back_every_float32(scale):
+    values = (np.random.default_rng(7).standard_normal((64, 384)) * scale).astype(np.float32)
+    values[0, :3] = [0.0, -0.0, np.float32(1e-45)]  # zeros and the smallest subnormal too
+    text = json.dumps(nine_digits(values).tolist())
+    np.testing.assert_array_equal(np.array(json.loads(text), dtype=np.float32), values)
+    if 1e-7 <= scale <= 1:  # an embedding's range: nine digits at most (and a sign, a point, an exponent)
+        assert max(len(repr(v)) for v in nine_digits(values[1:]).ravel().tolist()) <= 16
