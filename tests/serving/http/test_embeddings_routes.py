@@ -209,3 +209,27 @@ def test_nine_digits_give_back_every_float32(scale):
     np.testing.assert_array_equal(np.array(json.loads(text), dtype=np.float32), values)
     if 1e-7 <= scale <= 1:  # an embedding's range: nine digits at most (and a sign, a point, an exponent)
         assert max(len(repr(v)) for v in nine_digits(values[1:]).ravel().tolist()) <= 16
+
+
+HOSTILE = {
+    "deeply nested input": b'{"model": "embed", "input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+    "invalid utf-8": b'{"model": "embed", "input": "\xff\xfe"}',
+    "nul byte": b'{"model": "embed", "input": "a\x00b"}',
+    "input null": b'{"model": "embed", "input": null}',
+    "input object": b'{"model": "embed", "input": {"text": "x"}}',
+    "mixed list": b'{"model": "embed", "input": ["x", 5]}',
+    "no input": b'{"model": "embed"}',
+    "huge dimensions": b'{"model": "embed", "input": "x", "dimensions": ' + b"9" * 400 + b"}",
+    "negative dimensions": b'{"model": "embed", "input": "x", "dimensions": -3}',
+    "NaN dimensions": b'{"model": "embed", "input": "x", "dimensions": NaN}',
+    "float encoding_format": b'{"model": "embed", "input": "x", "encoding_format": 1.5}',
+    "not json": b"model=embed&input=x",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_bodies_get_an_openai_4xx(client, keys, name):
+    response = client.post("/v1/embeddings", content=HOSTILE[name],
+                           headers={**auth(keys), "content-type": "application/json"})
+    assert response.status_code in (400, 413, 422), (response.status_code, response.text[:300])
+    assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
