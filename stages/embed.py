@@ -10,9 +10,10 @@ YAML::
 
 Each user message of the request is one text (``POST /v1/embeddings`` sends one per ``input``
 item; a policy stage before this one may have redacted them). Writes ``embeddings`` (the vectors, in
-the texts' order, and each text's token count), ``model``, the usage (input tokens) and the cost at
-the model's ``price.input_per_1k``. A request's ``dimensions`` (``params``) must be the model's own:
-these models cannot shorten their vectors. A text longer than the model reads is refused, never cut.
+the texts' order, and each text's token count), the usage (input tokens), the cost at the model's
+``price.input_per_1k`` and ``facts["embedding"]`` (model, texts, tokens, dimensions). A request's
+``dimensions`` (``params``) must be the model's own: these models cannot shorten their vectors. A
+text longer than the model reads is refused, never cut.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class EmbedStage(Stage):
     type_name = "embed"
     Config = EmbedConfig
     reads = frozenset({"input_messages"})
-    writes = frozenset({"embeddings", "model"})
+    # Not ``model``: that names the generating model later stages submit to (the embedding model is in
+    # ``facts["embedding"]``, which the audit record names).
+    writes = frozenset({"embeddings"})
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(EmbedConfig, self.config)
@@ -60,7 +63,6 @@ class EmbedStage(Stage):
                                f"only; send dimensions: {backend.dimensions} or none")
         result = await backend.embed(texts)
         ctx.embeddings = result
-        ctx.model = config.model
         num_tokens = sum(result.num_tokens)
         ctx.usage.input_tokens = num_tokens
         info = self.resources.catalog.embedding_models.get(config.model)

@@ -67,7 +67,7 @@ async def test_each_user_message_is_one_text_embedded_in_order_with_usage_and_co
     assert isinstance(final, Done)
     assert backend.calls == [["a", "bbb", "cc"]]
     assert ctx.embeddings is not None and ctx.embeddings.vectors[:, 0].tolist() == [1, 3, 2]
-    assert ctx.usage.input_tokens == 6 and ctx.model == "minilm"
+    assert ctx.usage.input_tokens == 6 and ctx.model == ""  # the generating model's field: not this one
     assert ctx.ledger.stage_total("vec") == pytest.approx(6 * 2.0 / 1000)
     assert ctx.facts["embedding"] == {"model": "minilm", "inputs": 3, "tokens": 6, "dimensions": 3}
 
