@@ -215,12 +215,9 @@ class EmbeddingBackend(Protocol):
     #: The most tokens (special ones included) one text may have; longer texts are refused, not cut.
     max_input_tokens: int
 
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens the model would read for each text (blocking, fast: the tokenizer only)."""
-        ...
-
     async def embed(self, texts: Sequence[str]) -> Embeddings:
-        """The vectors of *texts*, computed in a worker thread in batches."""
+        """The vectors of *texts*, computed in a worker thread in batches; raises InvalidInput naming the
+        first text longer than ``max_input_tokens`` before encoding any."""
         ...
 
 
