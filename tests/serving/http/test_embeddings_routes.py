@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def app(tmp_path_factory):
     db = make_engine(f"sqlite:///{root / 'server.db'}")
     create_schema(db)
     keys = KeyStore(db)
-    return workspace, {role: keys.create(role, role)[1] for role in ("caller", "auditor")}
+    return workspace, {role: keys.create(role, role)[1] for role in ("caller", "auditor", "admin")}
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +234,29 @@ def test_hostile_bodies_get_an_openai_4xx(client, keys, name):
                            headers={**auth(keys), "content-type": "application/json"})
     assert response.status_code in (400, 413, 422), (response.status_code, response.text[:300])
     assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_a_shadow_run_audits_the_texts_too(client, keys):
+    candidate = "version: '2'\n" + textwrap.dedent(EMBED).replace("content: redacted", "content: full")
+    admin = auth(keys, "admin")
+    assert client.post("/pipelines/embed/versions", json={"yaml": candidate, "activate": False},
+                       headers=admin).status_code == 201
+    shadow_on = client.put("/pipelines/embed/shadow", json={"version": "2", "percent": 100}, headers=admin)
+    assert shadow_on.status_code == 200
+    try:
+        assert embed(client, keys, input=["Shadowed text", "Call +1 415 555 0100"]).status_code == 200
+        deadline = time.monotonic() + 10
+        while True:
+            records = client.get("/audit/records", params={"pipeline": "embed"}, headers=admin).json()["records"]
+            # (the deploy and the shadow's setting are recorded too, under version 2, without content)
+            shadows = [r for r in records if r["pipeline_version"] == "2" and r["content_mode"] == "full"]
+            if shadows or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        (shadow,) = shadows
+        detail = client.get(f"/audit/records/{shadow['id']}", headers=admin).json()
+        # content: full keeps the texts as the client sent them (the served pipeline's policy redacted the phone).
+        assert json.loads(detail["input_content"]) == ["Shadowed text", "Call +1 415 555 0100"]
+        assert detail["content_mode"] == "full" and detail["output_content"] == ""
+    finally:
+        client.delete("/pipelines/embed/shadow", headers=admin)
