@@ -43,7 +43,7 @@ def cli() -> list[str]:
 def write_config(tmp: Path, *, auth: bool = True, database: str | None = None, pipelines: Path | None = None,
                  settings: dict[str, Any] | None = None) -> Path:
     """``inferline.yaml`` for a server in *tmp*: the default config with paths made absolute, then
-    *settings* merged in (nested mappings merge key by key; anything else replaces)."""
+    *settings* merged in (nested mappings merge key by key; None removes the key; anything else replaces)."""
     config = yaml.safe_load((ROOT / "inferline.yaml").read_text())
     for model in config.get("models", {}).values():
         if "source" in model and not Path(model["source"]).is_absolute():
@@ -61,7 +61,9 @@ def write_config(tmp: Path, *, auth: bool = True, database: str | None = None, p
 
 def _merge(into: dict[str, Any], changes: dict[str, Any]) -> None:
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
+        if value is None:
+            into.pop(key, None)
+        elif isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:
             into[key] = value

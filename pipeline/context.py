@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, TypedDict
 
 from pipeline.cost import CostLedger
-from pipeline.protocols import TextFilter
+from pipeline.protocols import Embeddings, TextFilter
 
 
 @dataclass(slots=True)
@@ -147,6 +147,7 @@ FIELDS: dict[str, FieldInfo] = {
     "output_text": FieldInfo("str", "the text sent to the client"),
     "output_ids": FieldInfo("list[int]", "the generated token ids, as streamed"),
     "finish_reason": FieldInfo("str", "why generation stopped"),
+    "embeddings": FieldInfo("Embeddings | None", "the vectors of the input texts, and their token counts (embed)"),
 }
 
 #: What a ``when:`` expression may name, with its type: every flow field, and, dotted, the fields of the
@@ -196,6 +197,11 @@ class Facts(TypedDict, total=False):
     decisions: dict[str, dict[str, Any]]
     #: audit: set once a record was written (the server then records no refusal of its own).
     audited: bool
+    #: The embeddings route: the texts to embed as the client sent them, one user message each in
+    #: ``input_messages`` (which policy may redact); the audit record's content is this list, never the vectors.
+    input_texts: list[str]
+    #: embed: the embedding model, the number of texts and tokens, and the vectors' length.
+    embedding: dict[str, Any]
     #: The server, on a shadow run: the request it mirrors as served (version, output hash, latency,
     #: tokens, cost, policy decision), which the audit record sets beside the shadow's own.
     shadow: dict[str, Any]
@@ -228,6 +234,7 @@ class RequestContext:
     output_text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    embeddings: Embeddings | None = None
     usage: Usage = field(default_factory=Usage)
     ledger: CostLedger = field(default_factory=CostLedger)
     stages: list[StageRecord] = field(default_factory=list)

@@ -81,7 +81,9 @@ def catalog_of(server: ServerSpec) -> Catalog:
         name: ModelInfo(name, spec.price.to_price(), spec.context_window)
         for name, spec in server.models.items()
     }
-    return Catalog(models=models, indexes=frozenset(server.indexes))
+    embedding_models = {name: ModelInfo(name, spec.price.to_price())
+                        for name, spec in server.embedding_models.items()}
+    return Catalog(models=models, indexes=frozenset(server.indexes), embedding_models=embedding_models)
 
 
 def load_pipeline(path: str | Path, registry: StageRegistry, catalog: Catalog | None = None) -> LoadedPipeline:
@@ -192,13 +194,14 @@ class _PipelineChecker:
         return None if problems else config
 
     def _refs(self, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
-        known = {"model": sorted(self.catalog.models), "index": sorted(self.catalog.indexes)}
-        plural = {"model": "models", "index": "indexes"}
+        known = {"model": sorted(self.catalog.models), "index": sorted(self.catalog.indexes),
+                 "embedding_model": sorted(self.catalog.embedding_models)}
+        plural = {"model": "models", "index": "indexes", "embedding_model": "embedding_models"}
         problems = []
         for loc, kind, name in find_refs(config):
             if name not in known[kind]:
                 listed = ", ".join(known[kind]) or "none"
-                problems.append((loc, f"unknown {kind} {name!r}{suggest(name, known[kind])} "
+                problems.append((loc, f"unknown {kind.replace('_', ' ')} {name!r}{suggest(name, known[kind])} "
                                       f"({plural[kind]} in inferline.yaml: {listed})"))
         return problems
 

@@ -34,6 +34,8 @@ class Catalog:
 
     models: Mapping[str, ModelInfo] = field(default_factory=dict)
     indexes: frozenset[str] = frozenset()
+    #: The sentence-embedding models (``embedding_models:``), with their prices.
+    embedding_models: Mapping[str, ModelInfo] = field(default_factory=dict)
     #: The engines' own compile check of a pipeline's ``output:`` (serving wires it in); None: only what
     #: the stages can check themselves (a JSON Schema against its metaschema).
     check_output: OutputCheck | None = None
@@ -194,6 +196,38 @@ class VectorIndex(Protocol):
                filters: Mapping[str, str | list[str]] | None = None) -> Sequence[SearchHit]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """What an embedding backend returns for a list of texts."""
+
+    #: ``(len(texts), dimensions)`` float32 rows (a NumPy array), one per text, in the texts' order.
+    vectors: Any
+    #: Tokens the model read for each text, its special tokens included.
+    num_tokens: tuple[int, ...]
+
+
+@runtime_checkable
+class EmbeddingBackend(Protocol):
+    """A sentence-embedding model: texts in, unit-length vectors out, batched, off the event loop."""
+
+    name: str
+    #: The length of every vector.
+    dimensions: int
+    #: The most tokens (special ones included) one text may have; longer texts are refused, not cut.
+    max_input_tokens: int
+
+    async def embed(self, texts: Sequence[str]) -> Embeddings:
+        """The vectors of *texts*, computed in a worker thread in batches; raises InvalidInput naming the
+        first text longer than ``max_input_tokens`` before encoding any."""
+        ...
+
+
+class EmbedderProvider(Protocol):
+    """Gives stages the embedding model of a name (loading it on first use)."""
+
+    async def get(self, name: str) -> EmbeddingBackend: ...
+
+
 @runtime_checkable
 class AuditSink(Protocol):
     """Where audit records go; must never lose one."""
@@ -312,3 +346,5 @@ class Resources:
     cooldowns: dict[str, float] = field(default_factory=dict)
     #: The other pipelines of this process, for judges; None: judge checks fail (and say so).
     pipelines: PipelineCaller | None = None
+    #: The sentence-embedding models of the ``embed`` stage; None: that stage fails (and says so).
+    embedders: EmbedderProvider | None = None

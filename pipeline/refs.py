@@ -28,6 +28,7 @@ class Ref:
 
 ModelRef = Annotated[str, Ref("model")]
 IndexRef = Annotated[str, Ref("index")]
+EmbeddingModelRef = Annotated[str, Ref("embedding_model")]
 
 
 def find_refs(config: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], str, str]]:

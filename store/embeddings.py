@@ -56,6 +56,17 @@ class Embedder:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens of one text the model reads (special tokens included); ``encode`` cuts the rest."""
+        return int(self.model.max_seq_length)
+
+    def input_lengths(self, texts: list[str]) -> list[int]:
+        """Tokens the model would read for each text, special tokens included, before any cut."""
+        encoded = self.tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
+                                 return_token_type_ids=False, verbose=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
 
 @lru_cache(maxsize=4)
 def shared_embedder(name: str = DEFAULT_MODEL, device: str = "auto") -> Embedder:

@@ -35,6 +35,7 @@ from serving.http import (
     anthropic_schemas,
     audit_routes,
     deploy_routes,
+    embeddings_routes,
     openai_common,
     openai_routes,
     openapi,
@@ -131,7 +132,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
 
     app = Litestar(
         route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES,
-                        *responses_routes.ROUTES, *anthropic_routes.ROUTES, *audit_routes.ROUTES,
+                        *responses_routes.ROUTES, *anthropic_routes.ROUTES, *embeddings_routes.ROUTES,
+                        *audit_routes.ROUTES,
                         *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
@@ -152,7 +154,8 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                                schemas.CompletionRequest, schemas.ResponsesRequest, schemas.DeployRequest,
                                schemas.ActivateRequest, schemas.TrafficRequest, schemas.ShadowRequest,
                                tokenize_routes.TokenizeRequest, tokenize_routes.DetokenizeRequest,
-                               anthropic_schemas.MessagesRequest, anthropic_schemas.CountTokensRequest)
+                               anthropic_schemas.MessagesRequest, anthropic_schemas.CountTokensRequest,
+                               embeddings_routes.EmbeddingRequest)
     return app
 
 

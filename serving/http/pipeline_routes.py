@@ -24,7 +24,7 @@ from pipeline.context import ChatMessage, RequestContext, Source, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
 from serving.http.openapi import JsonOrEventStream, problems
-from serving.http.problems import Problem, from_final, limit_headers
+from serving.http.problems import Problem, bad_request, from_final, limit_headers
 from serving.http.refusals import attempt_of
 from serving.http.schemas import PipelineRequest
 from serving.http.served import event_stream, head_of_stream, sse_event
@@ -82,6 +82,13 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
     if not pin and (split := state.split_choice(name, sticky)):  # a canary: each caller key sticks to a version
         attempt.pipeline = pipeline = await state.pinned(name, split)
     state.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
+    if (operation == "embeddings") != embeds(pipeline):
+        if operation == "embeddings":
+            others = sorted(name for name, p in state.executor.pipelines.items() if embeds(p))
+            raise bad_request(f"model: pipeline {pipeline.name!r} makes no embeddings (it has no embed stage); "
+                              f"embeddings pipelines: {', '.join(others) or 'none'}", "model")
+        raise bad_request(f"model: pipeline {pipeline.name!r} makes embeddings, not text: call POST /v1/embeddings",
+                          "model")
     if state.audit is not None and state.audit.mode == "required" and not state.audit.is_durable():
         raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "
                       "(audit.mode: required); retry shortly", "audit_unavailable", {"Retry-After": "5"})
@@ -90,6 +97,12 @@ async def start_request(state: AppState, request: Request, name: str, messages: 
                          client_addr=request.client.host if request.client else "")
     attempt.ctx = ctx
     return pipeline, ctx
+
+
+def embeds(pipeline: Pipeline) -> bool:
+    """Whether *pipeline* answers with vectors (it has an ``embed`` stage) rather than text: only
+    ``/v1/embeddings`` (``operation="embeddings"``) serves it, and that route serves nothing else."""
+    return any(stage.type == "embed" for stage in pipeline.spec.stages)
 
 
 @post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200, operation_class=JsonOrEventStream,

@@ -37,6 +37,7 @@ from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
 from serving.backends.audit_sink import StoreSink, anchor_delivery, open_sink, open_store
 from serving.backends.caches import StoreCaches
+from serving.backends.embedders import EmbedderPool
 from serving.backends.indexes import IndexRegistry
 from serving.backends.model_pool import ModelPool
 from serving.runtime.calls import LocalPipelines
@@ -93,8 +94,10 @@ class Runtime:
         #: The pipelines' models: the pool, or what replaced it.
         self.engines: EngineProvider = options.engines or self.pool
         self.indexes = IndexRegistry(server, workspace.root)
+        #: The sentence-embedding models of the ``embed`` stages, loaded on first use or by start_models.
+        self.embedders = EmbedderPool(server, workspace.root)
         self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
-                                   caches=StoreCaches())
+                                   caches=StoreCaches(), embedders=self.embedders)
         self.pipelines = {item.spec.name: Pipeline(item, self.resources) for item in loaded}
         #: How a ``score`` stage or a judge calls another pipeline; the app routes it through its executor.
         self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run)
@@ -174,6 +177,8 @@ class Runtime:
         stack.push_async_callback(self.pool.close)
         if options.start_models and options.engines is None:
             await self.pool.start_all()
+        if options.start_models:
+            await self.embedders.start(self._refs_read("embedding_model"))
 
     async def pinned(self, name: str, version: str) -> Pipeline | None:
         """Pipeline *name* at *version* (its ``version:`` label, or a prefix of its spec hash, at least six
@@ -278,8 +283,12 @@ class Runtime:
                          loaded.spec.name, type(exc).__name__, exc)
 
     def _indexes_read(self) -> set[str]:
+        return self._refs_read("index")
+
+    def _refs_read(self, kind: str) -> set[str]:
+        """The resources of *kind* (``index``, ``embedding_model``) the pipelines name."""
         return {name for pipeline in self.pipelines.values() for plan in pipeline.loaded.plans
-                for _, kind, name in find_refs(plan.config) if kind == "index"}
+                for _, ref, name in find_refs(plan.config) if ref == kind}
 
 
 async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisCounters:

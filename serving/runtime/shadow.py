@@ -105,6 +105,8 @@ class Shadows:
                 tags=dict(served.tags), params=dict(served.params), stop=list(served.stop),
                 tools=list(served.tools), tool_choice=served.tool_choice, client_addr=served.client_addr,
                 shadow_of=served.request_id)
+            if "input_texts" in served.facts:  # an embeddings request: its audit content is the texts sent
+                shadow.facts["input_texts"] = list(served.facts["input_texts"])
             served_policy = _strongest(served)
             shadow.facts["shadow"] = {
                 "version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,

@@ -77,6 +77,8 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("DELETE", "/v1/responses/{response_id:str}"): (CALLERS, Call("/v1/responses/resp_none")),
     ("POST", "/v1/messages"): (CALLERS, Call("/v1/messages", json={**OPENAI_CHAT, "max_tokens": 8})),
     ("POST", "/v1/messages/count_tokens"): (CALLERS, Call("/v1/messages/count_tokens", json=OPENAI_CHAT)),
+    # `chat` makes no embeddings: a caller's call is a 400 naming `model` (the real model: test_embeddings_routes.py).
+    ("POST", "/v1/embeddings"): (CALLERS, Call("/v1/embeddings", json={"model": "chat", "input": "hello"})),
     ("GET", "/audit/records"): (REVIEWERS, Call("/audit/records")),
     ("GET", "/audit/records/{record_id:str}"): (REVIEWERS, Call("/audit/records/no-such-record")),
     ("GET", "/audit/records/{record_id:str}/spec"): (REVIEWERS, Call("/audit/records/no-such-record/spec")),
