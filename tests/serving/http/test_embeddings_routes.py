@@ -157,11 +157,18 @@ def test_schema_errors_and_unknown_pipelines_in_openai_shape(client, keys):
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
 
 
-def test_chat_routes_refuse_an_embeddings_pipeline(client, keys):
-    response = client.post("/v1/chat/completions", json={"model": "embed", "messages": [
-        {"role": "user", "content": "hi"}]}, headers=auth(keys))
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "model" and "/v1/embeddings" in response.json()["error"]["message"]
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "embed", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": "embed", "prompt": "hi"}),
+    ("/v1/responses", {"model": "embed", "input": "hi"}),
+    ("/v1/messages", {"model": "embed", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/pipelines/embed", {"input": "hi"}),
+])
+def test_text_routes_refuse_an_embeddings_pipeline(client, keys, path, body):
+    response = client.post(path, json=body, headers=auth(keys))
+    assert response.status_code == 400, response.text
+    error = response.json().get("error") or response.json()
+    assert "/v1/embeddings" in (error.get("message") or error.get("detail")), response.text
 
 
 def test_roles_apply(client, keys):
