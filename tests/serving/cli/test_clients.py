@@ -4,7 +4,7 @@ One server with auth on (keys made with the real CLI) and one with auth off (loo
 bundled model, shared by every test here: guidellm (vLLM's users' benchmark tool, run from its own
 virtual environment made by ``make test``, since its pins clash with ours); the official ``anthropic``
 package (messages plain, streamed and with tools, count_tokens, its own errors); the official ``openai``
-package (responses plain, streamed, continued, with a JSON schema and a forced call).
+package (responses plain, streamed, continued, with a JSON schema and a forced call; embeddings).
 """
 
 from __future__ import annotations
@@ -206,3 +206,19 @@ def test_the_openai_package_without_auth(open_server):
         response = client.responses.create(model="chat", input="Hi", max_output_tokens=8)
         assert response.output_text and response.usage.output_tokens > 0
         assert client.responses.retrieve(response.id).id == response.id
+
+
+def test_the_openai_package_embeds(oai, open_server):
+    texts = ["Refunds take five working days.", "The office opens at nine."]
+    with OpenAI(base_url=f"{open_server.url}/v1", api_key="unused") as without_auth:
+        for client in (oai, without_auth):
+            _embeds(client, texts)
+
+
+def _embeds(client: OpenAI, texts: list[str]) -> None:
+    as_base64 = client.embeddings.create(model="embed", input=texts)  # the package asks for base64
+    as_float = client.embeddings.create(model="embed", input=texts, encoding_format="float")
+    assert [d.index for d in as_float.data] == [0, 1] and len(as_float.data[0].embedding) == 384
+    for one, other in zip(as_base64.data, as_float.data, strict=True):
+        assert max(abs(a - b) for a, b in zip(one.embedding, other.embedding, strict=True)) < 1e-6
+    assert as_float.usage.prompt_tokens == as_float.usage.total_tokens > 0
