@@ -59,6 +59,9 @@ class SamplingParams:
     speculative: bool = True
     #: Constrained decoding: one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}.
     output: dict[str, Any] | None = None
+    #: How many answers to sample: the engine prefills the prompt once and forks the others from it;
+    #: their token events carry ``index`` (0 to n - 1).
+    n: int = 1
 
 
 #: Priority classes, most urgent first: an engine admits ``interactive`` before ``batch``.
