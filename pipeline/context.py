@@ -83,6 +83,16 @@ class Usage:
     output_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the ``n`` answers of a request that asked for several (``n`` above 1)."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = ""
+    output_tokens: int = 0
+
+
 @dataclass(slots=True)
 class StageRecord:
     """What one stage did for one request; returned to the caller and audited."""
@@ -224,6 +234,9 @@ class RequestContext:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage = field(default_factory=Usage)
+    #: With ``n`` above 1 (the generate stage's sampling), every answer in index order; ``output_text`` and
+    #: ``finish_reason`` are then choice 0's, and ``usage.output_tokens`` counts all of them. Empty with n = 1.
+    choices: list[Choice] = field(default_factory=list)
     ledger: CostLedger = field(default_factory=CostLedger)
     stages: list[StageRecord] = field(default_factory=list)
     #: ok | denied | failed | cancelled: how the request is going so far.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
-from pipeline.context import Source, StageRecord, Usage
+from pipeline.context import Choice, Source, StageRecord, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,8 @@ class StageFinished:
 class TextDelta:
     text: str
     stage_id: str
+    #: Which answer it belongs to, when the request asked for ``n`` of them (0 otherwise).
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class Summary:
     #: The version that served the request: its ``version:`` label and the SHA-256 of its YAML text.
     pipeline_version: str = ""
     spec_sha256: str = ""
+    #: With ``n`` above 1, every answer (``output_text`` and ``finish_reason`` are choice 0's); else empty.
+    choices: tuple[Choice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

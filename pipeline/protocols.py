@@ -89,6 +89,8 @@ class TokenEvent(Protocol):
 
     A remote backend that streams text rather than token ids also sets ``text`` (the event's text,
     already decoded) and may leave ``token_id`` None; the ``stream`` stage then uses the text as is.
+    An engine sampling ``n`` above 1 also sets ``index`` (which answer, 0 to n - 1); each answer's last
+    event carries its finish reason.
     """
 
     token_id: int | None

@@ -96,10 +96,10 @@ class _Scope:
     def __init__(self, ctx: RequestContext, stage_id: str, span: Span, emit: Emit, clock: _Clock):
         self._ctx, self._stage_id, self._span, self._emit, self._clock = ctx, stage_id, span, emit, clock
 
-    async def emit_text(self, text: str) -> None:
+    async def emit_text(self, text: str, index: int = 0) -> None:
         if text:
             self._clock.mark_first_token(self._ctx)
-            self._emit(TextDelta(text, self._stage_id))
+            self._emit(TextDelta(text, self._stage_id, index))
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:
         self._ctx.ledger.add(self._stage_id, usd, kind, detail)
@@ -309,7 +309,7 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: _Clock) -> Done | Err
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         cost_usd=ctx.ledger.total_usd, stages=tuple(ctx.stages), usage=ctx.usage,
         output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
-        pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256,
+        pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256, choices=tuple(ctx.choices),
     )
     if ctx.status == "ok":
         return Done(summary)

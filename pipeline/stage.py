@@ -29,8 +29,8 @@ class NoConfig(BaseModel):
 class StageScope(Protocol):
     """What a running stage may tell the runner."""
 
-    async def emit_text(self, text: str) -> None:
-        """Send a text delta to the client."""
+    async def emit_text(self, text: str, index: int = 0) -> None:
+        """Send a text delta to the client (of answer *index*, when the request asked for several)."""
         ...
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:

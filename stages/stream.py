@@ -19,6 +19,13 @@ result recorded: trace attribute ``inferline.output.valid``, and the stage's
 decision in the audit record (``{"output_valid": ..., "error": ...}``). The cost is the model's token
 prices plus its compute price for the time spent generating. Leaving early
 (a stop string, a client disconnect) aborts the request in the engine.
+
+With ``n`` above 1 (generate's sampling) the events of the ``n`` answers come interleaved, each with its
+``index``: each answer has its own detokenizer and stop strings, its deltas go out with its index, and
+``ctx.choices`` keeps every answer (``output_text`` is choice 0's, the usage counts all of their tokens).
+An answer ended by a stop string sends nothing more (the engine finishes its sequence at ``max_tokens``;
+its later tokens are not counted). ``retry_invalid`` does not apply, and generate refuses ``n`` above 1
+under output rails.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any, cast
 import jsonschema
 from pydantic import Field
 
-from pipeline.context import RequestContext, Usage
+from pipeline.context import Choice, RequestContext, Usage
 from pipeline.protocols import TextFilter, TokenEvent, TokenStream
 from pipeline.stage import NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
@@ -61,6 +68,10 @@ class StreamStage(Stage):
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(StreamConfig, self.config)
+        request = ctx.facts.get("generate_request")
+        if request is not None and request[0].n > 1:
+            await self._choices(ctx, scope, config, request[0].n)
+            return
         retries = config.retry_invalid if "output_constraint" in ctx.facts else 0
         for attempt in range(retries + 1):
             held = attempt < retries  # another try may follow: nothing reaches the client until it is checked
@@ -87,6 +98,44 @@ class StreamStage(Stage):
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)
             self._record_rails(ctx, scope)
+
+    async def _choices(self, ctx: RequestContext, scope: StageScope, config: StreamConfig, n: int) -> None:
+        """Send the ``n`` interleaved answers of one stream, each under its index; keep them in ``ctx.choices``."""
+        stream = cast(TokenStream, ctx.token_stream)
+        _, engine = await engine_for(self.resources, ctx.model)
+        answers = [_Answer(IncrementalDetokenizer(engine.tokenizer.decode, ctx.prompt_ids),
+                           StopStrings([*config.stop, *ctx.stop])) for _ in range(n)]
+        started = time.perf_counter()
+        try:
+            async for event in stream:
+                index = getattr(event, "index", 0)
+                answer = answers[index]
+                if answer.finish_reason:
+                    continue  # ended by a stop string
+                answer.num_tokens = event.num_output_tokens
+                ctx.usage = Usage(event.num_prompt_tokens, sum(a.num_tokens for a in answers))
+                text = answer.feed(event)
+                if text:
+                    answer.parts.append(text)
+                    await scope.emit_text(text, index)
+        finally:
+            await stream.aclose()
+            ctx.choices = [Choice(i, "".join(a.parts), a.finish_reason, a.num_tokens) for i, a in enumerate(answers)]
+            ctx.output_text, ctx.finish_reason, ctx.output_ids = ctx.choices[0].text, answers[0].finish_reason, \
+                answers[0].ids
+            self._account(ctx, scope, time.perf_counter() - started)
+        if "output_constraint" in ctx.facts:
+            self._validate_choices(ctx, scope)
+
+    def _validate_choices(self, ctx: RequestContext, scope: StageScope) -> None:
+        """Check every answer against ``generate``'s ``output`` constraint; record the first failure."""
+        errors = [(c.index, check_output(c.text, ctx.facts["output_constraint"]) or (
+            None if c.finish_reason == "stop" else f"incomplete: finish reason {c.finish_reason!r}"))
+                  for c in ctx.choices]
+        failed = [(index, error) for index, error in errors if error is not None]
+        scope.set_attribute("inferline.output.valid", not failed)
+        result = {"output_valid": not failed} | ({"error": f"choice {failed[0][0]}: {failed[0][1]}"} if failed else {})
+        ctx.facts.setdefault("decisions", {}).setdefault(self.id, {}).update(result)
 
     def _validate(self, ctx: RequestContext, scope: StageScope) -> str | None:
         """Check the text against ``generate``'s ``output`` constraint; record the result in trace and audit.
@@ -151,6 +200,30 @@ def check_output(text: str, constraint: dict[str, Any]) -> str | None:
     except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, RecursionError) as exc:
         return f"the JSON Schema cannot be checked here: {str(exc).splitlines()[0]}"
     return None if error is None else f"schema: {error.message} at {'/'.join(map(str, error.absolute_path)) or '/'}"
+
+
+class _Answer:
+    """One of ``n`` answers on its way to the client: its own detokenizer, stop strings and text."""
+
+    __slots__ = ("detokenizer", "finish_reason", "ids", "num_tokens", "parts", "stops")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: StopStrings):
+        self.detokenizer, self.stops = detokenizer, stops
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.num_tokens = 0
+        self.finish_reason = ""
+
+    def feed(self, event: TokenEvent) -> str:
+        """The text *event* adds; sets the finish reason when it ends the answer."""
+        text, hit = self.stops.feed(_text_of(event, self.detokenizer, self.ids))
+        if hit:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            tail, hit = self.stops.feed(self.detokenizer.flush())
+            text += tail + ("" if hit else self.stops.flush())
+            self.finish_reason = "stop" if hit else event.finish_reason
+        return text
 
 
 class _Out:

@@ -176,6 +176,9 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     if refused := data.refused_fields():
         raise _bad_request(f"{', '.join(refused)}: not supported by this server (a parameter is refused, never "
                            "ignored); send the request without it", refused[0])
+    if data.n > 1 and isinstance(data, ChatCompletionRequest) and data.tools:
+        raise _bad_request(f"n: tools are offered one answer at a time here; send n: 1 with tools (this request "
+                           f"asked for {data.n})", "n")
     state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
@@ -189,7 +192,7 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
-        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous)
+        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous, data.n)
         return event_stream(chunks, response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
@@ -199,23 +202,35 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
 
 def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
     summary = final.summary
-    call = _call(ctx, summary.output_text)
+    if summary.choices:  # n above 1: tools were refused, each answer is content
+        choices = [_content_choice(kind, c.index, c.text, c.finish_reason) for c in summary.choices]
+    else:
+        choices = [_only_choice(ctx, kind, summary.output_text, summary.finish_reason)]
+    return {**_envelope(ctx, model, kind), "choices": choices, "usage": _usage(final),
+            "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
+            "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
+
+
+def _content_choice(kind: str, index: int, text: str, finish_reason: str) -> dict[str, Any]:
+    if kind == "chat.completion":
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": _finish(finish_reason), "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": _finish(finish_reason), "logprobs": None}
+
+
+def _only_choice(ctx: RequestContext, kind: str, text: str, finish_reason: str) -> dict[str, Any]:
+    """The one answer of an ``n: 1`` request: a tool call, a forced call cut short, or content."""
+    call = _call(ctx, text)
     if call is not None:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
-    elif _cut_call(ctx, summary.finish_reason):
+    elif _cut_call(ctx, finish_reason):
         choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
                   "logprobs": None}
-    elif kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
-                  "finish_reason": _finish(summary.finish_reason), "logprobs": None}
     else:
-        choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
-                  "logprobs": None}
-    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
-            "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
-            "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
+        choice = _content_choice(kind, 0, text, finish_reason)
+    return choice
 
 
 def _call(ctx: RequestContext, text: str) -> tools.ToolCall | None:
@@ -245,13 +260,16 @@ def _finish(reason: str) -> str:
 
 
 async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str, kind: str,
-                  include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous: bool = False, n: int = 1) -> AsyncIterator[bytes]:
+    """The stream's chunks; with *n* above 1 each chunk carries one answer's delta under its index, and each
+    answer ends with a chunk of its own ``finish_reason``."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     envelope = _envelope(ctx, model, chunk_kind)
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-                  if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
+    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None,
+              index: int = 0) -> bytes:
+        choice = ({"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                  if isinstance(delta, dict) else {"index": index, "text": delta, "finish_reason": finish})
         body = {**envelope, "choices": [choice], **(extra or {})}
         if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
             usage = ctx.usage
@@ -264,13 +282,15 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
     held = _HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
     try:
         if chunk_kind.startswith("chat") and held is None:
-            yield chunk({"role": "assistant", "content": ""}, None)
+            for index in range(n):
+                yield chunk({"role": "assistant", "content": ""}, None, index=index)
         async for event in events:
             if isinstance(event, TextDelta) and held is not None:
                 for delta in held.feed(event.text):
                     yield chunk(delta, None)
             elif isinstance(event, TextDelta):
-                yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
+                yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None,
+                            index=event.index)
             elif isinstance(event, Done):
                 finish = _finish(event.summary.finish_reason)
                 if held is not None:
@@ -278,7 +298,9 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
-                yield chunk(empty, finish, {"sources": sources_json(event.summary)})
+                ends = [(c.index, _finish(c.finish_reason)) for c in event.summary.choices] or [(0, finish)]
+                for index, reason in ends:
+                    yield chunk(empty, reason, {"sources": sources_json(event.summary)}, index)
                 if include_usage or continuous:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):

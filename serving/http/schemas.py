@@ -170,7 +170,8 @@ class OpenAIRequest(GenerationParams):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
+    #: How many answers (``choices``): the pipeline runs once and the model forks them from one prefill.
+    n: int = Field(1, ge=1, le=16)
     max_completion_tokens: int | None = Field(None, ge=1)
     #: vLLM's; not supported here: refused by name when above 0 (rather than ignored).
     min_tokens: int | None = Field(None, ge=0)
@@ -195,6 +196,8 @@ class OpenAIRequest(GenerationParams):
         params = super().overrides()
         if self.max_completion_tokens is not None:
             params["max_tokens"] = self.max_completion_tokens
+        if self.n != 1:
+            params["n"] = self.n
         return params
 
     def stops(self) -> list[str]:
