@@ -84,6 +84,17 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (raw: before penalties and temperature), with the likeliest
+    tokens' at its position when asked for (``top``, most likely first)."""
+
+    token: str
+    """The token's own text (decoded alone)."""
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One of the ``n`` answers of a request that asked for several (``n`` above 1)."""
 
@@ -91,6 +102,8 @@ class Choice:
     text: str = ""
     finish_reason: str = ""
     output_tokens: int = 0
+    #: Its tokens' log-probabilities, when the request asked for them (``logprobs``).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)
@@ -237,6 +250,8 @@ class RequestContext:
     #: With ``n`` above 1 (the generate stage's sampling), every answer in index order; ``output_text`` and
     #: ``finish_reason`` are then choice 0's, and ``usage.output_tokens`` counts all of them. Empty with n = 1.
     choices: list[Choice] = field(default_factory=list)
+    #: With ``logprobs`` asked for, the generated tokens' log-probabilities (choice 0's with n above 1).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     ledger: CostLedger = field(default_factory=CostLedger)
     stages: list[StageRecord] = field(default_factory=list)
     #: ok | denied | failed | cancelled: how the request is going so far.

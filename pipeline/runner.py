@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import RequestContext, StageRecord, sources_of
+from pipeline.context import RequestContext, StageRecord, TokenLogprob, sources_of
 from pipeline.eager import start_eagerly
 from pipeline.errors import ExpressionError, InferlineError, PolicyDenied, StageTimeout
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta, final_event
@@ -96,10 +96,11 @@ class _Scope:
     def __init__(self, ctx: RequestContext, stage_id: str, span: Span, emit: Emit, clock: _Clock):
         self._ctx, self._stage_id, self._span, self._emit, self._clock = ctx, stage_id, span, emit, clock
 
-    async def emit_text(self, text: str, index: int = 0) -> None:
+    async def emit_text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text:
             self._clock.mark_first_token(self._ctx)
-            self._emit(TextDelta(text, self._stage_id, index))
+        if text or logprobs:
+            self._emit(TextDelta(text, self._stage_id, index, logprobs))
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:
         self._ctx.ledger.add(self._stage_id, usd, kind, detail)
@@ -310,6 +311,7 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: _Clock) -> Done | Err
         cost_usd=ctx.ledger.total_usd, stages=tuple(ctx.stages), usage=ctx.usage,
         output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
         pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256, choices=tuple(ctx.choices),
+        logprobs=tuple(ctx.logprobs),
     )
     if ctx.status == "ok":
         return Done(summary)

@@ -180,6 +180,9 @@ class GenerateStage(Stage):
         if sampling.n > 1 and ctx.output_filter is not None:
             raise InvalidInput(f"n: this pipeline's output rails check one answer at a time, and this request asks "
                                f"for {sampling.n}; send n: 1")
+        if sampling.logprobs is not None and ctx.output_filter is not None:
+            raise InvalidInput("logprobs: this pipeline's output rails may hold back or redact text, which the "
+                               "tokens' log-probabilities would show; send the request without logprobs")
         if ctx.token_stream is not None and sampling.n > 1:
             raise InvalidInput(f"n: a cached answer is one answer, and this request asks for {sampling.n}; the "
                                "response cache is not consulted for n > 1, so a stage before generate set one")

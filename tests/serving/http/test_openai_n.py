@@ -1,6 +1,7 @@
-"""``n`` answers to one OpenAI request, on a real server process with the real model: the pipeline runs
-once, the engine forks the answers from one prefill, the audit record keeps them all; where ``n`` cannot
-be done (a remote model, tools) the request is refused by name."""
+"""``n`` answers and ``logprobs`` in OpenAI requests, on a real server process with the real model: the
+pipeline runs once, the engine forks the answers from one prefill, the audit record keeps them all; where
+``n`` cannot be done (a remote model, tools) the request is refused by name. Log-probabilities come back in
+OpenAI's shapes, streamed with their deltas."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ PIPELINES = {
           - {id: gen, type: generate, with: {max_tokens: 12, temperature: 1.0, top_p: 0.95}}
           - {id: out, type: stream}
           - {id: log, type: audit, always: true, with: {content: full}}
+        """,
+    "greedy": """
+        name: greedy
+        stages:
+          - {id: prompt, type: prompt}
+          - {id: tok, type: tokenize}
+          - {id: gen, type: generate, with: {max_tokens: 10, temperature: 0}}
+          - {id: out, type: stream}
         """,
     "cached": """
         name: cached
@@ -151,3 +160,58 @@ def test_n_above_16_is_a_malformed_body(server, keys):
     response = post(server, keys, "/v1/chat/completions", model="sampled", messages=ASK, n=17)
     assert response.status_code == 422
     assert response.json()["error"]["message"].startswith("n: ")
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def check_tokens(content: list[dict], k: int) -> None:
+    for token in content:
+        assert token["logprob"] <= 0 and token["bytes"] == list(token["token"].encode())
+        top = [t["logprob"] for t in token["top_logprobs"]]
+        assert len(top) == k and top == sorted(top, reverse=True)
+
+
+def test_chat_logprobs_with_the_top_k(server, keys):
+    body = post(server, keys, "/v1/chat/completions", model="greedy", messages=ASK, logprobs=True,
+                top_logprobs=3).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    check_tokens(content, 3)
+    for token in content:  # greedy: the chosen token is the likeliest one
+        assert token["token"] == token["top_logprobs"][0]["token"]
+        assert token["logprob"] == pytest.approx(token["top_logprobs"][0]["logprob"])
+    plain = post(server, keys, "/v1/chat/completions", model="greedy", messages=ASK, logprobs=True).json()
+    assert [t["top_logprobs"] for t in plain["choices"][0]["logprobs"]["content"]] == [[]] * len(content)
+    assert [t["token"] for t in plain["choices"][0]["logprobs"]["content"]] == [t["token"] for t in content]
+    unasked = post(server, keys, "/v1/chat/completions", model="greedy", messages=ASK).json()
+    assert unasked["choices"][0]["logprobs"] is None
+
+
+def test_streamed_chat_logprobs_ride_with_their_deltas(server, keys):
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {keys['caller']}"},
+                      json={"model": "greedy", "messages": ASK, "stream": True, "logprobs": True, "top_logprobs": 2,
+                            "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    content = [t for c in chunks for choice in c["choices"] if choice["logprobs"]
+               for t in choice["logprobs"]["content"]]
+    assert len(content) == chunks[-1]["usage"]["completion_tokens"]
+    check_tokens(content, 2)
+    text = "".join(choice["delta"].get("content") or "" for c in chunks for choice in c["choices"])
+    assert text.strip() and all(not c["choices"][0]["logprobs"] for c in chunks[:1])  # the role chunk has none
+
+
+def test_completions_logprobs_and_n_with_logprobs(server, keys):
+    body = post(server, keys, "/v1/completions", model="sampled", prompt="Once upon a time", logprobs=2, n=2).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    total = 0
+    for choice in body["choices"]:
+        logprobs = choice["logprobs"]
+        count = len(logprobs["tokens"])
+        total += count
+        assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == count
+        assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+        assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
+    assert total == body["usage"]["completion_tokens"]
