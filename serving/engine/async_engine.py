@@ -305,6 +305,9 @@ class AsyncEngine:
         if stream is not None:
             self._drop(stream)
             stream._put(exc)
+            for other in stream.seq_ids:  # its other sequences (forks still queued) have nobody to read them
+                if other != seq_id:
+                    self._send("abort", other)
 
     def _drop(self, stream: RequestStream) -> None:
         """Forget every sequence of *stream*: it ends with an error, later outputs have nowhere to go."""
