@@ -24,6 +24,14 @@ PIPELINES = {
           - {id: out, type: stream}
           - {id: log, type: audit, always: true, with: {content: full}}
         """,
+    "twice": """
+        name: twice
+        stages:
+          - {id: prompt, type: prompt}
+          - {id: tok, type: tokenize}
+          - {id: gen, type: generate, with: {max_tokens: 8, temperature: 1.0, n: 2}}
+          - {id: out, type: stream}
+        """,
     "greedy": """
         name: greedy
         stages:
@@ -160,6 +168,20 @@ def test_n_above_16_is_a_malformed_body(server, keys):
     response = post(server, keys, "/v1/chat/completions", model="sampled", messages=ASK, n=17)
     assert response.status_code == 422
     assert response.json()["error"]["message"].startswith("n: ")
+
+
+def test_a_pipeline_that_samples_n_answers_them_all_on_the_pipeline_api(server, keys):
+    response = post(server, keys, "/pipelines/twice", input="Name a colour.")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["output"] == body["choices"][0]["output"]
+    assert body["usage"]["output_tokens"] == sum(c["output_tokens"] for c in body["choices"])
+    with httpx.stream("POST", f"{server.url}/pipelines/twice", timeout=120,
+                      headers={"Authorization": f"Bearer {keys['caller']}"},
+                      json={"input": "Name a colour.", "stream": True}) as streamed:
+        deltas = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith('data: {"text"')]
+    assert {d["index"] for d in deltas} == {0, 1}
 
 
 # -- logprobs -------------------------------------------------------------------------------------
