@@ -182,7 +182,7 @@ class Facts(TypedDict, total=False):
     """What stages record about a request, by topic: read by later stages, the audit record, the
     response headers, metrics and the console's trace view. Each key names the stage that writes it."""
 
-    #: generate: the sampling the engine ran (temperature, top_p, seed, max_tokens, output kind).
+    #: generate: the sampling the engine ran (temperature, top_p, seed, max_tokens, output kind; n when above 1).
     sampling: dict[str, Any]
     #: generate: the sampling parameters and cache salt it submitted (stream's ``retry_invalid`` resubmits).
     generate_request: tuple[Any, str]

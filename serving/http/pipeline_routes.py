@@ -154,7 +154,8 @@ async def _sse(head: list[Event], events: AsyncIterator[Event], ctx: RequestCont
 
 def _message(event: Event, ctx: RequestContext) -> bytes:
     if isinstance(event, TextDelta):
-        several = "n" in ctx.facts.get("sampling", {})  # generate sampled n above 1: say whose text it is
+        request = ctx.facts.get("generate_request")  # generate sampled n above 1: say whose text it is
+        several = request is not None and request[0].n > 1
         return sse_event("delta", {"text": event.text, **({"index": event.index} if several else {})})
     if isinstance(event, StageStarted):
         payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
