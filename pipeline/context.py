@@ -83,6 +83,29 @@ class Usage:
     output_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (raw: before penalties and temperature), with the likeliest
+    tokens' at its position when asked for (``top``, most likely first)."""
+
+    token: str
+    """The token's own text (decoded alone)."""
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the ``n`` answers of a request that asked for several (``n`` above 1)."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = ""
+    output_tokens: int = 0
+    #: Its tokens' log-probabilities, when the request asked for them (``logprobs``).
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass(slots=True)
 class StageRecord:
     """What one stage did for one request; returned to the caller and audited."""
@@ -162,7 +185,7 @@ class Facts(TypedDict, total=False):
     """What stages record about a request, by topic: read by later stages, the audit record, the
     response headers, metrics and the console's trace view. Each key names the stage that writes it."""
 
-    #: generate: the sampling the engine ran (temperature, top_p, seed, max_tokens, output kind).
+    #: generate: the sampling the engine ran (temperature, top_p, seed, max_tokens, output kind; n when above 1).
     sampling: dict[str, Any]
     #: generate: the sampling parameters and cache salt it submitted (stream's ``retry_invalid`` resubmits).
     generate_request: tuple[Any, str]
@@ -236,6 +259,11 @@ class RequestContext:
     finish_reason: str = ""
     embeddings: Embeddings | None = None
     usage: Usage = field(default_factory=Usage)
+    #: With ``n`` above 1 (the generate stage's sampling), every answer in index order; ``output_text`` and
+    #: ``finish_reason`` are then choice 0's, and ``usage.output_tokens`` counts all of them. Empty with n = 1.
+    choices: list[Choice] = field(default_factory=list)
+    #: With ``logprobs`` asked for, the generated tokens' log-probabilities (choice 0's with n above 1).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     ledger: CostLedger = field(default_factory=CostLedger)
     stages: list[StageRecord] = field(default_factory=list)
     #: ok | denied | failed | cancelled: how the request is going so far.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
-from pipeline.context import Source, StageRecord, Usage
+from pipeline.context import Choice, Source, StageRecord, TokenLogprob, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,11 @@ class StageFinished:
 class TextDelta:
     text: str
     stage_id: str
+    #: Which answer it belongs to, when the request asked for ``n`` of them (0 otherwise).
+    index: int = 0
+    #: With ``logprobs`` asked for, those of the tokens this delta's text came from (a delta may carry
+    #: tokens that made no text yet, and text may wait for a later token: a stop string being matched).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,10 @@ class Summary:
     #: The version that served the request: its ``version:`` label and the SHA-256 of its YAML text.
     pipeline_version: str = ""
     spec_sha256: str = ""
+    #: With ``n`` above 1, every answer (``output_text`` and ``finish_reason`` are choice 0's); else empty.
+    choices: tuple[Choice, ...] = ()
+    #: With ``logprobs`` asked for, the tokens' log-probabilities (choice 0's with n above 1).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,9 @@ class SamplingParams:
     speculative: bool = True
     #: Constrained decoding: one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}.
     output: dict[str, Any] | None = None
+    #: How many answers to sample: the engine prefills the prompt once and forks the others from it;
+    #: their token events carry ``index`` (0 to n - 1).
+    n: int = 1
 
 
 #: Priority classes, most urgent first: an engine admits ``interactive`` before ``batch``.
@@ -89,6 +92,8 @@ class TokenEvent(Protocol):
 
     A remote backend that streams text rather than token ids also sets ``text`` (the event's text,
     already decoded) and may leave ``token_id`` None; the ``stream`` stage then uses the text as is.
+    An engine sampling ``n`` above 1 also sets ``index`` (which answer, 0 to n - 1); each answer's last
+    event carries its finish reason.
     """
 
     token_id: int | None

@@ -30,7 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import RequestContext, StageRecord, sources_of
+from pipeline.context import RequestContext, StageRecord, TokenLogprob, sources_of
 from pipeline.eager import start_eagerly
 from pipeline.errors import ExpressionError, InferlineError, PolicyDenied, StageTimeout
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta, final_event
@@ -97,10 +97,11 @@ class _Scope:
     def __init__(self, ctx: RequestContext, stage_id: str, span: Span, emit: Emit, clock: _Clock):
         self._ctx, self._stage_id, self._span, self._emit, self._clock = ctx, stage_id, span, emit, clock
 
-    async def emit_text(self, text: str) -> None:
+    async def emit_text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text:
             self._clock.mark_first_token(self._ctx)
-            self._emit(TextDelta(text, self._stage_id))
+        if text or logprobs:
+            self._emit(TextDelta(text, self._stage_id, index, logprobs))
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:
         self._ctx.ledger.add(self._stage_id, usd, kind, detail)
@@ -319,7 +320,8 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: _Clock) -> Done | Err
         ttft_s=None if clock.first_token is None else clock.first_token - clock.start,
         cost_usd=ctx.ledger.total_usd, stages=tuple(ctx.stages), usage=ctx.usage,
         output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
-        pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256,
+        pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256, choices=tuple(ctx.choices),
+        logprobs=tuple(ctx.logprobs),
     )
     if ctx.status == "ok":
         return Done(summary)

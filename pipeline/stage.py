@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.context import RequestContext
+from pipeline.context import RequestContext, TokenLogprob
 from pipeline.protocols import Catalog, Resources
 
 #: A problem found by :meth:`Stage.check`: a path inside ``with:`` and a message, and optionally the
@@ -29,8 +29,9 @@ class NoConfig(BaseModel):
 class StageScope(Protocol):
     """What a running stage may tell the runner."""
 
-    async def emit_text(self, text: str) -> None:
-        """Send a text delta to the client."""
+    async def emit_text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        """Send a text delta to the client (of answer *index*, when the request asked for several), with the
+        log-probabilities of the tokens it came from (when asked for)."""
         ...
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:

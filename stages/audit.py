@@ -14,7 +14,9 @@ requests are recorded too)::
 and the answer as the output rails redacted it (or, without output rails, with
 its PII redacted here); it falls back to ``hash`` when no policy stage redacted
 the input. An embeddings request's content is its list of texts (JSON), with no output: never
-the vectors. The record
+the vectors. A request for ``n`` answers keeps them all: its output content is
+the JSON list of their texts, in index order (hashed, redacted or encrypted as
+one text), and ``params.n`` says how many. The record
 goes to the server's audit sink, which writes it durably (database, or a local
 spool file while the database is away) and chains it into the tamper-evident log.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, cast
 
@@ -121,13 +124,21 @@ def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
         return _texts_content(ctx, mode)
     redacted = ctx.facts.get("redacted_input")
     if mode in ("full", "encrypted"):  # what the client sent, before any policy redaction (the sink encrypts)
-        return mode, ctx.facts.get("original_input", ctx.input), ctx.output_text
+        return mode, ctx.facts.get("original_input", ctx.input), output_content(ctx)
     if mode == "redacted" and redacted is not None:
         output = ctx.facts.get("redacted_output")
         if output is None:  # no output rails redacted the answer: redact its PII here
-            output = Redactor().redact(ctx.output_text, find_pii(ctx.output_text))
+            output = output_content(ctx, lambda text: Redactor().redact(text, find_pii(text)))
         return "redacted", redacted, output
-    return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(ctx.output_text)
+    return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(output_content(ctx))
+
+
+def output_content(ctx: RequestContext, shown: Callable[[str], str] = str) -> str:
+    """The answer as the record keeps it: its text, or with ``n`` above 1 every answer's text as a JSON list in
+    index order (``["first", "second", ...]``); *shown* maps each text (a redaction)."""
+    if not ctx.choices:
+        return shown(ctx.output_text)
+    return json.dumps([shown(choice.text) for choice in ctx.choices], ensure_ascii=False)
 
 
 def _texts_content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:

@@ -17,7 +17,7 @@ Only deterministic requests are cached: a request whose params set
 ``temperature`` above 0 without a seed is not even looked up, and an answer is
 stored only when generate actually ran greedy or seeded (``facts["sampling"]``,
 from the generate stage's own config), so a sampling pipeline never caches. Requests that
-ask for ``logprobs`` and models behind a remote backend (no faithful token ids
+ask for ``logprobs`` or for ``n`` above 1, and models behind a remote backend (no faithful token ids
 to replay) are not cached either; ``ctx.facts["cache"]["skipped"]`` says why.
 
 The key is a SHA-256 over the pipeline's spec hash, the model, the validated
@@ -306,6 +306,8 @@ def _cacheable(params: dict[str, Any]) -> tuple[dict[str, Any], str]:
         return {}, "invalid_params"  # generate refuses them, with a proper message
     if normal.get("logprobs") is not None:
         return normal, "logprobs"  # a replay has none to give
+    if normal.get("n", 1) > 1:
+        return normal, "n"  # a cached answer is one answer
     if normal.get("seed") is not None:
         return normal, ""
     if "temperature" in normal:

@@ -9,6 +9,7 @@ YAML::
         temperature: 0.7        # 0 = greedy
         top_p: 0.95
         seed: 7                 # same seed and prompt -> same output
+        n: 1                    # answers per request (a caller's n, as client_params allows by default)
         client_params: [max_tokens, temperature, top_p, seed]   # what a caller may override
         isolate_tenants: true   # tenants never share prefix-cache blocks
         speculative: false      # opt out of the model's speculative decoding (default: on where configured)
@@ -136,6 +137,9 @@ class Sampling(NoConfig):
     speculative: bool = True
     #: Constrained decoding: the output is guaranteed to match (local models; see OutputSpec).
     output: OutputSpec | None = None
+    #: How many answers to sample (local models): the prompt is prefilled once and the engine forks the
+    #: others from it; ``max_tokens`` applies to each.
+    n: int = Field(1, ge=1, le=16)
 
 
 class GenerateConfig(Sampling):
@@ -145,7 +149,7 @@ class GenerateConfig(Sampling):
     client_params: list[str] = Field(
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                                 "min_tokens", "logprobs", "output"])
+                                 "min_tokens", "logprobs", "output", "n"])
     #: Tenants never share prefix-cache blocks (one cannot time another's prompts).
     isolate_tenants: bool = False
     #: The pipeline's priority class: interactive is admitted before batch (batch is never starved).
@@ -175,6 +179,15 @@ class GenerateStage(Stage):
         sampling = _sampling(config, ctx.params)
         if ctx.max_output_tokens is not None and sampling.max_tokens > ctx.max_output_tokens:
             sampling = replace(sampling, max_tokens=ctx.max_output_tokens)  # a policy's cap or token budget
+        if sampling.n > 1 and ctx.output_filter is not None:
+            raise InvalidInput(f"n: this pipeline's output rails check one answer at a time, and this request asks "
+                               f"for {sampling.n}; send n: 1")
+        if sampling.logprobs is not None and ctx.output_filter is not None:
+            raise InvalidInput("logprobs: this pipeline's output rails may hold back or redact text, which the "
+                               "tokens' log-probabilities would show; send the request without logprobs")
+        if ctx.token_stream is not None and sampling.n > 1:
+            raise InvalidInput(f"n: a cached answer is one answer, and this request asks for {sampling.n}; the "
+                               "response cache is not consulted for n > 1, so a stage before generate set one")
         if ctx.token_stream is not None:  # served from the response cache: nothing to generate
             scope.set_attribute("inferline.cache.hit", True)
             _, engine = await engine_for(self.resources, ctx.model)
@@ -195,6 +208,8 @@ class GenerateStage(Stage):
     def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, engine: Any) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
+        if sampling.n > 1:
+            ctx.facts["sampling"]["n"] = sampling.n
         if sampling.output is not None:
             ctx.facts["sampling"]["output"] = next(iter(sampling.output))
             ctx.facts["output_constraint"] = sampling.output

@@ -19,6 +19,18 @@ result recorded: trace attribute ``inferline.output.valid``, and the stage's
 decision in the audit record (``{"output_valid": ..., "error": ...}``). The cost is the model's token
 prices plus its compute price for the time spent generating. Leaving early
 (a stop string, a client disconnect) aborts the request in the engine.
+
+With ``n`` above 1 (generate's sampling) the events of the ``n`` answers come interleaved, each with its
+``index``: each answer has its own detokenizer and stop strings, its deltas go out with its index, and
+``ctx.choices`` keeps every answer (``output_text`` is choice 0's, the usage counts all of their tokens).
+An answer ended by a stop string sends nothing more (the engine finishes its sequence at ``max_tokens``;
+its later tokens are not counted). ``retry_invalid`` does not apply, and generate refuses ``n`` above 1
+under output rails.
+
+With ``logprobs`` asked for (generate's sampling), each token's log-probability (and the likeliest
+tokens', by their own text) goes to ``ctx.logprobs`` (or its choice's) and out with the delta its text
+came in; tokens that made no text yet ride with a later delta, or an empty one at the end. Tokens a
+constraint forced (no sample, no log-probability) have none.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from typing import Any, cast
 import jsonschema
 from pydantic import Field
 
-from pipeline.context import RequestContext, Usage
+from pipeline.context import Choice, RequestContext, TokenLogprob, Usage
 from pipeline.protocols import TextFilter, TokenEvent, TokenStream
 from pipeline.stage import NoConfig, Stage, StageScope
 from pipeline.tracing import GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS
@@ -61,19 +73,23 @@ class StreamStage(Stage):
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(StreamConfig, self.config)
+        request = ctx.facts.get("generate_request")
+        if request is not None and request[0].n > 1:
+            await self._choices(ctx, scope, config, request[0].n)
+            return
         retries = config.retry_invalid if "output_constraint" in ctx.facts else 0
         for attempt in range(retries + 1):
             held = attempt < retries  # another try may follow: nothing reaches the client until it is checked
             await self._once(ctx, scope, config, held)
             error = self._validate(ctx, scope) if "output_constraint" in ctx.facts else None
             if error is None or ctx.finish_reason != "stop" or not held:
-                if held and ctx.output_text:
-                    await scope.emit_text(ctx.output_text)  # held back until it was checked
+                if held and (ctx.output_text or ctx.logprobs):
+                    await scope.emit_text(ctx.output_text, 0, tuple(ctx.logprobs))  # held back until checked
                 return
             scope.add_event("inferline.output.retry", {"attempt": attempt + 1, "error": error})
             sampling, salt = ctx.facts["generate_request"]
             ctx.model, _, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt)
-            ctx.output_ids = []
+            ctx.output_ids, ctx.logprobs = [], []
 
     async def _once(self, ctx: RequestContext, scope: StageScope, config: StreamConfig, held: bool) -> None:
         stream = cast(TokenStream, ctx.token_stream)
@@ -82,7 +98,8 @@ class StreamStage(Stage):
         stops = StopStrings([*config.stop, *ctx.stop])
         started = time.perf_counter()
         try:
-            ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope, held)
+            ctx.finish_reason = await _pump(stream, detokenizer, stops, ctx, scope, held,
+                                            _reader(engine.tokenizer.decode, ctx))
             if stops.matched is not None:
                 ctx.facts["stop_sequence"] = stops.matched
             else:
@@ -91,6 +108,53 @@ class StreamStage(Stage):
             await stream.aclose()
             self._account(ctx, scope, time.perf_counter() - started)
             self._record_rails(ctx, scope)
+
+    async def _choices(self, ctx: RequestContext, scope: StageScope, config: StreamConfig, n: int) -> None:
+        """Send the ``n`` interleaved answers of one stream, each under its index; keep them in ``ctx.choices``."""
+        stream = cast(TokenStream, ctx.token_stream)
+        _, engine = await engine_for(self.resources, ctx.model)
+        answers = [_Answer(IncrementalDetokenizer(engine.tokenizer.decode, ctx.prompt_ids),
+                           StopStrings([*config.stop, *ctx.stop])) for _ in range(n)]
+        read_logprob = _reader(engine.tokenizer.decode, ctx)
+        started = time.perf_counter()
+        try:
+            async for event in stream:
+                index = getattr(event, "index", 0)
+                answer = answers[index]
+                if answer.finish_reason:
+                    continue  # ended by a stop string
+                answer.num_tokens = event.num_output_tokens
+                ctx.usage = Usage(event.num_prompt_tokens, sum(a.num_tokens for a in answers))
+                text = answer.feed(event)
+                logprob = read_logprob(event) if read_logprob is not None else None
+                if logprob is not None:
+                    answer.logprobs.append(logprob)
+                    answer.pending.append(logprob)
+                if text:
+                    answer.parts.append(text)
+                if text or (answer.pending and answer.finish_reason):
+                    await scope.emit_text(text, index, tuple(answer.pending))
+                    answer.pending.clear()
+        finally:
+            await stream.aclose()
+            ctx.choices = [Choice(i, "".join(a.parts), a.finish_reason, a.num_tokens, tuple(a.logprobs))
+                           for i, a in enumerate(answers)]
+            ctx.logprobs = answers[0].logprobs
+            ctx.output_text, ctx.finish_reason, ctx.output_ids = ctx.choices[0].text, answers[0].finish_reason, \
+                answers[0].ids
+            self._account(ctx, scope, time.perf_counter() - started)
+        if "output_constraint" in ctx.facts:
+            self._validate_choices(ctx, scope)
+
+    def _validate_choices(self, ctx: RequestContext, scope: StageScope) -> None:
+        """Check every answer against ``generate``'s ``output`` constraint; record the first failure."""
+        errors = [(c.index, check_output(c.text, ctx.facts["output_constraint"]) or (
+            None if c.finish_reason == "stop" else f"incomplete: finish reason {c.finish_reason!r}"))
+                  for c in ctx.choices]
+        failed = [(index, error) for index, error in errors if error is not None]
+        scope.set_attribute("inferline.output.valid", not failed)
+        result = {"output_valid": not failed} | ({"error": f"choice {failed[0][0]}: {failed[0][1]}"} if failed else {})
+        ctx.facts.setdefault("decisions", {}).setdefault(self.id, {}).update(result)
 
     def _validate(self, ctx: RequestContext, scope: StageScope) -> str | None:
         """Check the text against ``generate``'s ``output`` constraint; record the result in trace and audit.
@@ -157,18 +221,66 @@ def check_output(text: str, constraint: dict[str, Any]) -> str | None:
     return None if error is None else f"schema: {error.message} at {'/'.join(map(str, error.absolute_path)) or '/'}"
 
 
+class _Answer:
+    """One of ``n`` answers on its way to the client: its own detokenizer, stop strings and text."""
+
+    __slots__ = ("detokenizer", "finish_reason", "ids", "logprobs", "num_tokens", "parts", "pending", "stops")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: StopStrings):
+        self.detokenizer, self.stops = detokenizer, stops
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.pending: list[TokenLogprob] = []
+        """Log-probabilities of tokens whose text has not gone out yet."""
+        self.num_tokens = 0
+        self.finish_reason = ""
+
+    def feed(self, event: TokenEvent) -> str:
+        """The text *event* adds; sets the finish reason when it ends the answer."""
+        text, hit = self.stops.feed(_text_of(event, self.detokenizer, self.ids))
+        if hit:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            tail, hit = self.stops.feed(self.detokenizer.flush())
+            text += tail + ("" if hit else self.stops.flush())
+            self.finish_reason = "stop" if hit else event.finish_reason
+        return text
+
+
+def _reader(decode: Any, ctx: RequestContext) -> Any:
+    """Reads an event's log-probabilities as a :class:`TokenLogprob` (None for a token without any), or is
+    None when the request did not ask for them."""
+    request = ctx.facts.get("generate_request")
+    if request is None or request[0].logprobs is None:
+        return None
+
+    def read(event: TokenEvent) -> TokenLogprob | None:
+        logprob = getattr(event, "logprob", None)
+        if logprob is None or event.token_id is None:
+            return None
+        top = tuple((decode([token_id]), value) for token_id, value in getattr(event, "top_logprobs", ()))
+        return TokenLogprob(decode([event.token_id]), logprob, top)
+
+    return read
+
+
 class _Out:
     """Text on its way to the client, through the policy's output rails when there are any."""
 
-    __slots__ = ("filter", "held", "parts", "scope")
+    __slots__ = ("filter", "held", "parts", "pending", "scope")
 
     def __init__(self, text_filter: TextFilter | None, scope: StageScope, held: bool = False):
         self.filter, self.scope, self.held = text_filter, scope, held
         self.parts: list[str] = []
+        self.pending: list[TokenLogprob] = []
+        """Log-probabilities of tokens whose text has not gone out yet."""
 
-    async def send(self, text: str, final: bool = False) -> str | None:
+    async def send(self, text: str, final: bool = False, logprob: TokenLogprob | None = None) -> str | None:
         """Send what the rails let through; a finish reason when they stop the stream."""
         reason = None
+        if logprob is not None:
+            self.pending.append(logprob)
         if self.filter is not None:
             text, reason = self.filter.feed(text)
             if final and reason is None:
@@ -176,8 +288,9 @@ class _Out:
                 text += tail
         if text:
             self.parts.append(text)
-            if not self.held:
-                await self.scope.emit_text(text)
+        if not self.held and (text or (final and self.pending)):
+            await self.scope.emit_text(text, 0, tuple(self.pending))
+            self.pending.clear()
         return reason
 
 
@@ -192,7 +305,7 @@ def _text_of(event: TokenEvent, detokenizer: IncrementalDetokenizer, ids: list[i
 
 
 async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops: StopStrings,
-                ctx: RequestContext, scope: StageScope, held: bool = False) -> str:
+                ctx: RequestContext, scope: StageScope, held: bool = False, read_logprob: Any = None) -> str:
     """Send text until the engine finishes, a stop string appears or a rail blocks; return the finish reason.
 
     *held*: collect the text without sending it (the caller sends it once it is checked).
@@ -203,9 +316,12 @@ async def _pump(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops:
         async for event in stream:
             ctx.usage = Usage(event.num_prompt_tokens, event.num_output_tokens)
             text, hit = stops.feed(_text_of(event, detokenizer, ctx.output_ids))
+            logprob = read_logprob(event) if read_logprob is not None else None
+            if logprob is not None:
+                ctx.logprobs.append(logprob)
             if hit:
-                return await out.send(text, final=True) or "stop"
-            if blocked := await out.send(text):
+                return await out.send(text, final=True, logprob=logprob) or "stop"
+            if blocked := await out.send(text, logprob=logprob):
                 return blocked  # leaving aborts the request in the engine: generation stops
             if event.finish_reason is not None:
                 finish = event.finish_reason

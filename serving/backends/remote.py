@@ -160,6 +160,12 @@ class RemoteEngine:
         nor see, and no OpenAI-compatible field for it is common to vLLM, TGI and llama.cpp. It only
         salts the choice among several servers (``base_urls``).
         """
+        if sampling.logprobs is not None:
+            raise InvalidInput(f"logprobs: model {self.name!r} is remote; only a local engine returns the tokens' "
+                               "log-probabilities here; send the request without logprobs")
+        if sampling.n > 1:
+            raise InvalidInput(f"n: model {self.name!r} is remote, and only a local engine samples several answers "
+                               f"to one request; send n: 1 (this request asked for {sampling.n})")
         started = time.monotonic()
         server = self._choose(messages, cache_salt)
         self._in_flight[server] += 1

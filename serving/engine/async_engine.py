@@ -14,6 +14,10 @@ command queue; tokens cross back once per step with ``call_soon_threadsafe``.
 
 Cancelling the iteration (``aclose()``, or cancelling the task that iterates)
 aborts the request; its KV blocks are freed at the start of the next step.
+
+A request for ``n`` sequences (``SamplingParams.n``) has one stream: each event's ``index`` says
+whose token it is, each sequence's last event carries its finish reason, and the stream ends after
+the last of them.
 """
 
 from __future__ import annotations
@@ -66,15 +70,18 @@ class TokenEvent:
     num_output_tokens: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    index: int = 0
+    """Which of the request's ``n`` sequences this token is of."""
 
 
 class RequestStream:
-    """Async iterator over one request's :class:`TokenEvent`s."""
+    """Async iterator over one request's :class:`TokenEvent`s (of all its sequences)."""
 
-    def __init__(self, seq_id: int, abort: Callable[[int], None]):
-        self.seq_id = seq_id
+    def __init__(self, seq_ids: Seq[int], abort: Callable[[int], None]):
+        self.seq_ids = tuple(seq_ids)
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self._abort = abort
+        self._num_running = len(self.seq_ids)
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
@@ -92,14 +99,16 @@ class RequestStream:
             self._done = True
             raise item
         if item.finish_reason is not None:
-            self._done = True
+            self._num_running -= 1
+            self._done = self._num_running == 0
         return item
 
     async def aclose(self) -> None:
-        """Stop early: the engine aborts the request and frees its blocks."""
+        """Stop early: the engine aborts the request (every sequence still running) and frees its blocks."""
         if not self._done:
             self._done = True
-            self._abort(self.seq_id)
+            for seq_id in self.seq_ids:
+                self._abort(seq_id)
 
     def _put(self, item: TokenEvent | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -178,8 +187,9 @@ class AsyncEngine:
                                    deadline_s=deadline_s)
         if engine.scheduler.num_waiting + self._num_pending >= engine.config.max_waiting:
             raise EngineOverloaded(f"{engine.config.max_waiting} requests are already waiting; retry shortly")
-        stream = RequestStream(seq.seq_id, self._abort)
-        self._streams[seq.seq_id] = stream
+        stream = RequestStream([seq.seq_id, *(fork.seq_id for fork in seq.forks)], self._abort)
+        for seq_id in stream.seq_ids:
+            self._streams[seq_id] = stream
         self._num_pending += 1
         self._send("add", seq)
         return stream
@@ -251,7 +261,7 @@ class AsyncEngine:
 
     def _add(self, engine: LLMEngine, seq: Sequence) -> None:
         try:
-            engine.scheduler.add(seq)
+            engine.enqueue(seq)
         except EngineError as exc:
             self._call(self._fail, seq.seq_id, exc)
         finally:
@@ -278,7 +288,7 @@ class AsyncEngine:
             if stream is None:
                 continue  # aborted by its consumer
             if out.finish_reason == "deadline":
-                del self._streams[out.seq_id]
+                self._drop(stream)
                 stream._put(EngineDeadlineExceeded(
                     "the request was still waiting for the model at its deadline and was dropped before "
                     "prefill (the model is busy: retry later, or allow a longer queue timeout)"))
@@ -286,11 +296,20 @@ class AsyncEngine:
             lp = out.logprobs
             stream._put(TokenEvent(out.token_id, out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
                                    out.num_output_tokens, lp.logprob if lp else None,
-                                   tuple(lp.top_logprobs) if lp else ()))
+                                   tuple(lp.top_logprobs) if lp else (), out.index))
             if out.finish_reason is not None:
                 del self._streams[out.seq_id]
 
     def _fail(self, seq_id: int, exc: BaseException) -> None:
-        stream = self._streams.pop(seq_id, None)
+        stream = self._streams.get(seq_id)
         if stream is not None:
+            self._drop(stream)
             stream._put(exc)
+            for other in stream.seq_ids:  # its other sequences (forks still queued) have nobody to read them
+                if other != seq_id:
+                    self._send("abort", other)
+
+    def _drop(self, stream: RequestStream) -> None:
+        """Forget every sequence of *stream*: it ends with an error, later outputs have nowhere to go."""
+        for seq_id in stream.seq_ids:
+            self._streams.pop(seq_id, None)

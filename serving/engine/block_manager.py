@@ -152,6 +152,19 @@ class BlockManager:
             parent_hash = block_hash
         return block_ids, hashes
 
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give *child* the first *num_blocks* blocks of *parent* (full blocks of computed tokens that
+        the two share), one more reference each; the child computes everything after them."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks; free it first")
+        if num_blocks * self._block_size > parent.num_computed_tokens:
+            raise RuntimeError(f"sequence {parent.seq_id} has not computed {num_blocks} blocks to share")
+        for block_id in parent.block_table[:num_blocks]:
+            self._blocks[block_id].ref_count += 1
+        child.block_table.extend(parent.block_table[:num_blocks])
+        child.block_hashes.extend(parent.block_hashes[:num_blocks])
+        child.num_computed_tokens = num_blocks * self._block_size
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks ``seq`` needs to hold its computed tokens plus ``num_new_tokens``."""
         num_slots = seq.num_computed_tokens + num_new_tokens

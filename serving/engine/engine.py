@@ -3,6 +3,11 @@
 ``LLMEngine`` is synchronous and single-threaded: ``add_request``, ``abort``
 and ``step``, plus ``generate`` for offline batches. One step reads top-down:
 schedule → run → sample → postprocess → collect finished.
+
+A request for ``n`` sequences (``SamplingParams.n``) is prefilled once: its first sequence is queued,
+and the other ``n - 1`` are forked from it when its prompt is computed, sharing its full prompt
+blocks (scheduler.py). Each has its own ``seq_id`` and ``index`` and samples on its own; with a seed,
+sequence ``i`` samples under a seed derived from it (``SamplingParams.for_choice``).
 ``AsyncEngine`` (in ``async_engine.py``) drives it from a background thread
 for the server.
 """
@@ -29,7 +34,7 @@ from serving.engine.models import LoadedModel, load_model
 from serving.engine.sampler import Sampler, TokenLogprobs
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from serving.engine.sequence import Sequence
+from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.speculative import DraftModel, PromptLookup, accept, check_draft, propose_counts, verify_rows
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    index: int = 0
+    """Which of its request's ``n`` sequences."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,19 +119,33 @@ class LLMEngine:
         """
         seq = self.make_sequence(prompt_ids, sampling, cache_salt, priority=priority, tenant=tenant,
                                  deadline_s=deadline_s)
-        self.scheduler.add(seq)
-        self._seqs[seq.seq_id] = seq
+        self.enqueue(seq)
         return seq
 
     def make_sequence(self, prompt_ids: Seq[int], sampling: SamplingParams, cache_salt: str = "", *,
                       priority: int = 0, tenant: str = "", deadline_s: float | None = None) -> Sequence:
-        """A validated, not yet queued sequence (the async front validates on the caller's side)."""
+        """A validated, not yet queued sequence (the async front validates on the caller's side).
+
+        With ``sampling.n`` above 1 it is the request's first sequence, and its ``forks`` hold the others
+        (indexes 1 to n - 1), each with ``for_choice`` parameters.
+        """
         self.validate(prompt_ids, sampling)
-        seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, self.eos_token_ids,
-                       cache_salt, priority=priority, tenant=tenant, deadline_s=deadline_s)
+        seqs = [Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling.for_choice(index),
+                         self.eos_token_ids, cache_salt, priority=priority, tenant=tenant, deadline_s=deadline_s,
+                         index=index)
+                for index in range(sampling.n)]
         if sampling.output is not None:
-            seq.matcher = self.compile_output(sampling.output).start()
-        return seq
+            grammar = self.compile_output(sampling.output)
+            for seq in seqs:
+                seq.matcher = grammar.start()
+        seqs[0].forks = seqs[1:]
+        return seqs[0]
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a sequence from :meth:`make_sequence` (its forks come later); raises EngineOverloaded."""
+        self.scheduler.add(seq)
+        for each in (seq, *seq.forks):
+            self._seqs[each.seq_id] = each
 
     def compile_output(self, output) -> Grammar:
         """The compiled constraint of a request's ``output`` (cached by content); raises InvalidRequest.
@@ -156,10 +177,18 @@ class LLMEngine:
                                  f"({self.block_manager.num_blocks} blocks of {self.config.block_size}) holds")
 
     def abort(self, seq_id: int) -> None:
+        """End a sequence and free its blocks; a request's first sequence takes its forks not queued yet
+        with it (abort every ``seq_id`` of a request to end it all)."""
         seq = self.scheduler.abort(seq_id)
-        if seq is not None:
-            self._release(seq)
-            self._update_gauges()  # no step may follow: the gauges must not keep the aborted request
+        if seq is None:
+            seq = self._seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:  # a fork not queued yet: it never starts
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                self._release(seq)
+            return
+        for each in (seq, *seq.forks):
+            self._release(each)
+        self._update_gauges()  # no step may follow: the gauges must not keep the aborted request
 
     @property
     def has_unfinished(self) -> bool:
@@ -221,7 +250,7 @@ class LLMEngine:
         if seq.finish_reason == "deadline":
             self.metrics.add_deadline_drops(1)
         return StepOutput(seq.seq_id, None, seq.finish_reason, None, seq.num_prompt_tokens,
-                          seq.num_cached_tokens, seq.num_output_tokens)
+                          seq.num_cached_tokens, seq.num_output_tokens, seq.index)
 
     def _collect(self, seqs: list[Sequence], lengths: dict[int, int],
                  logprobs: dict[int, list[TokenLogprobs | None]]) -> list[StepOutput]:
@@ -243,10 +272,12 @@ class LLMEngine:
             for index, (token_id, lp) in enumerate(zip(new_tokens, token_logprobs, strict=False)):
                 last = index == len(new_tokens) - 1
                 outputs.append(StepOutput(seq.seq_id, token_id, seq.finish_reason if last else None, lp,
-                                          seq.num_prompt_tokens, seq.num_cached_tokens, base + index + 1))
+                                          seq.num_prompt_tokens, seq.num_cached_tokens, base + index + 1,
+                                          seq.index))
             if seq.is_finished:
                 self.metrics.observe_finished(now - seq.arrival_s)
-                self.metrics.add_tokens(seq.num_prompt_tokens, seq.num_output_tokens)
+                # A request's prompt counts once, with its first sequence, however many were forked from it.
+                self.metrics.add_tokens(seq.num_prompt_tokens if seq.index == 0 else 0, seq.num_output_tokens)
                 self._release(seq)
         self.metrics.observe_tokens(itls)
         self._update_gauges()
@@ -267,9 +298,11 @@ class LLMEngine:
 
     def generate(self, prompts: Seq[Seq[int]], params: Seq[SamplingParams] | SamplingParams,
                  cache_salt: str = "") -> list[RequestOutput]:
-        """Run every prompt to completion, all submitted at once; outputs in prompt order."""
+        """Run every prompt to completion, all submitted at once; one output per sequence, in prompt order
+        (a prompt sampled ``n`` times: its ``n`` outputs, in index order)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        seqs = [self.add_request(p, s, cache_salt) for p, s in zip(prompts, params_list, strict=True)]
+        firsts = [self.add_request(p, s, cache_salt) for p, s in zip(prompts, params_list, strict=True)]
+        seqs = [each for seq in firsts for each in (seq, *seq.forks)]
         while any(not s.is_finished for s in seqs):
             self.step()
         return [RequestOutput(s.seq_id, s.output_token_ids, s.finish_reason or "", s.num_cached_tokens,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serving.engine.errors import InvalidRequest
+
+#: The most sequences one request may ask for (``n``).
+MAX_N = 16
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,20 @@ class SamplingParams:
     output: Mapping[str, Any] | None = None
     """Constrained decoding: exactly one of ``{"json_schema": {...}}``, ``{"regex": "..."}`` or
     ``{"choice": ["...", ...]}``; the output is guaranteed to match (see constraints.py)."""
+    n: int = 1
+    """How many sequences to sample from the prompt: it is prefilled once, and the other ``n - 1`` are
+    forked from it, sharing its full KV blocks (see engine.py)."""
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of sequence *index* of an ``n``-sequence request: ``n`` 1, and with a seed, a
+        seed of its own derived from it (sequence 0 keeps the request's), so that seeded choices differ
+        from one another and each reproduces run to run."""
+        seed = self.seed if self.seed is None or index == 0 else choice_seed(self.seed, index)
+        return replace(self, n=1, seed=seed)
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`InvalidRequest` naming the first bad parameter."""
@@ -55,6 +69,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids),
              f"stop_token_ids must be token ids in [0, {vocab_size})"),
@@ -65,3 +80,12 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Sequence *index*'s seed in a request seeded *seed*: a splitmix64 mix of the two, a non-negative
+    63-bit integer."""
+    z = ((seed & _MASK64) + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1

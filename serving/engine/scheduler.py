@@ -14,6 +14,13 @@ recently admitted running sequence is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue (its prefix usually comes
 back from the prefix cache on readmission).
 
+A request for ``n`` sequences queues only its first; the other ``n - 1`` wait in its ``forks``. When
+the step that computes its prompt's last token is done, they are forked from it: each shares its full
+prompt blocks (one more reference each, with or without the prefix cache), recomputes the prompt's
+last partial block on its own (at least one token: its first sample needs a forward), and goes to the
+front of the queue. From there each is a sequence like any other: it samples, finishes, is preempted
+or aborted on its own.
+
 The engine step::
 
     output = scheduler.schedule()
@@ -161,8 +168,7 @@ class Scheduler:
                 # Alone with the whole pool and still short: preempting itself would
                 # loop forever (it could never be readmitted), so it ends here.
                 self.running.pop()
-                self._finish(seq, "length")
-                output.finished.append(seq)
+                output.finished += [seq, *self._finish(seq, "length")]
                 logger.warning("sequence %d outgrew the KV cache (%d blocks); finished as length",
                                seq.seq_id, self.block_manager.num_blocks)
                 return False
@@ -211,8 +217,7 @@ class Scheduler:
         for seq in self.waiting.expire(time.perf_counter()):
             if self._blocked_seq_id == seq.seq_id:
                 self._blocked_seq_id = None
-            self._finish(seq, "deadline")
-            output.finished.append(seq)
+            output.finished += [seq, *self._finish(seq, "deadline")]
             logger.info("sequence %d dropped: still waiting at its deadline", seq.seq_id)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
@@ -242,12 +247,27 @@ class Scheduler:
                 if reason is None and seq.matcher is not None:
                     reason = self._append_forced(seq)
             self.block_manager.commit(seq)
+            if item.samples and seq.forks:
+                self._fork(seq)  # before a finish frees the blocks they share
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         if finished:
             self.running[:] = [seq for seq in self.running if not seq.is_finished]
         return finished
+
+    def _fork(self, parent: Sequence) -> None:
+        """Queue *parent*'s forks, first in front, sharing its full prompt blocks."""
+        num_shared = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        for child in reversed(parent.forks):
+            if child.is_finished:
+                continue  # aborted on its own before the fork
+            self.block_manager.fork(parent, child, num_shared)
+            child.num_cached_tokens = child.num_computed_tokens
+            child.first_scheduled_s = parent.first_scheduled_s
+            child.status = SequenceStatus.WAITING
+            self.waiting.push_front(child)
+        parent.forks.clear()
 
     def _append_forced(self, seq: Sequence) -> str | None:
         """Constrained decoding: append the tokens the constraint allows in one way only, unsampled.
@@ -278,13 +298,22 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> list[Sequence]:
+        """Finish *seq* and free its blocks; its forks not queued yet end with it (they hold no blocks).
+        Returns those forks."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        forks = [child for child in seq.forks if not child.is_finished]
+        for child in forks:
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = reason
+        return forks
 
     def abort(self, seq_id: int) -> Sequence | None:
-        """Drop a waiting or running sequence and free its blocks; None if unknown or done."""
+        """Drop a waiting or running sequence and free its blocks; None if unknown or done.
+
+        Its forks not queued yet end with it (still listed in its ``forks``)."""
         seq = self.waiting.remove(seq_id)
         if seq is None:
             seq = next((s for s in self.running if s.seq_id == seq_id), None)

@@ -50,6 +50,11 @@ class Sequence:
     """Prompt tokens served from the prefix cache at (the latest) admission."""
     num_preemptions: int = 0
     guesses: list[int] = field(default_factory=list)
+    index: int = 0
+    """Which of its request's ``n`` sequences this is (the OpenAI choice index)."""
+    forks: list[Sequence] = field(default_factory=list)
+    """The request's other sequences, not queued yet: the scheduler forks them from this one when its
+    prompt is computed (they share its full prompt blocks), and empties the list."""
     matcher: Any = None
     """Constrained decoding: the request's position in its constraint (a constraints.Matcher), or None."""
     """Speculative decoding: tokens proposed to follow, for the next step to verify (see speculative.py)."""

@@ -24,6 +24,7 @@ API (:func:`serving.http.pipeline_routes.source_json`); an empty list when nothi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +33,7 @@ from litestar import Request, get, post
 from litestar.params import JSONBody
 from litestar.response import Response
 
-from pipeline.context import ChatMessage, RequestContext
+from pipeline.context import ChatMessage, RequestContext, TokenLogprob
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.openai_common import (
     chat_turns,
@@ -104,6 +105,14 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
 
 async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
     refuse(data.refused_fields())
+    if isinstance(data, ChatCompletionRequest) and data.top_logprobs is not None and not data.logprobs:
+        raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
+    if isinstance(data, ChatCompletionRequest) and data.logprobs and data.tools:
+        raise bad_request("logprobs: a reply that may be a tool call is held back and reshaped, so its tokens' "
+                           "log-probabilities are not returned here; send logprobs with no tools", "logprobs")
+    if data.n > 1 and isinstance(data, ChatCompletionRequest) and data.tools:
+        raise bad_request(f"n: tools are offered one answer at a time here; send n: 1 with tools (this request "
+                           f"asked for {data.n})", "n")
     state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
     pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
@@ -118,33 +127,65 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
             raise failure(head[-1], ctx)
-        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous)
+        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous, data.n,
+                         data.num_logprobs() is not None)
         return event_stream(chunks, response_headers(ctx))
     final = await state.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
-    return Response(_body(final, ctx, data.model, kind), headers=response_headers(ctx))
+    return Response(_body(final, ctx, data.model, kind, data.num_logprobs() is not None), headers=response_headers(ctx))
 
 
-def _body(final: Done, ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
+def _body(final: Done, ctx: RequestContext, model: str, kind: str, logprobs: bool = False) -> dict[str, Any]:
     summary = final.summary
-    call = call_of(ctx, summary.output_text)
+    if summary.choices:  # n above 1: tools were refused, each answer is content
+        choices = [_content_choice(kind, c.index, c.text, c.finish_reason,
+                                   _logprobs(kind, c.logprobs) if logprobs else None) for c in summary.choices]
+    else:
+        choices = [_only_choice(ctx, kind, summary.output_text, summary.finish_reason,
+                                _logprobs(kind, summary.logprobs) if logprobs else None)]
+    return {**_envelope(ctx, model, kind), "choices": choices, "usage": _usage(final),
+            "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
+            "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
+
+
+def _content_choice(kind: str, index: int, text: str, finish_reason: str,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    if kind == "chat.completion":
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": _finish(finish_reason), "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": _finish(finish_reason), "logprobs": logprobs}
+
+
+def _logprobs(kind: str, tokens: tuple[TokenLogprob, ...], text_offset: int = 0) -> dict[str, Any]:
+    """Tokens' log-probabilities as OpenAI shapes them: chat's ``{"content": [...]}``, or the completions
+    API's ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (offsets from *text_offset*)."""
+    if kind.startswith("chat"):
+        return {"content": [{**_token(t.token, t.logprob), "top_logprobs": [_token(*top) for top in t.top]}
+                            for t in tokens]}
+    offsets = list(itertools.accumulate((len(t.token) for t in tokens[:-1]), initial=text_offset))
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets if tokens else []}
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _only_choice(ctx: RequestContext, kind: str, text: str, finish_reason: str,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one answer of an ``n: 1`` request: a tool call, a forced call cut short, or content."""
+    call = call_of(ctx, text)
     if call is not None:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": None,
                                                           "tool_calls": [call.to_openai()]},
                                   "finish_reason": "tool_calls", "logprobs": None}
-    elif is_cut_call(ctx, summary.finish_reason):
+    elif is_cut_call(ctx, finish_reason):
         choice = {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "length",
                   "logprobs": None}
-    elif kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": summary.output_text},
-                  "finish_reason": _finish(summary.finish_reason), "logprobs": None}
     else:
-        choice = {"index": 0, "text": summary.output_text, "finish_reason": _finish(summary.finish_reason),
-                  "logprobs": None}
-    return {**_envelope(ctx, model, kind), "choices": [choice], "usage": _usage(final),
-            "sources": sources_json(summary), "system_fingerprint": summary.spec_sha256,
-            "pipeline_version": summary.pipeline_version, "answered_by": answered_by(ctx)}
+        choice = _content_choice(kind, 0, text, finish_reason, logprobs)
+    return choice
 
 
 def _envelope(ctx: RequestContext, model: str, kind: str) -> dict[str, Any]:
@@ -163,13 +204,22 @@ def _finish(reason: str) -> str:
 
 
 async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str, kind: str,
-                  include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous: bool = False, n: int = 1,
+                  logprobs: bool = False) -> AsyncIterator[bytes]:
+    """The stream's chunks; with *n* above 1 each chunk carries one answer's delta under its index, and each
+    answer ends with a chunk of its own ``finish_reason``. With *logprobs*, a delta's chunk carries the
+    log-probabilities of the tokens its text came from."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     envelope = _envelope(ctx, model, chunk_kind)
+    offsets = [0] * n  # completions: each answer's text so far, where its next token starts
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-                  if isinstance(delta, dict) else {"index": 0, "text": delta, "finish_reason": finish})
+    def chunk(delta: dict[str, Any] | str, finish: str | None, extra: dict[str, Any] | None = None,
+              index: int = 0, tokens: tuple[TokenLogprob, ...] = ()) -> bytes:
+        shaped = _logprobs(chunk_kind, tokens, offsets[index]) if logprobs and tokens else None
+        choice = ({"index": index, "delta": delta, "finish_reason": finish, "logprobs": shaped}
+                  if isinstance(delta, dict) else
+                  {"index": index, "text": delta, "finish_reason": finish, "logprobs": shaped})
+        offsets[index] += sum(len(t.token) for t in tokens)
         body = {**envelope, "choices": [choice], **(extra or {})}
         if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
             usage = ctx.usage
@@ -182,14 +232,16 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
     held = HeldReply(ctx) if chunk_kind.startswith("chat") and tools.is_offered(ctx.tools, ctx.tool_choice) else None
     try:
         if chunk_kind.startswith("chat") and held is None:
-            yield chunk({"role": "assistant", "content": ""}, None)
+            for index in range(n):
+                yield chunk({"role": "assistant", "content": ""}, None, index=index)
         async for event in events:
             if isinstance(event, TextDelta) and held is not None:
                 passing = held.passing
                 if (content := held.feed(event.text)) is not None:
                     yield chunk({"content": content} if passing else {"role": "assistant", "content": content}, None)
             elif isinstance(event, TextDelta):
-                yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None)
+                yield chunk({"content": event.text} if chunk_kind.startswith("chat") else event.text, None,
+                            index=event.index, tokens=event.logprobs)
             elif isinstance(event, Done):
                 finish = _finish(event.summary.finish_reason)
                 if held is not None:
@@ -197,7 +249,9 @@ async def _chunks(events: AsyncIterator[Event], ctx: RequestContext, model: str,
                     for delta in deltas:
                         yield chunk(delta, None)
                 empty: dict[str, Any] | str = {} if chunk_kind.startswith("chat") else ""
-                yield chunk(empty, finish, {"sources": sources_json(event.summary)})
+                ends = [(c.index, _finish(c.finish_reason)) for c in event.summary.choices] or [(0, finish)]
+                for index, reason in ends:
+                    yield chunk(empty, reason, {"sources": sources_json(event.summary)}, index)
                 if include_usage or continuous:
                     yield _data({**envelope, "choices": [], "usage": _usage(event)})
             elif isinstance(event, Error):

@@ -57,8 +57,16 @@ def summary_json(summary: Summary, ctx: RequestContext) -> dict[str, Any]:
         "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
         "stages": [stage_json(s) for s in summary.stages], "sources": sources_json(summary),
         "pipeline_version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,
-        **answered_by(ctx),
+        **answered_by(ctx), **_choices_json(summary),
     }
+
+
+def _choices_json(summary: Summary) -> dict[str, Any]:
+    """A pipeline that samples ``n`` above 1: every answer (``output`` is choice 0's); nothing otherwise."""
+    if not summary.choices:
+        return {}
+    return {"choices": [{"index": c.index, "output": c.text, "finish_reason": c.finish_reason,
+                         "output_tokens": c.output_tokens} for c in summary.choices]}
 
 
 def answered_by(ctx: RequestContext) -> dict[str, Any]:
@@ -159,7 +167,9 @@ async def _sse(head: list[Event], events: AsyncIterator[Event], ctx: RequestCont
 
 def _message(event: Event, ctx: RequestContext) -> bytes:
     if isinstance(event, TextDelta):
-        return sse_event("delta", {"text": event.text})
+        request = ctx.facts.get("generate_request")  # generate sampled n above 1: say whose text it is
+        several = request is not None and request[0].n > 1
+        return sse_event("delta", {"text": event.text, **({"index": event.index} if several else {})})
     if isinstance(event, StageStarted):
         payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
         return sse_event("stage", payload)

@@ -175,29 +175,32 @@ class OpenAIRequest(GenerationParams):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
+    #: How many answers (``choices``): the pipeline runs once and the model forks them from one prefill.
+    n: int = Field(1, ge=1, le=16)
     max_completion_tokens: int | None = Field(None, ge=1)
     #: The end user: kept as the request's ``user`` tag (``when:``, routes, templates, an audit stage's
     #: ``subject: tags.user``).
     user: str | None = Field(None, max_length=256)
     #: Accepted either way: an answer makes at most one tool call, which both values allow.
     parallel_tool_calls: bool | None = None
-    #: Not supported yet: refused by name when asked for, rather than answered with null.
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def refused_fields(self) -> list[str]:
-        """What this request asks for that is not done here: unknown fields, and supported ones set to what
-        we cannot do."""
-        refused = sorted(self.model_extra or {})
-        if self.logprobs or self.top_logprobs:
-            refused += [name for name in ("logprobs", "top_logprobs") if getattr(self, name)]
-        return refused
+        """What this request asks for that is not done here: unknown fields (``logit_bias`` among them)."""
+        return sorted(self.model_extra or {})
+
+    def num_logprobs(self) -> int | None:
+        """How many likeliest tokens' log-probabilities to return with each token (None: no log-probabilities;
+        the chat and completion requests each ask in their own way)."""
+        return None
 
     def overrides(self) -> dict[str, Any]:
         params = super().overrides()
         if self.max_completion_tokens is not None:
             params["max_tokens"] = self.max_completion_tokens
+        if self.n != 1:
+            params["n"] = self.n
+        if (num := self.num_logprobs()) is not None:
+            params["logprobs"] = num
         return params
 
     def stops(self) -> list[str]:
@@ -206,14 +209,27 @@ class OpenAIRequest(GenerationParams):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    #: Return each token's log-probability (``choices[].logprobs.content``).
+    logprobs: bool | None = None
+    #: With ``logprobs: true``, also this many likeliest tokens' at each position.
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Checked by the handler, not the body's schema: a malformed value is OpenAI's 400 naming the param.
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
 
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
 class CompletionRequest(OpenAIRequest):
     prompt: str
+    #: Return each token's log-probability, with this many likeliest tokens' at each position.
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # -- the Responses API ------------------------------------------------------------------------

@@ -22,7 +22,8 @@ def test_the_two_declarations_agree():
 def test_every_field_reaches_the_engine():
     changed = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
                "presence_penalty": 0.2, "frequency_penalty": 0.3, "seed": 11, "stop_token_ids": (1, 2),
-               "ignore_eos": True, "min_tokens": 3, "logprobs": 3, "speculative": False, "output": {"regex": "a+"}}
+               "ignore_eos": True, "min_tokens": 3, "logprobs": 3, "speculative": False, "output": {"regex": "a+"},
+               "n": 3}
     assert set(changed) == set(declared(SamplingParams))  # a new field needs a value here too
     engine = engine_sampling(SamplingParams(**changed))
     assert {name: getattr(engine, name) for name in changed} == changed

@@ -223,6 +223,9 @@ class StubEngine:
         return Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, cache_salt=cache_salt,
                         priority=priority, tenant=tenant, deadline_s=deadline_s)
 
+    def enqueue(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)
 

@@ -184,8 +184,8 @@ def test_openai_chat_json_and_stream(client, fake_engines):
     over = client.post("/v1/chat/completions", json={**request, "min_tokens": 50, "max_tokens": 40})
     assert over.status_code == 400 and "min_tokens" in over.json()["error"]["message"], over.text
     # A parameter is refused by name, never ignored; what we take (user, parallel_tool_calls) is taken.
-    for extra, param in (({"logit_bias": {"1": 5}}, "logit_bias"), ({"logprobs": True}, "logprobs"),
-                         ({"top_logprobs": 2}, "top_logprobs"), ({"bogus": 1}, "bogus")):
+    for extra, param in (({"logit_bias": {"1": 5}}, "logit_bias"), ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"bogus": 1}, "bogus")):  # top_logprobs without logprobs: true
         refused = client.post("/v1/chat/completions", json={**request, **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     taken = client.post("/v1/chat/completions", json={**request, "user": "alice", "parallel_tool_calls": False,
