@@ -4,7 +4,8 @@ One server with auth on (keys made with the real CLI) and one with auth off (loo
 bundled model, shared by every test here: guidellm (vLLM's users' benchmark tool, run from its own
 virtual environment made by ``make test``, since its pins clash with ours); the official ``anthropic``
 package (messages plain, streamed and with tools, count_tokens, its own errors); the official ``openai``
-package (responses plain, streamed, continued, with a JSON schema and a forced call; embeddings).
+package (responses plain, streamed, continued, with a JSON schema and a forced call; embeddings; chat with
+n = 3, logprobs and a seed, and streamed).
 """
 
 from __future__ import annotations
@@ -222,3 +223,24 @@ def _embeds(client: OpenAI, texts: list[str]) -> None:
     for one, other in zip(as_base64.data, as_float.data, strict=True):
         assert max(abs(a - b) for a, b in zip(one.embedding, other.embedding, strict=True)) < 1e-6
     assert as_float.usage.prompt_tokens == as_float.usage.total_tokens > 0
+
+
+def test_the_openai_package_samples_n_answers_with_logprobs(oai, open_server):
+    ask = [{"role": "user", "content": "Name a colour."}]
+    reply = oai.chat.completions.create(model="chat", messages=ask, n=3, temperature=1.0, seed=7, max_tokens=8,
+                                        logprobs=True, top_logprobs=2)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+    for choice in reply.choices:
+        assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    again = oai.chat.completions.create(model="chat", messages=ask, n=3, temperature=1.0, seed=7, max_tokens=8)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]  # seeded
+    with OpenAI(base_url=f"{open_server.url}/v1", api_key="unused") as without_auth:
+        texts: dict[int, str] = {}
+        for chunk in without_auth.chat.completions.create(model="chat", messages=ask, n=2, max_tokens=8,
+                                                          stream=True, stream_options={"include_usage": True}):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        assert sorted(texts) == [0, 1] and texts[0] == texts[1]  # greedy by default: the same answer twice
+        assert chunk.usage.completion_tokens > 0
