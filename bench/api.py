@@ -12,6 +12,9 @@ embeddings  ``POST /v1/embeddings`` (the ``embed`` pipeline: policy, embed, audi
             over the rounds, added up: this machine is shared and noisy, and the fastest of several tries
             is the one that ran undisturbed.
 
+n4          ``n=4`` in one request against 4 separate requests sent together, through ``AsyncEngine``, with
+            the prefix cache off and on (bench/api_n4.py, which also runs alone).
+
 Figures (the last line of stdout is one JSON object with them all):
   embeddings_vs_st           server texts/s (``encoding_format: "float"``) / sentence-transformers texts/s
                              (target >= 0.9).
@@ -21,6 +24,10 @@ Figures (the last line of stdout is one JSON object with them all):
                              within 1e-5.
   embeddings_added_ms        per request, the server's time minus sentence-transformers' (each as above): what
                              serving adds (HTTP, JSON, runner, policy, audit, the thread hop).
+
+  n4_vs_separate             n=4 tok/s / separate tok/s, prefix cache off (target >= 1.5): what the fork saves.
+  n4_vs_separate_prefix_cache  the same with the prefix cache on (the default), where the separate requests
+                             already share most of the prompt through it.
 
 A new measurement is one more ``measure_*(args) -> dict`` function, merged in :func:`main`.
 """
@@ -147,7 +154,14 @@ def _vectors(body: dict[str, Any]) -> np.ndarray:
     return np.array(rows, dtype=np.float32)
 
 
-MEASUREMENTS = (measure_embeddings,)
+def measure_n4(args: argparse.Namespace) -> dict[str, Any]:
+    """``n=4`` in one request against 4 separate ones, through the engine (bench/api_n4.py: figures and method)."""
+    from bench import api_n4
+
+    return api_n4.measure(args.quick)
+
+
+MEASUREMENTS = (measure_embeddings, measure_n4)
 
 
 def main(argv: list[str] | None = None) -> int:
