@@ -41,9 +41,9 @@ from pipeline.context import RequestContext, chat_turns
 from pipeline.events import Done, Error, Event, TextDelta
 from serving.http.anthropic_schemas import CountTokensRequest, MessagesRequest, conversation
 from serving.http.openapi import JsonOrEventStream, anthropic_errors
-from serving.http.pipeline_routes import PIN_HEADER, failure, response_headers, start_request
+from serving.http.pipeline_routes import PIN_HEADER, answered, response_headers, start_request, started
 from serving.http.problems import Problem, from_final
-from serving.http.served import event_stream, head_of_stream, sse_event, with_head
+from serving.http.served import event_stream, sse_event
 from serving.http.state import AppState
 from serving.http.tokenize_routes import tokenizer_of
 from serving.http.tool_replies import HeldReply, call_of, is_cut_call, may_call, offer_tools
@@ -68,15 +68,8 @@ async def create_message(data: JSONBody[MessagesRequest], request: Request) -> R
                                         {"user": user} if user else None, stop=data.stop_sequences)
     offer_tools(ctx, chat.tools, chat.tool_choice)
     if data.stream:
-        events = state.executor.stream(pipeline, ctx)
-        head = await head_of_stream(events)
-        if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
-            raise failure(head[-1], ctx)
-        return event_stream(_events(with_head(head, events), ctx, data), _headers(ctx))
-    final = await state.executor.run(pipeline, ctx)
-    if isinstance(final, Error):
-        raise failure(final, ctx)
-    return Response(_message(final, ctx, data), headers=_headers(ctx))
+        return event_stream(_events(await started(state, pipeline, ctx), ctx, data), _headers(ctx))
+    return Response(_message(await answered(state, pipeline, ctx), ctx, data), headers=_headers(ctx))
 
 
 @post("/v1/messages/count_tokens", summary="Anthropic-compatible token count", tags=["anthropic"],

@@ -43,7 +43,14 @@ from serving.http.openai_common import (
     refuse,
 )
 from serving.http.openapi import JsonOrEventStream, openai_errors
-from serving.http.pipeline_routes import answered_by, failure, response_headers, sources_json, start_request
+from serving.http.pipeline_routes import (
+    answered,
+    answered_by,
+    response_headers,
+    sources_json,
+    start_request,
+    started,
+)
 from serving.http.problems import bad_request, checked, from_final
 from serving.http.schemas import (
     RESPONSE_FORMAT,
@@ -56,7 +63,7 @@ from serving.http.schemas import (
     NamedToolChoice,
     OpenAIRequest,
 )
-from serving.http.served import encode_json, event_stream, head_of_stream, with_head
+from serving.http.served import encode_json, event_stream
 from serving.http.state import AppState
 from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
@@ -123,16 +130,10 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         continuous = bool(data.stream_options and data.stream_options.continuous_usage_stats)
-        events = state.executor.stream(pipeline, ctx)
-        head = await head_of_stream(events)
-        if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
-            raise failure(head[-1], ctx)
-        chunks = _chunks(with_head(head, events), ctx, data.model, kind, include_usage, continuous, data.n,
+        chunks = _chunks(await started(state, pipeline, ctx), ctx, data.model, kind, include_usage, continuous, data.n,
                          data.num_logprobs() is not None)
         return event_stream(chunks, response_headers(ctx))
-    final = await state.executor.run(pipeline, ctx)
-    if isinstance(final, Error):
-        raise failure(final, ctx)
+    final = await answered(state, pipeline, ctx)
     return Response(_body(final, ctx, data.model, kind, data.num_logprobs() is not None), headers=response_headers(ctx))
 
 

@@ -27,7 +27,7 @@ from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, bad_request, from_final, limit_headers
 from serving.http.refusals import attempt_of
 from serving.http.schemas import PipelineRequest
-from serving.http.served import event_stream, head_of_stream, sse_event
+from serving.http.served import event_stream, head_of_stream, sse_event, with_head
 from serving.http.state import AppState
 
 
@@ -125,9 +125,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
         return event_stream(_sse(head, events, ctx), response_headers(ctx))
-    final = await state.executor.run(pipeline, ctx)
-    if isinstance(final, Error):
-        raise failure(final, ctx)
+    final = await answered(state, pipeline, ctx)
     return Response(summary_json(final.summary, ctx), headers=response_headers(ctx))
 
 
@@ -141,6 +139,24 @@ def response_headers(ctx: RequestContext) -> dict[str, str]:
     return {"X-Request-Id": ctx.request_id, "X-Pipeline-Version": ctx.pipeline_version,
             "X-Pipeline-Spec-Sha256": ctx.spec_sha256, **({"X-Inferline-Model": ctx.model} if ctx.model else {}),
             **limit_headers(ctx.facts.get("limits"))}
+
+
+async def answered(state: AppState, pipeline: Pipeline, ctx: RequestContext) -> Done:
+    """The request run to its end; the HTTP error status its failure or refusal means, raised."""
+    final = await state.executor.run(pipeline, ctx)
+    if isinstance(final, Error):
+        raise failure(final, ctx)
+    return final
+
+
+async def started(state: AppState, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
+    """The request's events, once its first text (or its end) has come: a request refused or failed
+    before any text raises its HTTP error status rather than starting a 200 stream."""
+    events = state.executor.stream(pipeline, ctx)
+    head = await head_of_stream(events)
+    if isinstance(head[-1], Error):
+        raise failure(head[-1], ctx)
+    return with_head(head, events)
 
 
 def failure(final: Error, ctx: RequestContext) -> Problem:

@@ -51,7 +51,7 @@ from serving.http.openai_common import (
     refuse,
 )
 from serving.http.openapi import JsonOrEventStream, openai_errors
-from serving.http.pipeline_routes import failure, response_headers, start_request
+from serving.http.pipeline_routes import answered, response_headers, start_request, started
 from serving.http.problems import Problem, bad_request, checked, from_final
 from serving.http.responses_input import chat_messages, input_items
 from serving.http.schemas import (
@@ -64,7 +64,7 @@ from serving.http.schemas import (
     ResponsesRequest,
     ResponsesText,
 )
-from serving.http.served import event_stream, head_of_stream, sse_event, with_head
+from serving.http.served import event_stream, sse_event
 from serving.http.state import AppState
 from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
@@ -104,14 +104,8 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
                      fmt.schema_ if isinstance(fmt, ResponsesJsonSchemaFormat) else None)
     made = _Made(data, ctx, int(time.time()), earlier + items, text, [t.model_dump() for t in offered])
     if data.stream:
-        events = state.executor.stream(pipeline, ctx)
-        head = await head_of_stream(events)
-        if isinstance(head[-1], Error):  # refused or failed before any text: an HTTP error status
-            raise failure(head[-1], ctx)
-        return event_stream(_events(with_head(head, events), made, state), response_headers(ctx))
-    final = await state.executor.run(pipeline, ctx)
-    if isinstance(final, Error):
-        raise failure(final, ctx)
+        return event_stream(_events(await started(state, pipeline, ctx), made, state), response_headers(ctx))
+    final = await answered(state, pipeline, ctx)
     output, status = _output(ctx, final.summary.output_text, final.summary.finish_reason)
     body = made.body(status, output, final)
     await _keep(state, made, body, output)
