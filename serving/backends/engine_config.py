@@ -23,8 +23,8 @@ def engine_config(spec: ModelSpec, root: Path, draft: ModelSpec | None = None) -
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
         why = ("a CUDA device with bfloat16" if dtype == "bfloat16" else
-               "on a CPU, int8 decodes about 2.6x faster but its next-token agreement with float32 (0.95, "
-               "bench/quality.py) is below the 0.99 that would make it the default; say dtype: int8 to choose it")
+               "on a CPU, int8 decodes faster but its next-token agreement with float32 is below the 0.99 "
+               "that would make it the default (bench/quality.py); say dtype: int8 to choose it")
         logger.info("model source %s: dtype auto is %s (%s)", spec.source, dtype, why)
     kv = spec.kv_cache
     return EngineConfig(

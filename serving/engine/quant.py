@@ -21,11 +21,8 @@ Larger batches (prefill) dequantize the weight at each matmul (``F.linear`` on
 ``int8.to(float32)``, the scale applied to the result), which costs a pass
 over the weight on top of the matmul's work; without the kernel (or on CUDA)
 every batch does. A row's result never depends on the other rows of its batch.
-
-Until stop 53, batches above 3 rows went through fbgemm's dynamic quantized
-linear, which also quantized the activations (W8A8): faster in prefill on
-VNNI machines, but it moved the perplexity of ``bench/quality.py``'s passage
-from 35.26 to 36.74, where the weights' rounding alone moves it to 35.34.
+Activations are never quantized: an 8-bit activation path (fbgemm) cost far
+more quality than the weights' rounding (docs/engine.md, "Precision").
 """
 
 from __future__ import annotations
@@ -95,7 +92,6 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     return out if bias is None else out + bias
 
 
-#: Rows up to this go to the kernel when it is built, more to a dequantized matmul: on 2 cores of the
-#: AMD EPYC machines the kernel is ahead up to about 32-64 rows of the 3072 x 576 and 576 x 1536 layers
-#: (a loaded machine's figures; docs/measurements.md).
+#: Rows up to this go to the kernel when it is built, more to a dequantized matmul: where the kernel
+#: stops being ahead on the layers' shapes (docs/measurements.md, "int8").
 KERNEL_ROWS = 32

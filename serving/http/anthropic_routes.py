@@ -188,7 +188,7 @@ class _Blocks:
         """The block's last events; sets the stop reason."""
         self.stop_reason, self.stop_sequence = _stop(self._ctx, finish_reason, self._data)
         chunks: list[bytes] = []
-        reply = self._held.end(finish_reason) if self._held is not None and not self._held.passing else None
+        reply = self._held.end(finish_reason) if self._held is not None else None
         if isinstance(reply, tools.ToolCall):
             self.stop_reason, self.stop_sequence = "tool_use", None
             chunks += [_block_start({**_tool_use(reply, {}), "input": {}}),
