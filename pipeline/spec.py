@@ -183,9 +183,9 @@ class ModelSpec(Strict):
     api_key_env: str | None = None
     #: Where a local engine runs: auto picks CUDA when present.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: Weights' precision: auto (bfloat16 on a CUDA device that supports it, else float32), or int8 weight-only
-    #: quantization.
-    dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    #: Weights' precision: auto (a .gguf file's own blocks on a CPU; bfloat16 on a CUDA device that supports it;
+    #: else float32), int8 weight-only quantization, or gguf: a .gguf file's Q8_0/Q4_0/Q4_1 blocks as they are.
+    dtype: Literal["auto", "float32", "bfloat16", "int8", "gguf"] = "auto"
     #: Tokens of prompt plus output the model accepts (default: the model's own config).
     context_window: PositiveInt | None = None
     #: Local engines: how many copies of the model to run; requests are placed by ``placement``.
@@ -229,6 +229,9 @@ class ModelSpec(Strict):
             raise ValueError("a local model needs source: (an HF folder or a .gguf file)")
         if self.backend == "ray" and not self.source:
             raise ValueError("a ray model needs source: (an HF folder or a .gguf file each replica loads)")
+        if self.dtype == "gguf" and not (self.source or "").endswith(".gguf"):
+            raise ValueError("dtype: gguf serves a .gguf file's own blocks: give source: a .gguf file, or pick "
+                             "dtype: float32 or int8 for a folder")
         if self.ray is not None and self.backend != "ray":
             raise ValueError(f"ray: applies to backend: ray only (this model has backend: {self.backend})")
         if self.backend == "ray" and "replicas" in self.model_fields_set:

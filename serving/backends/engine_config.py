@@ -21,10 +21,7 @@ def engine_config(spec: ModelSpec, root: Path, draft: ModelSpec | None = None) -
     device = ("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device
     dtype = spec.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-        why = ("a CUDA device with bfloat16" if dtype == "bfloat16" else
-               "on a CPU, int8 decodes faster but its next-token agreement with float32 is below the 0.99 "
-               "that would make it the default (bench/quality.py); say dtype: int8 to choose it")
+        dtype, why = _auto_dtype(spec.source, device)
         logger.info("model source %s: dtype auto is %s (%s)", spec.source, dtype, why)
     kv = spec.kv_cache
     return EngineConfig(
@@ -35,6 +32,24 @@ def engine_config(spec: ModelSpec, root: Path, draft: ModelSpec | None = None) -
         max_waiting=spec.batching.max_waiting, max_model_len=spec.context_window,
         **_speculative_options(spec, root, draft),
     )
+
+
+def _auto_dtype(source: str, device: str) -> tuple[str, str]:
+    """What ``dtype: auto`` is for *source* on *device*, and why."""
+    import torch
+
+    if device == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "a CUDA device with bfloat16"
+        return "float32", "a CUDA device without bfloat16"
+    if source.endswith(".gguf"):
+        from serving.engine.kernels import cpu_ops, disabled_reason
+
+        if cpu_ops() is not None:
+            return "gguf", "a .gguf file on a CPU: its Q8_0/Q4_0/Q4_1 blocks are kept as they are, at the file's size"
+        return "float32", f"a .gguf file de-quantized at load: the block kernels are unavailable ({disabled_reason()})"
+    return "float32", ("on a CPU, int8 decodes faster but its next-token agreement with float32 is below the 0.99 "
+                       "that would make it the default (bench/quality.py); say dtype: int8 to choose it")
 
 
 def _speculative_options(spec: ModelSpec, root: Path, draft: ModelSpec | None) -> dict[str, object]:

@@ -331,8 +331,10 @@ def _proposer(config: EngineConfig, model, tokenizer, num_blocks: int,
     if draft is None:
         if not config.draft_model:
             raise EngineError("speculative: draft needs a draft model (draft_model)")
-        draft = load_model(config.draft_model, "float32" if config.dtype == "int8" else config.dtype,
-                           config.device)
+        dtype = config.dtype
+        if dtype == "int8" or (dtype == "gguf" and not config.draft_model.endswith(".gguf")):
+            dtype = "float32"
+        draft = load_model(config.draft_model, dtype, config.device)
     try:
         check_draft(model, draft.model, tokenizer, draft.tokenizer)
     except ValueError as exc:

@@ -11,7 +11,8 @@ flags, so a build is never reused on a machine it was not made for.
 
 Kernels: ``paged_attention`` (paged_attention.cpp); ``rms_norm``, ``add_rms_norm_``, ``rope_`` and
 ``silu_mul`` (layer_ops.cpp), the small steps of a layer fused; ``small_linear`` and ``small_linear_int8``
-(small_linear.cpp), the linear layers of decode-sized batches, float32 or int8 weights. The matmuls and
+(small_linear.cpp), the linear layers of decode-sized batches, float32 or int8 weights; ``block_linear`` and
+``block_dequantize`` (block_linear.cpp), GGUF's Q8_0, Q4_0 and Q4_1 blocks as they are. The matmuls and
 attention run on a thread pool of our own (pool.h, pool.cpp) whose helpers spin briefly between calls.
 """
 
@@ -29,7 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cpp", _HERE / "layer_ops.cpp", _HERE / "small_linear.cpp", _HERE / "pool.cpp")
+SOURCES = tuple(_HERE / name for name in ("paged_attention.cpp", "layer_ops.cpp", "small_linear.cpp",
+                                           "block_linear.cpp", "pool.cpp"))
 HEADERS = (_HERE / "vec.h", _HERE / "pool.h")
 _lock = threading.Lock()
 _state: dict[str, object] = {}

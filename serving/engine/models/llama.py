@@ -18,6 +18,10 @@ the linear weights' memory, so they are kept only for models whose linear
 weights fit in ``PANEL_COPY_MAX_BYTES``; they lie back to back in one buffer on
 huge pages, in the order a step reads them (``_in_one_arena``).
 
+A GGUF file loaded with ``dtype: gguf`` keeps its Q8_0, Q4_0 and Q4_1 weights as blocks
+(``serving/engine/blocks.py``): the linear layers, the embedding lookup and a tied LM head all read
+the same packed blocks, through our block kernel at every batch size.
+
 With ``int8=True`` every linear weight (and a copy of a tied LM head) is
 quantized per output channel (``serving/engine/quant.py``); activations, the
 KV cache and the embedding lookup stay in *dtype* (float32). On CPU the plain
@@ -45,6 +49,7 @@ import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
+from serving.engine.blocks import BlockRows, BlockWeight, block_embedding, block_linear, concat, pack
 from serving.engine.errors import EngineError
 from serving.engine.kernels import cpu_ops
 from serving.engine.memory import empty_on_huge_pages
@@ -100,8 +105,8 @@ class CpuWeight:
 
 
 #: A linear layer's weight as the forward's ``linear`` takes it: dense, oneDNN-packed (with or without its
-#: panels) or int8.
-Weight = torch.Tensor | CpuWeight | Int8Weight
+#: panels), int8, or a GGUF file's blocks.
+Weight = torch.Tensor | CpuWeight | Int8Weight | BlockWeight
 
 #: The layer weights that go through ``linear`` (packed or quantized at load).
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -360,16 +365,24 @@ class LlamaModel:
 
     def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  *, int8: bool = False):
-        """*dtype* is the activations' and KV cache's; *int8* quantizes the linear weights."""
+        """*dtype* is the activations' and KV cache's; *int8* quantizes the linear weights. Weights in *state*
+        that are a GGUF file's blocks (:class:`BlockRows`, ``serving/engine/blocks.py``) are served as blocks."""
         self.shape = shape = LlamaShape.from_config(config)
         self.dtype, self.device, self.is_int8 = dtype, device, int8
-        self.embed = state["model.embed_tokens.weight"]
+        self.is_blocks = any(isinstance(t, BlockRows) for t in state.values())
+        self.embed: torch.Tensor | BlockWeight = pack(state["model.embed_tokens.weight"])
         self.norm = state["model.norm.weight"]
-        self.lm_head: Weight = self.embed if shape.tie_word_embeddings else state["lm_head.weight"]
+        # A tied LM head in blocks is the embedding's own packed weight: the kernel reads the same layout.
+        self.lm_head: Weight = self.embed if shape.tie_word_embeddings else pack(state["lm_head.weight"])
         self.layers = [_layer(state, i, shape.attention_bias) for i in range(shape.num_layers)]
         self.linear: Linear = F.linear
         """The layers' matmuls; ``head_linear`` the LM head's (a CpuLinear of its own: its crossover differs)."""
-        if int8:
+        if self.is_blocks:
+            for layer in self.layers:
+                for name in LINEARS:
+                    setattr(layer, name, pack(getattr(layer, name)))
+            self.linear = block_linear
+        elif int8:
             self._quantize()
         elif use_onednn(dtype, device):
             self._pack()
@@ -441,7 +454,7 @@ class LlamaModel:
         weights += [getattr(layer, f.name) for layer in self.layers for f in fields(LayerWeights)]
         weights = [part for w in weights for part in ((w.packed, w.panels) if isinstance(w, CpuWeight) else (w,))]
         unique = {id(w): w for w in weights if w is not None}
-        return sum(w.num_bytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+        return sum(w.num_bytes if isinstance(w, Int8Weight | BlockWeight) else w.numel() * w.element_size()
                    for w in unique.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -451,7 +464,7 @@ class LlamaModel:
         if self.fused is not None:
             return self._forward_fused(input_ids, positions, meta, k_caches, v_caches, logits_indices)
         shape, linear = self.shape, self.linear
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = block_embedding(input_ids, self.embed)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
@@ -493,7 +506,7 @@ class LlamaModel:
             # fill and a copy, and 120 of them are a visible share of a short step.
             input_ids = torch.cat((input_ids, input_ids[-1:].expand(num_rows - num_tokens)))
             positions = torch.cat((positions, positions[-1:].expand(num_rows - num_tokens)))
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = block_embedding(input_ids, self.embed)
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches, strict=True)):
             qkv = linear(x, layer.qkv, layer.qkv_bias)
@@ -517,9 +530,9 @@ class LlamaModel:
 
 def _layer(state: dict[str, torch.Tensor], index: int, bias: bool) -> LayerWeights:
     p = f"model.layers.{index}."
-    qkv = torch.cat([state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    qkv = concat([state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
     qkv_bias = torch.cat([state.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if bias else None
-    gate_up = torch.cat([state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
+    gate_up = concat([state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
     return LayerWeights(
         input_norm=state.pop(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=qkv_bias,
         o=state.pop(p + "self_attn.o_proj.weight"), post_norm=state.pop(p + "post_attention_layernorm.weight"),

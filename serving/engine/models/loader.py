@@ -2,17 +2,19 @@
 
 Nothing here reaches a model hub: both paths are local files.
 
-dtypes: ``float32``; ``bfloat16``, refused on a CPU where a probe matmul runs
+dtypes: ``gguf``, a .gguf file's Q8_0, Q4_0 and Q4_1 weights kept as they are (``serving/engine/blocks.py``);
+``float32``; ``bfloat16``, refused on a CPU where a probe matmul runs
 more than 4x slower than in float32 (:func:`bf16_is_slow`), rather than
 serving silently slowly; ``int8``, float32 weights quantized per output
 channel at load (``serving/engine/quant.py``), activations and KV cache float32.
 
-GGUF and stored precision: a GGUF file is read through transformers' GGUF
-support (it needs the ``gguf`` package), which dequantizes every tensor to
-float at load. No GGUF type (Q4_0, Q4_1, Q4_K, Q5_*, Q6_K, Q8_0, ...) has a
-kernel here, so a file's quantization saves disk, not memory or time: loaded
-as float32, a Q4 file takes float32's memory and speed with its 4-bit
-weights' quality. ``dtype: int8`` requantizes the dequantized weights per
+GGUF and stored precision: with ``dtype: gguf`` a file's Q8_0, Q4_0 and Q4_1
+tensors stay in their blocks and run through our block kernel, so the model
+takes its file's size in memory; its other types are de-quantized at load.
+With any other dtype, a GGUF file is read through transformers' GGUF support
+(it needs the ``gguf`` package), which dequantizes every tensor to float at
+load: loaded as float32, a Q4 file takes float32's memory and speed with its
+4-bit weights' quality. ``dtype: int8`` requantizes the dequantized weights per
 output channel: a Q8_0 file (int8 blocks of 32, one scale each) lands at a
 similar, slightly coarser precision (one scale per row instead of per 32
 values); a 4-, 5- or 6-bit file keeps its own rounding error plus the int8
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from serving.engine.blocks import chat_template, check_kernels, read_gguf
 from serving.engine.errors import EngineError
 from serving.engine.models.llama import LlamaModel
 
@@ -47,8 +50,8 @@ logger = logging.getLogger(__name__)
 #: HF ``model_type``s served by the Llama-family forward pass.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 
-#: Each dtype's weights as loaded (int8 quantizes float32 weights after loading).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
+#: Each dtype's activations (int8 quantizes float32 weights after loading; gguf keeps a file's blocks).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "gguf": torch.float32}
 
 #: bfloat16 is refused where the probe matmul is this many times slower than float32.
 MAX_BF16_SLOWDOWN = 4.0
@@ -74,7 +77,18 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
         if slow:
             raise EngineError(f"bfloat16 runs {ratio:.1f}x slower than float32 on this CPU (no fast bfloat16 "
                               "matmul); use dtype float32, or int8 for half the memory and more speed")
-    if path.suffix == ".gguf":
+    if dtype == "gguf":
+        if path.suffix != ".gguf":
+            raise EngineError(f"dtype gguf serves a .gguf file's own blocks; {source!r} is not a .gguf file "
+                              "(use dtype float32 or int8 for a folder)")
+        check_kernels(torch_device)
+        kwargs = {"gguf_file": path.name, "local_files_only": True}
+        config = AutoConfig.from_pretrained(path.parent, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        state, template = read_gguf(path, config.num_attention_heads,
+                                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        tokenizer.chat_template = tokenizer.chat_template or template
+    elif path.suffix == ".gguf":
         config, tokenizer, state = _from_gguf(path, torch_dtype)
     else:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -82,7 +96,8 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
         state = _read_safetensors(path)
     if config.model_type not in LLAMA_FAMILY:
         raise EngineError(f"model type {config.model_type!r} is not supported; supported: {sorted(LLAMA_FAMILY)}")
-    state = {name: t.to(device=torch_device, dtype=torch_dtype).contiguous() for name, t in state.items()}
+    state = {name: t.to(device=torch_device, dtype=torch_dtype).contiguous() if isinstance(t, torch.Tensor) else t
+             for name, t in state.items()}
     logger.info("loaded %s (%s, %d tensors) on %s as %s", path, config.model_type, len(state), device, dtype)
     model = LlamaModel(config, state, torch_dtype, torch_device, int8=dtype == "int8")
     return LoadedModel(model, config, tokenizer)
@@ -147,6 +162,7 @@ def _from_gguf(path: Path, dtype: torch.dtype):
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    tokenizer.chat_template = tokenizer.chat_template or chat_template(path)  # transformers leaves it out
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kwargs)
     state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     return hf_model.config, tokenizer, state

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import random
 import sys
 import types
@@ -258,6 +260,27 @@ def test_speculative_settings_reach_the_engine_config():
     assert (config.speculative, config.num_speculative_tokens, config.speculative_max_batch) == ("draft", 3, 2)
     assert config.draft_model == str(ROOT / "models/small")
     assert engine_config(ModelSpec(source="models/target", device="cpu"), ROOT).speculative is None
+
+
+def test_dtype_auto_keeps_a_gguf_files_blocks_on_a_cpu(monkeypatch, caplog):
+    from serving.backends import engine_config as module
+    from serving.engine import kernels
+
+    caplog.set_level(logging.INFO, logger=module.__name__)
+    gguf = module.engine_config(ModelSpec(source="models/smollm2-135m-instruct/model.gguf", device="cpu"), ROOT)
+    folder = module.engine_config(ModelSpec(source="models/smollm2-135m-instruct", device="cpu"), ROOT)
+    assert (gguf.dtype, folder.dtype) == ("gguf", "float32")
+    assert "kept as they are" in caplog.text
+    monkeypatch.setattr(kernels, "cpu_ops", lambda: None)  # no compiler: de-quantized at load, and said so
+    monkeypatch.setattr(kernels, "disabled_reason", lambda: "INFERLINE_KERNELS=0")
+    fallback = module.engine_config(ModelSpec(source="models/smollm2-135m-instruct/model.gguf", device="cpu"), ROOT)
+    assert fallback.dtype == "float32" and "INFERLINE_KERNELS=0" in caplog.text
+
+
+def test_dtype_gguf_needs_a_gguf_source():
+    with pytest.raises(ValueError, match="give source: a .gguf file"):
+        ModelSpec(source="models/smollm2-135m-instruct", dtype="gguf")
+    assert ModelSpec(source="models/x/model.gguf", dtype="gguf").dtype == "gguf"
 
 
 @pytest.mark.parametrize(("speculative", "message"), [
