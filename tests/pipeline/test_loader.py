@@ -357,7 +357,8 @@ def test_server_config_errors_are_located(tmp_path):
         load_server(path)
     found = [str(issue) for issue in info.value.issues]
     assert found == [
-        f"{path}:4:12: models.smol.dtype: expected one of 'auto', 'float32', 'bfloat16', 'int8' or 'gguf', got 'float16'",
+        f"{path}:4:12: models.smol.dtype: expected one of 'auto', 'float32', 'bfloat16', 'int8' or 'gguf', "
+        "got 'float16'",
         f"{path}:5:5: models.smol.prices: unknown key 'prices'; did you mean 'price'? (allowed: source, backend, "
         "base_url, api_key_env, device, dtype, context_window, replicas, placement, max_imbalance, base_urls, "
         "remote_model, timeout_s, tokenizer, kv_cache, batching, speculative, price, ray)",

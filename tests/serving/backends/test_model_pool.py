@@ -277,7 +277,7 @@ def test_dtype_auto_keeps_a_gguf_files_blocks_on_a_cpu(monkeypatch, caplog):
 
 
 def test_dtype_gguf_needs_a_gguf_source():
-    with pytest.raises(ValueError, match="give source: a .gguf file"):
+    with pytest.raises(ValueError, match=r"give source: a \.gguf file"):
         ModelSpec(source="models/smollm2-135m-instruct", dtype="gguf")
     assert ModelSpec(source="models/x/model.gguf", dtype="gguf").dtype == "gguf"
 
