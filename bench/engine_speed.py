@@ -5,8 +5,10 @@
 Without ``--llamacpp`` only our engine runs and every llama.cpp figure (and ratio) is null. With it, llama.cpp
 runs through llama-cpp-python (the optional ``bench`` extra: ``make bench-deps``, which compiles llama.cpp for
 about 12 minutes) on ``models/smollm2-135m-instruct/model.gguf``, the Q4_1 file scripts/fetch_model.py
-de-quantized into the float32 folder our engine loads. So both sides run the same weights: ours in float32
-through torch, llama.cpp in Q4_1 (its usual CPU format) through ggml.
+de-quantized into the float32 folder our engine loads. So both sides run the same weights: ours on that same
+file in its own blocks (``dtype: gguf``, serving/engine/blocks.py: the headline ratios ``decode_vs_llamacpp``,
+``parallel32_vs_llamacpp``, ``rss_vs_llamacpp``) and in float32 from the de-quantized folder
+(``vs_llamacpp_*``), llama.cpp in Q4_1 (its usual CPU format) through ggml.
 
 Both sides: SmolLM2-135M-Instruct, greedy, EOS ignored, 2 threads, OMP_WAIT_POLICY=PASSIVE (set before torch
 loads; it applies to llama.cpp's OpenMP pool too). Prompts are token ids from bench/engine.py's workload data
@@ -25,6 +27,8 @@ both sides spinning.
 Sections (``--only`` takes a comma-separated list of them):
   decode      One request alone: a 32-token prompt, 128 new tokens; best of 3 (2), a different prompt each time.
               ``*_decode_itl_ms`` is the mean time between tokens after the first (prefill excluded).
+              ``decode_vs_llamacpp`` = ours on the GGUF (``ours_gguf_decode_tok_s``) / llama.cpp (target >= 1.5);
+              ``gguf_decode_agree_tokens`` as ``decode_agree_tokens`` for that side.
               ``decode_agree_tokens``: how many leading tokens of the first run the two sides share. Q4_1 with
               8-bit activations against float32 diverges wherever two candidates are near-tied (for the chat
               question "What is the capital of France?" already at the first token: float32 puts "The" 0.08
@@ -33,7 +37,8 @@ Sections (``--only`` takes a comma-separated list of them):
               bytes than float32, still 2x llama.cpp's 4-bit) on the same requests.
               ``llamacpp_decode_completion_tok_s``: the same request through llama-cpp-python's high-level
               ``Llama.create_completion`` (its defaults: flash attention off), a check on the low-level driver.
-  parallel32  32 requests at once, 128-token prompts, 128 new tokens (64).
+  parallel32  32 requests at once, 128-token prompts, 128 new tokens (64). ``parallel32_vs_llamacpp`` = ours on
+              the GGUF / llama.cpp (target >= 2.5).
   mixed       bench/engine.py's mixed workload: 64 requests (16) at once, prompts uniformly 64-512 tokens,
               max_tokens uniformly 16-256 (16-64), from the same seed.
   speculative Ours only: prompt-lookup speculative decoding (4 guesses a step) against plain decoding, batch 1,
@@ -45,6 +50,14 @@ Sections (``--only`` takes a comma-separated list of them):
               mostly wrong: speculation's overhead. ``spec_speedup_{hit,nocopy,miss}`` = speculative tok/s /
               plain tok/s (both sides produce the same tokens: the section checks it);
               ``spec_*_acceptance_rate`` = accepted / proposed guesses.
+  rss         Resident memory, each side in a fresh process (``--rss-child``) on the GGUF, room for 4,096 tokens
+              of KV cache (one sequence), after serving one short request (every weight read once):
+              ``*_runtime_rss_mb`` after the runtime's imports (torch, transformers and our kernels; llama-cpp-
+              python), ``*_rss_mb`` after the load, ``*_rss_load_mb`` the difference (weights, KV cache,
+              tokenizer, buffers). ``rss_vs_llamacpp`` = ours / llama.cpp of what loading the model adds
+              (target <= 1.2); ``rss_total_vs_llamacpp`` the same of the whole processes (torch's runtime is
+              about 250 MB more than ggml's). ``ours_weights_mb``: ``LlamaModel.weight_bytes``. Our KV cache
+              is float32, llama.cpp's float16: at 4,096 tokens 180 MB against 90 MB.
   int8        Ours only: ``dtype: int8`` against float32 on the decode section's requests (interleaved, best of
               3 (2)): ``int8_decode_speedup``; ``int8_weight_memory_ratio`` = bytes of weights the forward reads,
               int8 / float32 (``LlamaModel.weight_bytes``); ``int8_greedy_agreement`` = share of output positions
@@ -403,6 +416,7 @@ class Bench:
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)
     _engine: Any = None
+    _gguf_engine: Any = None
     _llama: Any = None
     _llama_tried: bool = False
 
@@ -414,6 +428,16 @@ class Bench:
                 ours_run(engine, [Request(self.pool[:64], 8), Request(self.pool[64:96], 8)])  # warm-up
             self._engine = engine
         return self._engine
+
+    @property
+    def gguf_engine(self) -> Any:
+        """Ours on the same GGUF file as llama.cpp, in its own blocks (``dtype: gguf``)."""
+        if self._gguf_engine is None:
+            with self.timed("load/ours_gguf"):
+                engine = _engine_like(self, model=str(self.gguf), dtype="gguf")
+                ours_run(engine, [Request(self.pool[:64], 8), Request(self.pool[64:96], 8)])  # warm-up
+            self._gguf_engine = engine
+        return self._gguf_engine
 
     @property
     def llama(self) -> LlamaCpp | None:
@@ -479,6 +503,11 @@ def decode_section(b: Bench) -> dict[str, Any]:
         ours = [ours_run(b.engine, [r]) for r in requests]
         best = max(ours, key=lambda run: run.tok_s)
         f["ours_decode_tok_s"], f["ours_decode_itl_ms"] = best.tok_s, best.itl_ms()
+    gguf: list[Run] = []
+    with b.part("decode/ours_gguf"):
+        gguf = [ours_run(b.gguf_engine, [r]) for r in requests]
+        best = max(gguf, key=lambda run: run.tok_s)
+        f["ours_gguf_decode_tok_s"], f["ours_gguf_decode_itl_ms"] = best.tok_s, best.itl_ms()
     with b.part("decode/ours_int8"):
         int8 = _engine_like(b, dtype="int8")
         ours_run(int8, [Request(b.pool[:64], 8)])  # warm-up
@@ -500,9 +529,14 @@ def decode_section(b: Bench) -> dict[str, Any]:
                 a, c = ours[0].outputs[0], runs[0].outputs[0]
                 f["decode_agree_tokens"] = next((i for i, (x, y) in enumerate(zip(a, c, strict=True)) if x != y),
                                                 len(a))
+            if gguf:
+                a = gguf[0].outputs[0]
+                f["gguf_decode_agree_tokens"] = next(
+                    (i for i, (x, y) in enumerate(zip(a, c, strict=True)) if x != y), len(a))
         with b.part("decode/llamacpp_completion"):
             f["llamacpp_decode_completion_tok_s"] = llamacpp_completion_tok_s(b.gguf, requests[0],
                                                                               b.sizes.num_decode_repeats)
+    f["decode_vs_llamacpp"] = _ratio(f.get("ours_gguf_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
     f["vs_llamacpp_decode"] = _ratio(f.get("ours_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
     f["vs_llamacpp_decode_int8"] = _ratio(f.get("ours_int8_decode_tok_s"), f.get("llamacpp_decode_tok_s"))
     return f
@@ -516,10 +550,14 @@ def parallel32_section(b: Bench) -> dict[str, Any]:
     with b.part("parallel32/ours"):
         run = ours_run(b.engine, requests)
         f["ours_parallel32_tok_s"], f["ours_parallel32_mean_ttft_s"] = run.tok_s, run.mean_ttft_s
+    with b.part("parallel32/ours_gguf"):
+        run = ours_run(b.gguf_engine, requests)
+        f["ours_gguf_parallel32_tok_s"], f["ours_gguf_parallel32_mean_ttft_s"] = run.tok_s, run.mean_ttft_s
     if b.llama is not None:
         with b.part("parallel32/llamacpp"):
             run = llamacpp_burst(b.llama, requests, PARALLEL_SEQS)
             f["llamacpp_parallel32_tok_s"], f["llamacpp_parallel32_mean_ttft_s"] = run.tok_s, run.mean_ttft_s
+    f["parallel32_vs_llamacpp"] = _ratio(f.get("ours_gguf_parallel32_tok_s"), f.get("llamacpp_parallel32_tok_s"))
     f["vs_llamacpp_parallel32"] = _ratio(f.get("ours_parallel32_tok_s"), f.get("llamacpp_parallel32_tok_s"))
     return f
 
@@ -662,6 +700,73 @@ def int8_section(b: Bench) -> dict[str, Any]:
     return f
 
 
+RSS_CONTEXT_TOKENS = 4096
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_child(side: str, gguf: Path) -> dict[str, float]:
+    """In a fresh process: resident memory after the runtime's imports, and after loading *gguf* with room for
+    RSS_CONTEXT_TOKENS tokens of KV cache and serving one short request (every weight read once)."""
+    prompt = list(range(1000, 1032))
+    if side == "ours":
+        import torch
+
+        from serving.engine.config import EngineConfig
+        from serving.engine.engine import LLMEngine
+        from serving.engine.kernels import cpu_ops
+
+        torch.set_num_threads(NUM_THREADS)
+        cpu_ops()  # the kernels' shared library is part of the runtime, loaded before the model
+        before = _rss_mb()
+        engine = LLMEngine(EngineConfig(model=str(gguf), dtype="gguf", num_threads=NUM_THREADS, max_num_seqs=1,
+                                        num_blocks=RSS_CONTEXT_TOKENS // 16, block_size=16))
+        ours_run(engine, [Request(prompt, 8)])
+        weights = engine.model.weight_bytes() / 2**20
+    else:
+        import llama_cpp  # noqa: F401
+
+        before = _rss_mb()
+        llama = LlamaCpp(gguf, NUM_THREADS)
+        with llama.session(1, RSS_CONTEXT_TOKENS) as session:
+            llamacpp_run(session, [Request(prompt, 8)])
+            return {"before_mb": before, "after_mb": _rss_mb(), "weights_mb": None}
+    return {"before_mb": before, "after_mb": _rss_mb(), "weights_mb": weights}
+
+
+def _rss_of(side: str, gguf: Path) -> dict[str, float]:
+    import subprocess
+
+    done = subprocess.run([sys.executable, __file__, "--rss-child", side, "--gguf", str(gguf)], capture_output=True,
+                          text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} memory probe failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rss_section(b: Bench) -> dict[str, Any]:
+    """Resident memory after load, each side in a fresh process on the same GGUF and context size."""
+    f: dict[str, Any] = {"rss_context_tokens": RSS_CONTEXT_TOKENS}
+    with b.part("rss/ours"):
+        ours = _rss_of("ours", b.gguf)
+        f["ours_rss_mb"], f["ours_rss_load_mb"] = ours["after_mb"], ours["after_mb"] - ours["before_mb"]
+        f["ours_runtime_rss_mb"], f["ours_weights_mb"] = ours["before_mb"], ours["weights_mb"]
+    if b.args.llamacpp and importlib.util.find_spec("llama_cpp") is not None:
+        with b.part("rss/llamacpp"):
+            theirs = _rss_of("llamacpp", b.gguf)
+            f["llamacpp_rss_mb"] = theirs["after_mb"]
+            f["llamacpp_rss_load_mb"] = theirs["after_mb"] - theirs["before_mb"]
+            f["llamacpp_runtime_rss_mb"] = theirs["before_mb"]
+    f["rss_vs_llamacpp"] = _ratio(f.get("ours_rss_load_mb"), f.get("llamacpp_rss_load_mb"))
+    f["rss_total_vs_llamacpp"] = _ratio(f.get("ours_rss_mb"), f.get("llamacpp_rss_mb"))
+    return f
+
+
 @dataclass(frozen=True, slots=True)
 class Section:
     """A named part of the bench: ``run`` returns figures merged into the result; ``keys`` are always present."""
@@ -673,10 +778,12 @@ class Section:
 
 SECTIONS: tuple[Section, ...] = (
     Section("decode", decode_section, (
+        "decode_vs_llamacpp", "ours_gguf_decode_tok_s", "ours_gguf_decode_itl_ms", "gguf_decode_agree_tokens",
         "ours_decode_tok_s", "llamacpp_decode_tok_s", "vs_llamacpp_decode", "ours_int8_decode_tok_s",
         "vs_llamacpp_decode_int8", "ours_decode_itl_ms",
         "llamacpp_decode_itl_ms", "decode_agree_tokens", "llamacpp_decode_completion_tok_s")),
     Section("parallel32", parallel32_section, (
+        "parallel32_vs_llamacpp", "ours_gguf_parallel32_tok_s", "ours_gguf_parallel32_mean_ttft_s",
         "ours_parallel32_tok_s", "llamacpp_parallel32_tok_s", "vs_llamacpp_parallel32",
         "ours_parallel32_mean_ttft_s", "llamacpp_parallel32_mean_ttft_s")),
     Section("mixed", mixed_section, (
@@ -686,6 +793,10 @@ SECTIONS: tuple[Section, ...] = (
         "spec_speedup_hit", "spec_speedup_miss", "spec_speedup_nocopy", "spec_hit_acceptance_rate",
         "spec_miss_acceptance_rate", "spec_nocopy_acceptance_rate", "plain_hit_tok_s", "spec_hit_tok_s",
         "plain_miss_tok_s", "spec_miss_tok_s")),
+    Section("rss", rss_section, (
+        "rss_vs_llamacpp", "rss_total_vs_llamacpp", "ours_rss_mb", "llamacpp_rss_mb", "ours_rss_load_mb",
+        "llamacpp_rss_load_mb", "ours_runtime_rss_mb", "llamacpp_runtime_rss_mb", "ours_weights_mb",
+        "rss_context_tokens")),
     Section("int8", int8_section, (
         "int8_decode_speedup", "int8_weight_memory_ratio", "int8_greedy_agreement", "int8_next_token_agreement",
         "float32_decode_tok_s", "int8_decode_tok_s")),
@@ -719,7 +830,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="llama.cpp's parallel sequences for the mixed workload (default: %(default)s)")
     parser.add_argument("--llamacpp-kv-unified", action="store_true",
                         help="llama.cpp: one KV buffer shared by all sequences instead of one stream per sequence")
+    parser.add_argument("--rss-child", choices=("ours", "llamacpp"), help=argparse.SUPPRESS)  # the rss section's probe
     args = parser.parse_args(argv)
+    if args.rss_child:
+        return rss_child(args.rss_child, Path(args.gguf or Path(args.model) / GGUF_NAME))
     if not 1 <= args.llamacpp_slots <= 256:  # llama.cpp's LLAMA_MAX_SEQ
         parser.error("--llamacpp-slots must be in [1, 256]")
     sections = _sections(args.only)

@@ -1,7 +1,8 @@
-"""What int8 (and bfloat16) weights cost in quality against float32, and what int8 buys in memory and speed.
+"""What int8 (and bfloat16) weights and GGUF's block formats cost in quality against float32, and what int8 buys
+in memory and speed.
 
     .venv/bin/python bench/quality.py [--model DIR] [--max-tokens N] [--decode-tokens N] [--rounds R]
-                                      [--gguf FILE]
+                                      [--no-formats] [--gguf FILE]
 
 The default model on our engine (``LLMEngine``, 2 torch threads, CPU), one engine per dtype: float32, int8, and
 bfloat16 only where ``bf16_is_slow`` says it is not more than 4x slower than float32 here (else it would be
@@ -27,6 +28,17 @@ rounding    What the weights' rounding alone costs, whatever the kernels: the fl
             scale per output channel, as ``dtype: int8`` stores them), ``rounding_int8_g32_*`` (int8, one
             float16 scale per 32 inputs: GGUF's Q8_0), ``rounding_bfloat16_*`` (bfloat16 weights, float32
             activations). ``int8_ppl_ratio`` = int8 / float32 perplexity (the engine's ``dtype: int8``).
+formats     ``dtype: gguf``, a GGUF file served in its own blocks, for each block format: the bundled
+            ``model.gguf`` (Q4_1, its embedding Q8_0) and the same weights written in Q8_0 and Q4_0 by
+            scripts/requantize_gguf.py (re-quantized from Q4_1: they add their own rounding to Q4_1's). Per
+            format: ``gguf_<format>_perplexity``, ``gguf_<format>_next_token_agreement`` (against float32,
+            which is the Q4_1 weights de-quantized), ``gguf_<format>_weight_bytes``. ``--no-formats`` skips it.
+            llama.cpp (llama-cpp-python, ``make bench-deps``), when importable, computes the perplexity of the
+            same token ids from the bundled file (``llamacpp_q4_1_perplexity``, all logits of one batch):
+            ``q4_ppl_vs_llamacpp`` = ours on that file / llama.cpp's (target: within 0.5%, |ratio - 1| <= 0.005).
+            ``gguf_q4_1_8bit_activations_perplexity``: ours with each matmul's activations first rounded to
+            8 bits per 32 as llama.cpp rounds them for these formats (its Q8_0/Q8_1): the part of the gap to
+            llama.cpp that is its activation rounding (we keep activations float32).
 gguf        With ``--gguf FILE``: the same perplexity for that file loaded as float32 (its own precision,
             dequantized) and as int8 (requantized per channel). Off by default: loading a GGUF file
             through transformers takes about 25 s.
@@ -209,6 +221,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timings["decode_s"] = time.perf_counter() - start
     del engines
 
+    if args.formats:
+        start = time.perf_counter()
+        result.update(formats(Path(args.model) / "model.gguf", passage, logits["float32"]))
+        timings["formats_s"] = time.perf_counter() - start
     if args.gguf:
         start = time.perf_counter()
         for dtype in ("float32", "int8"):
@@ -217,6 +233,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timings["gguf_s"] = time.perf_counter() - start
     result["timings_s"] = timings
     return result
+
+
+FORMATS = ("Q4_1", "Q8_0", "Q4_0")
+
+
+def formats(gguf: Path, passage: list[int], reference: torch.Tensor) -> dict[str, Any]:
+    """Perplexity and next-token agreement of ``dtype: gguf`` per block format, and llama.cpp's on *gguf*."""
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("requantize_gguf", Path(__file__).parents[1] / "scripts" /
+                                                  "requantize_gguf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for qtype in FORMATS:
+            path = gguf
+            if qtype != "Q4_1":  # the bundled file's own format
+                path = Path(folder) / f"model-{qtype}.gguf"
+                script.requantize(gguf, path, qtype)
+            model = load_model(str(path), "gguf").model
+            logits = next_token_logits(model, passage)
+            key = f"gguf_{qtype.lower()}"
+            out[f"{key}_perplexity"] = perplexity(logits, passage)
+            out[f"{key}_next_token_agreement"] = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            out[f"{key}_weight_bytes"] = model.weight_bytes()
+            out[f"{key}_file_bytes"] = path.stat().st_size
+            if qtype == "Q4_1":
+                out["gguf_q4_1_8bit_activations_perplexity"] = perplexity(
+                    next_token_logits(_with_8bit_activations(model), passage), passage)
+            del model
+    out["llamacpp_q4_1_perplexity"] = llamacpp_perplexity(gguf, passage)
+    out["q4_ppl_vs_llamacpp"] = (None if out["llamacpp_q4_1_perplexity"] is None else
+                                 out["gguf_q4_1_perplexity"] / out["llamacpp_q4_1_perplexity"])
+    return out
+
+
+def _with_8bit_activations(model: LlamaModel) -> LlamaModel:
+    """*model* with every matmul's activations rounded to 8 bits per 32 (an fp16 scale each) first: what
+    llama.cpp does to them for its Q4 and Q8 dot products (Q8_0/Q8_1), to tell that rounding from ours."""
+    linear = model.linear
+
+    def rounded_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        groups = x.reshape(x.shape[0], -1, 32)
+        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return linear((torch.round(groups / scale).clamp(-127, 127) * scale).reshape(x.shape), weight, bias)
+
+    model.linear = model.head_linear = rounded_linear
+    return model
+
+
+def llamacpp_perplexity(gguf: Path, passage: list[int]) -> float | None:
+    """llama.cpp's perplexity of *passage* (token ids) on *gguf*: one batch, every position's logits; None
+    (and a note on stderr) when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except (ImportError, OSError, RuntimeError) as exc:
+        print(f"NOTE: llama_cpp is not importable ({exc}): run `make bench-deps` for llama.cpp's perplexity",
+              file=sys.stderr)
+        return None
+    llama = Llama(str(gguf), n_ctx=len(passage) + 8, n_batch=len(passage), n_ubatch=len(passage),
+                  n_threads=NUM_THREADS, logits_all=True, verbose=False)
+    try:
+        llama.eval(passage)
+        logits = torch.from_numpy(llama.scores[:len(passage) - 1].copy()).float()
+    finally:
+        llama.close()
+    return perplexity(logits, passage)
 
 
 def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -262,6 +348,15 @@ def print_table(result: dict[str, Any]) -> None:
     for kind in ("int8_channel", "int8_g32", "bfloat16"):
         print(f"weights rounded as {kind}: perplexity {_fmt(result[f'rounding_{kind}_perplexity'])}, next-token "
               f"agreement {_fmt(result[f'rounding_{kind}_next_token_agreement'])}")
+    for qtype in FORMATS:
+        key = f"gguf_{qtype.lower()}"
+        if f"{key}_perplexity" in result:
+            print(f"dtype gguf, {qtype}: perplexity {_fmt(result[f'{key}_perplexity'])}, next-token agreement "
+                  f"{_fmt(result[f'{key}_next_token_agreement'])}, weights {_fmt(result[f'{key}_weight_bytes'])} "
+                  f"bytes (file {_fmt(result[f'{key}_file_bytes'])})")
+    if "q4_ppl_vs_llamacpp" in result:
+        print(f"llama.cpp on the bundled Q4_1 file: perplexity {_fmt(result['llamacpp_q4_1_perplexity'])}; "
+              f"ours / llama.cpp: {_fmt(result['q4_ppl_vs_llamacpp'])}")
     for dtype in ("float32", "int8"):
         if f"gguf_{dtype}_perplexity" in result:
             print(f"gguf loaded as {dtype}: perplexity {_fmt(result[f'gguf_{dtype}_perplexity'])}")
@@ -283,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="tokens per decode-speed run; 0 skips it (default: 128)")
     parser.add_argument("--rounds", type=int, default=3, help="decode-speed rounds per dtype (default: 3)")
+    parser.add_argument("--no-formats", dest="formats", action="store_false",
+                        help="skip the GGUF block formats (dtype: gguf) and llama.cpp's perplexity")
     parser.add_argument("--gguf", default=None, help="also measure this .gguf file's perplexity as float32 and int8")
     args = parser.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)

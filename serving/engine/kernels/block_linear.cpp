@@ -21,8 +21,10 @@
 // the broadcast activation of each row of x, and only at the block's end applies the G scales, one
 // vector, once: y += d * sum_j x_j q_j (+ m * sum_j x_j for Q4_1; Q4_0's -8 as m = -8 d). A block
 // thus costs a load, a mask, a shift and two conversions per two positions, as int8 weights do, for
-// 0.56 to 1.06 bytes a weight, and no horizontal sums. Sums are float32, in this kernel's own order:
-// results equal x times the de-quantized weights up to the last bits.
+// 0.56 to 1.06 bytes a weight, and no horizontal sums. That is decode's path (up to WIDE_ROWS rows, MR
+// rows per pass over a group). Larger batches widen each weight once per call into an L1 buffer and
+// multiply it there in register blocks (wide_chunk): prefill at about float32 oneDNN's speed. Sums are
+// float32, in this kernel's own order: results equal x times the de-quantized weights up to the last bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -202,8 +204,105 @@ void chunk_of(const Job& job, int64_t chunk) {
   }
 }
 
+// ---- large batches (prefill): widen once, then outer products from L1
+//
+// Above WIDE_ROWS rows, re-widening a group's blocks for every MR rows costs more than the multiplies.
+// Instead a chunk is a panel of PV groups (PV * G outputs): PK positions at a time are widened into a
+// buffer [PK, PV * G] (12 KB on AVX2, 24 KB on AVX-512) and every block of PR rows of x multiplies it
+// there, PR x PV accumulators in registers, as the float32 small-batch kernel's panels do; partial sums
+// wait in a [rows, PV * G] tile between the k-chunks.
+constexpr int PV = 3, PR = NREGS == 32 ? 8 : 4;
+constexpr int64_t PK = 128, PW = PV * G;
+constexpr int64_t WIDE_ROWS = 8;
+
+// buf[i, v * G + lane] = W[output (g0 + v) * G + lane, k0 + i] for i < PK (k0 a multiple of 32).
+template <int64_t F>
+inline void widen_panel(const Job& job, int64_t g0, int64_t k0, float* buf) {
+  const int64_t groups = (job.n + G - 1) / G, blocks = job.k / QK;
+  constexpr int64_t GB = G * block_bytes(F), HB = G * header_bytes(F);
+  for (int v = 0; v < PV; v++) {
+    float* col = buf + v * G;
+    if (g0 + v >= groups) {
+      for (int64_t i = 0; i < PK; i++) store(col + i * PW, vn{});
+      continue;
+    }
+    const uint8_t* group = job.packed + (g0 + v) * blocks * GB;
+    for (int64_t b = k0 / QK; b < (k0 + PK) / QK; b++) {
+      const uint8_t* gb = group + b * GB;
+      const uint8_t* q = gb + HB;
+      const vn d = halves(gb);
+      float* out = col + (b * QK - k0) * PW;
+      if constexpr (F == Q8_0) {
+        for (int64_t p = 0; p < QK; p++) store(out + p * PW, to_float(bytes_s8(q + p * G)) * d);
+      } else {
+        const vn m = F == Q4_1 ? halves(gb + 2 * G) : d * -8.f;
+        for (int64_t p = 0; p < 16; p++) {
+          const vq v = bytes_u8(q + p * G);
+          store(out + p * PW, to_float(low4(v)) * d + m);
+          store(out + (p + 16) * PW, to_float(high4(v)) * d + m);
+        }
+      }
+    }
+  }
+}
+
+// tile[r, :] (+)= x[r, k0 : k0 + kc] . buf for R rows.
+template <int R>
+inline void panel_rows(const float* x, int64_t xs, const float* buf, int64_t kc, float* tile, bool first) {
+  vn acc[R][PV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) acc[r][v] = first ? vn{} : load<vn>(tile + r * PW + v * G);
+  for (int64_t i = 0; i < kc; i++) {
+    vn w[PV];
+    for (int v = 0; v < PV; v++) {
+      w[v] = load<vn>(buf + i * PW + v * G);
+      IN_REGISTER(w[v]);
+    }
+    for (int r = 0; r < R; r++) {
+      const vn b = splat_n(x[r * xs + i]);
+      for (int v = 0; v < PV; v++) acc[r][v] += b * w[v];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) store(tile + r * PW + v * G, acc[r][v]);
+}
+
+template <int R = PR>
+inline void panel_any(int rows, const float* x, int64_t xs, const float* buf, int64_t kc, float* tile, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_any<R - 1>(rows, x, xs, buf, kc, tile, first);
+  }
+  panel_rows<R>(x, xs, buf, kc, tile, first);
+}
+
+template <int64_t F>
+void wide_chunk(const Job& job, int64_t panel) {
+  alignas(64) static thread_local float buf[PK * PW];
+  thread_local std::vector<float> tile;
+  tile.resize(job.rows * PW);
+  const int64_t g0 = panel * PV;
+  for (int64_t k0 = 0; k0 < job.k; k0 += PK) {
+    const int64_t kc = std::min(PK, job.k - k0);
+    widen_panel<F>(job, g0, k0, buf);  // kc is a multiple of 32: the tail of buf is left unread
+    for (int64_t m = 0; m < job.rows; m += PR)
+      panel_any(static_cast<int>(std::min<int64_t>(PR, job.rows - m)), job.x + m * job.x_stride + k0, job.x_stride,
+                buf, kc, tile.data() + m * PW, k0 == 0);
+  }
+  const int64_t n0 = g0 * G, cols = std::min(PW, job.n - n0);
+  for (int64_t m = 0; m < job.rows; m++)
+    for (int64_t j = 0; j < cols; j++)
+      job.y[m * job.n + n0 + j] = tile[m * PW + j] + (job.bias != nullptr ? job.bias[n0 + j] : 0.f);
+}
+
 void run_chunk(const void* arg, int64_t chunk) {
   const Job& job = *static_cast<const Job*>(arg);
+  if (job.rows > WIDE_ROWS) {
+    switch (job.format) {
+      case Q8_0: return wide_chunk<Q8_0>(job, chunk);
+      case Q4_1: return wide_chunk<Q4_1>(job, chunk);
+      default: return wide_chunk<Q4_0>(job, chunk);
+    }
+  }
   switch (job.format) {
     case Q8_0: return chunk_of<Q8_0>(job, chunk);
     case Q4_1: return chunk_of<Q4_1>(job, chunk);
@@ -273,7 +372,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
   std::vector<float> xsum;
-  if (format != Q8_0) {
+  if (format != Q8_0 && rows <= WIDE_ROWS) {
     xsum.resize(rows * blocks);
     const float* xp = x.data_ptr<float>();
     for (int64_t m = 0; m < rows; m++)
@@ -289,7 +388,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t f
   const int64_t per_chunk = std::max<int64_t>(1, 64 * 1024 / group_bytes);
   const Job job{x.data_ptr<float>(), x.stride(0), rows, packed.data_ptr<uint8_t>(), format, n, k,
                 xsum.empty() ? nullptr : xsum.data(), b, y.data_ptr<float>(), per_chunk};
-  pool().run(&run_chunk, &job, (groups + per_chunk - 1) / per_chunk);
+  pool().run(&run_chunk, &job, rows > WIDE_ROWS ? (groups + PV - 1) / PV : (groups + per_chunk - 1) / per_chunk);
   return y;
 }
 

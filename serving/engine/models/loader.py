@@ -100,7 +100,28 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
              for name, t in state.items()}
     logger.info("loaded %s (%s, %d tensors) on %s as %s", path, config.model_type, len(state), device, dtype)
     model = LlamaModel(config, state, torch_dtype, torch_device, int8=dtype == "int8")
+    del state
+    release_freed_memory()
     return LoadedModel(model, config, tokenizer)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory that loading freed back to the system: reading a file's metadata (a GGUF's
+    tokenizer is parsed three times: config, tokenizer, tensors) and the copies made while packing leave
+    tens of MB that glibc's malloc otherwise keeps resident for the process's lifetime."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return
+    trim(0)
 
 
 def bf16_is_slow(device: torch.device | str = "cpu") -> tuple[bool, float]:
