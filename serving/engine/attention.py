@@ -95,8 +95,8 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[T, Hkv, D]`` in their slots."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # a float16 cache under float32 activations
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -131,8 +131,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     # [B, Hq, D] -> [B, Hkv, G, D]: query heads h = kv * G + g share KV head kv (HF's repeat_kv).
     q_dec = q[rows].view(count, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # index_select on flat slots: several times faster than advanced indexing with a 2-D index.
-    keys = k_cache.index_select(0, group.slots).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, group.slots).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache.index_select(0, group.slots).to(q.dtype).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, group.slots).to(q.dtype).view(count, -1, num_kv_heads, head_dim).transpose(1, 2)
     attn = F.scaled_dot_product_attention(q_dec, keys, values, attn_mask=group.mask)
     out[rows] = attn.reshape(count, num_heads * head_dim)
 
@@ -147,8 +147,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
                                               v[rows].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
         out[rows] = attn[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return
-    keys = k_cache.index_select(0, chunk.context_slots).transpose(0, 1)  # [Hkv, ctx, D]
-    values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
+    keys = k_cache.index_select(0, chunk.context_slots).to(q.dtype).transpose(0, 1)  # [Hkv, ctx, D]
+    values = v_cache.index_select(0, chunk.context_slots).to(q.dtype).transpose(0, 1)
     num_kv_heads = keys.shape[0]
     group = num_heads // num_kv_heads
     # The query heads of one KV head ride along in the query dimension, as in

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     """Bytes of K and V one block holds across all layers."""
     shape = model.shape
-    element = torch.tensor([], dtype=model.dtype).element_size()
+    element = torch.tensor([], dtype=model.kv_dtype).element_size()
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
 
 
@@ -39,8 +39,8 @@ class ModelRunner:
         shape, device = model.shape, model.device
         num_slots = num_blocks * block_size
         cache_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.k_caches = [zeros_on_huge_pages(cache_shape, model.dtype, device) for _ in range(shape.num_layers)]
-        self.v_caches = [zeros_on_huge_pages(cache_shape, model.dtype, device) for _ in range(shape.num_layers)]
+        self.k_caches = [zeros_on_huge_pages(cache_shape, model.kv_dtype, device) for _ in range(shape.num_layers)]
+        self.v_caches = [zeros_on_huge_pages(cache_shape, model.kv_dtype, device) for _ in range(shape.num_layers)]
         self.use_kernel = (device.type == "cpu" and model.dtype == torch.float32 and shape.head_dim in (64, 128)
                            and cpu_ops() is not None)
         """Every token's attention goes to the C++ kernel (see attention.py)."""

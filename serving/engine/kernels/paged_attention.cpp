@@ -8,7 +8,8 @@
 // SmolLM2-135M), so reading each row once, in place, is the whole point here.
 //
 // Layout (see attention.py): a layer's cache is [num_slots, num_kv_heads, head_dim],
-// slot = block * block_size + offset. The kernel takes *query groups*: group i is
+// slot = block * block_size + offset, in float32 or float16 (widened to float32 as it is read: half
+// the bytes for the same arithmetic). The kernel takes *query groups*: group i is
 // group_size[i] consecutive tokens of the step's batch starting at group_token[i],
 // all of sequence group_seq[i] (a row of block_tables); its first token sees the
 // first group_len[i] positions of the sequence and each later one a position more,
@@ -30,6 +31,7 @@
 // -march=native picks AVX-512, AVX2 or SSE at build time, on the machine that runs it.
 
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -41,7 +43,27 @@
 #include "pool.h"
 #include "vec.h"
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// The cache holds float32 or float16 (c10::Half) keys and values; both are read as float32 vectors.
+inline vn load_kv(const float* p) { return load<vn>(p); }
+inline vn load_kv(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX__) && defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vn v;
+  for (int i = 0; i < NW; i++) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+inline float kv_scalar(float x) { return x; }
+inline float kv_scalar(c10::Half x) { return static_cast<float>(x); }
 
 struct Scratch {
   std::vector<float> scores, inv, qs, out;
@@ -62,8 +84,8 @@ constexpr int VALUE_ROWS = 4, VALUE_COLS = NREGS == 32 ? 4 : 2;
 
 // scores[i][tile] = k_i . qt[:, tile] for KEYS keys (kv_stride apart) and one tile of RV * NW query rows
 // (qt[d * qt_stride + r] is element d of row r).
-template <int D, int KEYS, int RV>
-inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64_t qt_stride, float* out,
+template <int D, int KEYS, int RV, typename T>
+inline void score_keys(const T* k, int64_t kv_stride, const float* qt, int64_t qt_stride, float* out,
                        int64_t out_stride) {
   vn acc[KEYS][RV];
   for (int i = 0; i < KEYS; i++)
@@ -75,7 +97,7 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
       IN_REGISTER(x[c]);
     }
     for (int i = 0; i < KEYS; i++) {
-      const vn e = splat_n(k[i * kv_stride + d]);
+      const vn e = splat_n(kv_scalar(k[i * kv_stride + d]));
       for (int c = 0; c < RV; c++) acc[i][c] += e * x[c];
     }
   }
@@ -83,8 +105,8 @@ inline void score_keys(const float* k, int64_t kv_stride, const float* qt, int64
     for (int c = 0; c < RV; c++) store(out + i * out_stride + c * NW, acc[i][c]);
 }
 
-template <int D, int RV>
-inline void score_block(const float* k, int64_t count, int64_t kv_stride, const float* qt, int64_t qt_stride,
+template <int D, int RV, typename T>
+inline void score_block(const T* k, int64_t count, int64_t kv_stride, const float* qt, int64_t qt_stride,
                         float* out, int64_t out_stride) {
   constexpr int KEYS = score_keys_for<RV>();
   int64_t i = 0;
@@ -121,8 +143,8 @@ inline void sum_keys(vn* a, int n = NW) {
 // Scores of R query rows (qr: row-major, D apart, scaled) against count keys of a block, into row-major
 // scores[r * stride + p] from p = 0, NW keys at a time. A last group of fewer keys reads none past count
 // and writes only its own scores.
-template <int D, int R>
-inline void score_rows(const float* k, int64_t count, int64_t kv_stride, const float* qr, float* scores,
+template <int D, int R, typename T>
+inline void score_rows(const T* k, int64_t count, int64_t kv_stride, const float* qr, float* scores,
                        int64_t stride) {
   for (int64_t i = 0; i < count; i += NW) {
     const int64_t n = std::min<int64_t>(NW, count - i);
@@ -133,8 +155,8 @@ inline void score_rows(const float* k, int64_t count, int64_t kv_stride, const f
       for (int j = 0; j < NW; j++) {
         a[j] = vn{};
         if (n < NW && j >= n) continue;
-        const float* kj = k + (i + j) * kv_stride;
-        for (int c = 0; c < D / NW; c++) a[j] += load<vn>(kj + c * NW) * q[c];
+        const T* kj = k + (i + j) * kv_stride;
+        for (int c = 0; c < D / NW; c++) a[j] += load_kv(kj + c * NW) * q[c];
       }
       sum_keys(a);
       if (n == NW) {
@@ -150,17 +172,17 @@ inline void score_rows(const float* k, int64_t count, int64_t kv_stride, const f
 
 // Asks for one head's rows of a block (cache points at the head) ahead of use: the blocks of a sequence
 // lie anywhere in the pool, so the hardware prefetchers cannot follow from one to the next.
-template <int D>
-inline void prefetch_block(const float* cache, int64_t block, int64_t block_size, int64_t kv_stride) {
-  const float* row = cache + block * block_size * kv_stride;
+template <int D, typename T>
+inline void prefetch_block(const T* cache, int64_t block, int64_t block_size, int64_t kv_stride) {
+  const T* row = cache + block * block_size * kv_stride;
   for (int64_t i = 0; i < block_size; i++, row += kv_stride)
-    for (int d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+    for (int d = 0; d < D; d += 64 / static_cast<int>(sizeof(T))) __builtin_prefetch(row + d);
 }
 
 // The first K and V blocks of an item: a decode's context is a few blocks, and its item is over in
 // microseconds.
-template <int D>
-inline void prefetch_first(const float* k_cache, const float* v_cache, const int64_t* table, int64_t block_size,
+template <int D, typename T>
+inline void prefetch_first(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
                            int64_t kv_stride) {
   prefetch_block<D>(k_cache, table[0], block_size, kv_stride);
   prefetch_block<D>(v_cache, table[0], block_size, kv_stride);
@@ -168,8 +190,8 @@ inline void prefetch_first(const float* k_cache, const float* v_cache, const int
 
 // f(rows, start, count) for each block of a sequence's first len positions, in order (rows: the block's
 // first row of this head, kv_stride apart), with the next block prefetched before the current one is used.
-template <int D, typename F>
-inline void for_each_block(const float* cache, const int64_t* table, int64_t len, int64_t block_size,
+template <int D, typename T, typename F>
+inline void for_each_block(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
                            int64_t kv_stride, F&& f) {
   for (int64_t start = 0; start < len; start += block_size) {
     if (start + block_size < len) prefetch_block<D>(cache, table[start / block_size + 1], block_size, kv_stride);
@@ -192,7 +214,8 @@ inline void write_rows(const float* acc, const float* inv, int64_t num_queries, 
 // Adds to columns [0, VALUE_COLS * NW) of VALUE_ROWS output rows (out, out_stride apart) their weighted
 // sum of count value rows (kv_stride apart), weights w[i * w_stride + r]. Called block by block, so each
 // block's values come from memory once and then from L1.
-inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64_t count, int64_t kv_stride,
+template <typename T>
+inline void weigh_values(const float* w, int64_t w_stride, const T* v, int64_t count, int64_t kv_stride,
                          float* out, int64_t out_stride) {
   vn acc[VALUE_ROWS][VALUE_COLS];
   for (int r = 0; r < VALUE_ROWS; r++)
@@ -200,7 +223,7 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
   for (int64_t i = 0; i < count; i++, v += kv_stride, w += w_stride) {
     vn vv[VALUE_COLS];
     for (int c = 0; c < VALUE_COLS; c++) {
-      vv[c] = load<vn>(v + c * NW);
+      vv[c] = load_kv(v + c * NW);
       IN_REGISTER(vv[c]);
     }
     for (int r = 0; r < VALUE_ROWS; r++) {
@@ -216,8 +239,8 @@ inline void weigh_values(const float* w, int64_t w_stride, const float* v, int64
 // time (as many as keep R x CB accumulators in half the registers), each value row loaded once per pass
 // and weighed for every row, by row-major weights w[r * w_stride + i]; weigh_values' VALUE_ROWS rows
 // would be mostly padding for a decode.
-template <int D, int R>
-inline void weigh_rows(const float* w, int64_t w_stride, const float* v, int64_t count, int64_t kv_stride,
+template <int D, int R, typename T>
+inline void weigh_rows(const float* w, int64_t w_stride, const T* v, int64_t count, int64_t kv_stride,
                        float* out) {
   constexpr int FIT = NREGS / 2 / R, CB = FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
   constexpr int C = D / NW < CB ? D / NW : CB;
@@ -226,10 +249,10 @@ inline void weigh_rows(const float* w, int64_t w_stride, const float* v, int64_t
     vn acc[R][C];
     for (int r = 0; r < R; r++)
       for (int c = 0; c < C; c++) acc[r][c] = load<vn>(out + r * D + c0 + c * NW);
-    const float* vi = v + c0;
+    const T* vi = v + c0;
     for (int64_t i = 0; i < count; i++, vi += kv_stride)
       for (int c = 0; c < C; c++) {
-        const vn x = load<vn>(vi + c * NW);
+        const vn x = load_kv(vi + c * NW);
         for (int r = 0; r < R; r++) acc[r][c] += splat_n(w[r * w_stride + i]) * x;
       }
     for (int r = 0; r < R; r++)
@@ -267,8 +290,8 @@ inline void softmax_columns(float* scores, int64_t stride, int64_t len, float* i
 // One (query group, KV head) work item. The group's query j (token j of the group) sees the first
 // len0 + j positions of its sequence; its `groups` query heads share the KV head. Padding rows have
 // zero queries and are dropped.
-template <int D>
-void attend(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
+template <int D, typename T>
+void attend(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
             int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride, int64_t groups, float scale,
             float* out, int64_t out_stride, Scratch& s) {
   static_assert(D % (VALUE_COLS * NW) == 0 && NW % VALUE_ROWS == 0, "blocks must divide the head and a vector");
@@ -282,7 +305,7 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
       for (int d = 0; d < D; d++) s.qs[d * padded + j * groups + g] = q[j * q_stride + g * D + d] * scale;
 
   prefetch_first<D>(k_cache, v_cache, table, block_size, kv_stride);
-  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const float* k, int64_t start, int64_t count) {
+  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const T* k, int64_t start, int64_t count) {
     // Tiles of SCORE_VECS vectors of rows, then one of the 1 or 2 left.
     int64_t t = 0;
     for (; t + SCORE_VECS * NW <= padded; t += SCORE_VECS * NW)
@@ -303,7 +326,7 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
     softmax_columns<SOFTMAX_VECS>(&s.scores[c0], padded, len, &s.inv[c0],
                                   static_cast<int>(std::min<int64_t>(SOFTMAX_VECS, (padded - c0) / NW)));
   s.out.assign(padded * D, 0.f);
-  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const float* v, int64_t start, int64_t count) {
+  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const T* v, int64_t start, int64_t count) {
     for (int64_t row = 0; row < rows; row += VALUE_ROWS)  // padding rows past the last block: not needed
       for (int64_t c0 = 0; c0 < D; c0 += VALUE_COLS * NW)
         weigh_values(&s.scores[start * padded + row], padded, v + c0, count, kv_stride, &s.out[row * D + c0], D);
@@ -314,8 +337,8 @@ void attend(const float* q, int64_t q_stride, const float* k_cache, const float*
 // attend() for an item of R <= DOT_ROWS rows: dot products along the head (score_rows), its scores row
 // by row (scores[r * stride + p]), so that each row's softmax runs along whole vectors of its own scores
 // (key-major, a decode would spend a vector's exp on every key for R of its lanes), and weigh_rows.
-template <int D, int R>
-void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
+template <int D, int R, typename T>
+void attend_rows(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
                  int64_t len0, int64_t num_queries, int64_t block_size, int64_t kv_stride, int64_t groups,
                  float scale, float* out, int64_t out_stride, Scratch& s) {
   const int64_t len = len0 + num_queries - 1, stride = (len + NW - 1) / NW * NW;
@@ -327,7 +350,7 @@ void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const f
     for (int64_t g = 0; g < groups; g++)
       for (int d = 0; d < D; d++) s.qs[(j * groups + g) * D + d] = q[j * q_stride + g * D + d] * scale;
   prefetch_first<D>(k_cache, v_cache, table, block_size, kv_stride);
-  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const float* k, int64_t start, int64_t count) {
+  for_each_block<D>(k_cache, table, len, block_size, kv_stride, [&](const T* k, int64_t start, int64_t count) {
     score_rows<D, R>(k, count, kv_stride, s.qs.data(), scores + start, stride);
   });
   // The causal mask (token j of the group sees positions below len0 + j), and the padding to a whole vector.
@@ -352,15 +375,16 @@ void attend_rows(const float* q, int64_t q_stride, const float* k_cache, const f
     }
     inv[r] = 1.f / hsum_n(sum);
   }
-  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const float* v, int64_t start, int64_t count) {
+  for_each_block<D>(v_cache, table, len, block_size, kv_stride, [&](const T* v, int64_t start, int64_t count) {
     weigh_rows<D, R>(scores + start, stride, v, count, kv_stride, s.out.data());
   });
   write_rows<D>(s.out.data(), inv, num_queries, groups, out, out_stride);
 }
 
-template <int D>
+template <int D, typename T>
 struct Job {
-  const float *qp, *kp, *vp;
+  const float* qp;
+  const T *kp, *vp;
   const int64_t *tables, *tokens, *sizes, *seqs, *lens, *order;
   float* op;
   int64_t q_stride, out_stride, kv_stride, num_kv_heads, groups, max_blocks, block_size;
@@ -368,12 +392,13 @@ struct Job {
 };
 
 // Work item *item* of the job: query group order[item / num_kv_heads] against KV head item % num_kv_heads.
-template <int D>
+template <int D, typename T>
 void attend_item(const void* arg, int64_t item) {
-  const Job<D>& job = *static_cast<const Job<D>*>(arg);
+  const Job<D, T>& job = *static_cast<const Job<D, T>*>(arg);
   thread_local Scratch scratch;  // kept between calls: a step makes one call a layer
   const int64_t i = job.order[item / job.num_kv_heads], h = item % job.num_kv_heads, token = job.tokens[i];
-  const float *q = job.qp + token * job.q_stride + h * job.groups * D, *k = job.kp + h * D, *v = job.vp + h * D;
+  const float* q = job.qp + token * job.q_stride + h * job.groups * D;
+  const T *k = job.kp + h * D, *v = job.vp + h * D;
   const int64_t* table = job.tables + job.seqs[i] * job.max_blocks;
   float* out = job.op + token * job.out_stride + h * job.groups * D;
   static_assert(DOT_ROWS == 4, "the cases below take 1 to DOT_ROWS rows");
@@ -390,7 +415,7 @@ void attend_item(const void* arg, int64_t item) {
   }
 }
 
-template <int D>
+template <int D, typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& group_token, const at::Tensor& group_size,
          const at::Tensor& group_seq, const at::Tensor& group_len, int64_t block_size, double scale) {
@@ -408,20 +433,21 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return sizes[a] * (lens[a] + sizes[a]) > sizes[b] * (lens[b] + sizes[b]);
   });
-  const Job<D> job{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  const Job<D, T> job{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                    block_tables.data_ptr<int64_t>(), group_token.data_ptr<int64_t>(), sizes,
                    group_seq.data_ptr<int64_t>(), lens, order.data(), out.data_ptr<float>(), q.stride(0),
                    out.stride(0), num_kv_heads * D, num_kv_heads, num_heads / num_kv_heads, block_tables.size(1),
                    block_size, static_cast<float>(scale)};
-  inferline::pool().run(&attend_item<D>, &job, num_groups * num_kv_heads);
+  inferline::pool().run(&attend_item<D, T>, &job, num_groups * num_kv_heads);
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& group_token, const at::Tensor& group_size,
                      const at::Tensor& group_seq, const at::Tensor& group_len, int64_t block_size, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat, "paged_attention: float32 CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_attention: float32 caches only");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_attention: the caches must both be float32 or both float16");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D], rows contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
@@ -429,13 +455,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   for (const at::Tensor* t : {&block_tables, &group_token, &group_size, &group_seq, &group_len})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  const bool half = k_cache.scalar_type() == at::kHalf;
   switch (q.size(2)) {
     case 64:
-      return run<64>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq, group_len,
-                     block_size, scale);
+      return half ? run<64, c10::Half>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq,
+                                       group_len, block_size, scale)
+                  : run<64, float>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq,
+                                   group_len, block_size, scale);
     case 128:
-      return run<128>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq, group_len,
-                      block_size, scale);
+      return half ? run<128, c10::Half>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq,
+                                        group_len, block_size, scale)
+                  : run<128, float>(out, q, k_cache, v_cache, block_tables, group_token, group_size, group_seq,
+                                    group_len, block_size, scale);
     default:
       TORCH_CHECK(false, "paged_attention: head_dim must be 64 or 128, got ", q.size(2));
   }

@@ -370,6 +370,10 @@ class LlamaModel:
         self.shape = shape = LlamaShape.from_config(config)
         self.dtype, self.device, self.is_int8 = dtype, device, int8
         self.is_blocks = any(isinstance(t, BlockRows) for t in state.values())
+        #: The KV cache's dtype: the activations', except for a GGUF file's blocks on the CPU, which keep K and V
+        #: in float16 as llama.cpp does (half the cache's memory and of what attention reads; the attention
+        #: kernel widens them to float32).
+        self.kv_dtype = torch.float16 if self.is_blocks and device.type == "cpu" else dtype
         self.embed: torch.Tensor | BlockWeight = pack(state["model.embed_tokens.weight"])
         self.norm = state["model.norm.weight"]
         # A tied LM head in blocks is the embedding's own packed weight: the kernel reads the same layout.

@@ -19,9 +19,9 @@ from serving.engine.sequence import Sequence
 BLOCK_SIZE = 16
 
 
-def fake_model(num_heads: int, num_kv_heads: int, head_dim: int):
+def fake_model(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype = torch.float32):
     shape = SimpleNamespace(num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    return SimpleNamespace(shape=shape, dtype=torch.float32, device=torch.device("cpu"))
+    return SimpleNamespace(shape=shape, dtype=torch.float32, kv_dtype=kv_dtype, device=torch.device("cpu"))
 
 
 def batch(rng: random.Random, num_blocks: int, work: list[tuple[int, int]],
@@ -55,10 +55,13 @@ def attend(runner: ModelRunner, items: list[ScheduledSeq], q, k, v, use_kernel: 
 
 # (14, 2): seven query heads a KV head, 112 query rows a 16-token group: the softmax's passes over the
 # score columns come out uneven (4 + 4 + 4 + 2 vectors with AVX2).
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 64, 16), (9, 3, 64, 8), (6, 2, 128, 32),
                           (14, 2, 64, 16)])
-def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim, block_size):
+def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_heads, head_dim, block_size,
+                                                         kv_dtype):
+    """Float32 or float16 caches (dtype gguf's): the kernel widens float16 rows as the torch path converts them."""
     rng = random.Random(num_heads)
     # Decodes of every length class, a 1-token context, speculative-like short chunks (2 tokens: 2 rows
     # where a KV head has one query head), a prefix-cache tail of 37 tokens after 1,000, a long chunk after
@@ -66,14 +69,16 @@ def test_kernel_matches_the_torch_path_on_a_ragged_batch(ops, num_heads, num_kv_
     work = [(c, 1) for c in (1, 15, 16, 17, 63, 200, 511, 777)] + [(40, 5), (9, 2), (1000, 37), (300, 80), (0, 29),
                                                                    (0, 16), (0, 3), (0, 70), (21, 33)]
     num_blocks = 6400 // block_size
-    runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim), num_blocks, block_size)
+    runner = ModelRunner(fake_model(num_heads, num_kv_heads, head_dim, kv_dtype), num_blocks, block_size)
+    assert runner.k_caches[0].dtype == kv_dtype
     for cache in (*runner.k_caches, *runner.v_caches):
         cache.normal_()
     items = batch(rng, num_blocks, work, block_size)
     num_tokens = sum(n for _, n in work)
     q = torch.randn(num_tokens, num_heads, head_dim)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    # This step's keys and values as the cache holds them: the torch path reads a fresh prompt's from k and v.
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(kv_dtype).float()
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(kv_dtype).float()
     expected = attend(runner, items, q, k, v, use_kernel=False)
     got = attend(runner, items, q, k, v, use_kernel=True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
@@ -104,3 +109,5 @@ def test_kernel_refuses_what_it_cannot_run(ops):
         ops.paged_attention(out, q, cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         ops.paged_attention(out, q.double(), cache, cache, index[None], index, index + 1, index, index + 1, 16, 1.0)
+    with pytest.raises(RuntimeError, match="both be float32 or both float16"):
+        ops.paged_attention(out, q, cache, cache.half(), index[None], index, index + 1, index, index + 1, 16, 1.0)

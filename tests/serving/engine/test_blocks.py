@@ -187,6 +187,7 @@ def test_each_format_answers_the_readme_question_at_its_files_size(model_files, 
     model = engine.model
     assert model.is_blocks and isinstance(model.layers[0].gate_up, BlockWeight)
     assert model.layers[0].gate_up.format == qtype and model.embed is model.lm_head  # tied: one packed copy
+    assert engine.runner.k_caches[0].dtype == torch.float16  # K and V in float16, as llama.cpp keeps them
     # Weights held: at most the file's size (its norms and the tokenizer's metadata are in the file too).
     assert model.weight_bytes() <= path.stat().st_size
     messages = [{"role": "user", "content": "What is the capital of France?"}]
