@@ -54,9 +54,9 @@ Sections (``--only`` takes a comma-separated list of them):
               of KV cache (one sequence), after serving one short request (every weight read once):
               ``*_runtime_rss_mb`` after the runtime's imports (torch, transformers with its GGUF converters and
               its Llama config module, the gguf package and our kernels; llama-cpp-python), ``*_rss_mb`` after
-              the load, ``*_rss_load_mb`` the difference (weights, KV cache, tokenizer, buffers). ``rss_vs_llamacpp`` = ours / llama.cpp
-              of what loading the model adds (target <= 1.2); ``rss_total_vs_llamacpp`` the same of the whole
-              processes (torch's runtime is about 300 MB more than ggml's). ``ours_weights_mb``:
+              the load, ``*_rss_load_mb`` the difference (weights, KV cache, tokenizer, buffers).
+              ``rss_vs_llamacpp`` = ours / llama.cpp of what loading the model adds (target <= 1.2);
+              ``rss_total_vs_llamacpp`` the same of the whole processes (torch's runtime is about 300 MB more than ggml's). ``ours_weights_mb``:
               ``LlamaModel.weight_bytes``. Both KV caches are float16 (dtype gguf's): 90 MB at 4,096 tokens.
   int8        Ours only: ``dtype: int8`` against float32 on the decode section's requests (interleaved, best of
               3 (2)): ``int8_decode_speedup``; ``int8_weight_memory_ratio`` = bytes of weights the forward reads,
