@@ -56,8 +56,9 @@ Sections (``--only`` takes a comma-separated list of them):
               its Llama config module, the gguf package and our kernels; llama-cpp-python), ``*_rss_mb`` after
               the load, ``*_rss_load_mb`` the difference (weights, KV cache, tokenizer, buffers).
               ``rss_vs_llamacpp`` = ours / llama.cpp of what loading the model adds (target <= 1.2);
-              ``rss_total_vs_llamacpp`` the same of the whole processes (torch's runtime is about 300 MB more than ggml's). ``ours_weights_mb``:
-              ``LlamaModel.weight_bytes``. Both KV caches are float16 (dtype gguf's): 90 MB at 4,096 tokens.
+              ``rss_total_vs_llamacpp`` the same of the whole processes (torch's runtime is about 300 MB more
+              than ggml's). ``ours_weights_mb``: ``LlamaModel.weight_bytes``. Both KV caches are float16 (dtype
+              gguf's): 90 MB at 4,096 tokens.
   int8        Ours only: ``dtype: int8`` against float32 on the decode section's requests (interleaved, best of
               3 (2)): ``int8_decode_speedup``; ``int8_weight_memory_ratio`` = bytes of weights the forward reads,
               int8 / float32 (``LlamaModel.weight_bytes``); ``int8_greedy_agreement`` = share of output positions
