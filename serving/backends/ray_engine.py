@@ -164,7 +164,11 @@ async def open_ray_engine(name: str, spec: ModelSpec, root: Path) -> RayEngine:
                            f"{APP_NAME!r} (start it with `inferline serve --ray` or `serve deploy`): {exc}") from exc
     source = root / (spec.source or "")
     if source.is_file():
+        from serving.engine.blocks import chat_template
+
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source.parent, gguf_file=source.name)
+        # transformers' GGUF tokenizer leaves the file's chat template out
+        tokenizer.chat_template = tokenizer.chat_template or await asyncio.to_thread(chat_template, source)
     else:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source, local_files_only=True)
     weights_hash = await asyncio.to_thread(weights_sha256, source)

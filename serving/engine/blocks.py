@@ -2,7 +2,7 @@
 
     # inferline.yaml
     models:
-      - name: smollm2-q4
+      smol-q4:
         source: models/smollm2-135m-instruct/model.gguf
         dtype: gguf          # what ``auto`` picks for a .gguf on a CPU with our kernels
 
@@ -11,11 +11,13 @@ in Q8_0, Q4_0 or Q4_1 as its rows of blocks of 32 (:class:`BlockWeight`): the li
 token embedding, whose rows are widened when looked up and which also serves as a tied LM head. Our
 kernel (``kernels/block_linear.cpp``) takes every batch, decode and prefill: it widens each block's
 quants to float32 in registers and multiplies float32 activations with them, the block's scale applied
-once to the sums (at 512 rows it still beats a float32 ``F.linear`` here: docs/measurements.md).
+once to the sums; above 8 rows it widens each weight once per call into L1 and multiplies it there in
+register blocks, at about float32 oneDNN's prefill speed (docs/measurements.md, "GGUF blocks").
 At load the blocks are regrouped (:meth:`BlockRows.pack`, same bytes) so that a vector lane holds one
-output. Activations, the KV cache and norms stay float32: the products are the float32 reference's on
-the de-quantized weights, so the only loss is the file's own rounding. llama.cpp quantizes activations
-to 8 bits for these formats; we do not.
+output. Activations and norms stay float32: the products are the float32 reference's on the
+de-quantized weights, so the only loss is the file's own rounding (and the KV cache's: float16, as
+llama.cpp keeps it; ``LlamaModel.kv_dtype``). llama.cpp also rounds activations to 8 bits for these
+formats; we do not.
 
 Tensors in any other type (F32 norms, F16, the K-quants, ...) are de-quantized to float32 at load by
 the ``gguf`` package and served as plain float32 weights (their names are logged). Q, K and V (and

@@ -2,7 +2,7 @@
 
     # inferline.yaml
     models:
-      - name: smollm2-int8
+      smollm2-int8:
         source: models/smollm2-135m-instruct
         dtype: int8
 
