@@ -6,7 +6,7 @@
         source: models/smollm2-135m-instruct/model.gguf
         dtype: gguf          # what ``auto`` picks for a .gguf on a CPU with our kernels
 
-``dtype: gguf`` reads the file's tensors (``gguf.GGUFReader``, memory-mapped) and keeps every weight
+``dtype: gguf`` reads the file's tensors (``serving/engine/gguf_file.py``, memory-mapped) and keeps every weight
 in Q8_0, Q4_0 or Q4_1 as its rows of blocks of 32 (:class:`BlockWeight`): the linear layers, and the
 token embedding, whose rows are widened when looked up and which also serves as a tied LM head. Our
 kernel (``kernels/block_linear.cpp``) takes every batch, decode and prefill: it widens each block's
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine.errors import EngineError
+from serving.engine.gguf_file import GGUFFile
 from serving.engine.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
@@ -192,39 +194,34 @@ def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
 def chat_template(path: Path) -> str | None:
     """The chat template a GGUF file carries (``tokenizer.chat_template``), which transformers' GGUF
     tokenizer leaves out."""
-    from gguf import GGUFReader
-
-    return _field(GGUFReader(path), "tokenizer.chat_template")
-
-
-def _field(reader, name: str):
-    field = reader.get_field(name)
-    return field.contents() if field is not None else None
+    return GGUFFile(path, ["tokenizer.chat_template"]).values.get("tokenizer.chat_template")
 
 
 def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, BlockRows | torch.Tensor], str | None]:
     """Every tensor the forward reads, by its Hugging Face name (blocks where the format has a kernel, float32
     otherwise; Q and K rows in Hugging Face's order), and the file's chat template."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
-    architecture = _field(reader, "general.architecture")
+    file = GGUFFile(path, ["tokenizer.chat_template"])
+    architecture = file.values.get("general.architecture")
     state: dict[str, BlockRows | torch.Tensor] = {}
     widened: dict[str, list[str]] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        qtype = GGMLQuantizationType(tensor.tensor_type)
-        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
+        qtype = GGMLQuantizationType(tensor.type)
+        shape = list(tensor.shape)
         if qtype.name in FORMATS and len(shape) == 2 and shape[1] % BLOCK == 0:
-            weight: BlockRows | torch.Tensor = BlockRows(
-                torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)), qtype.name, shape[1])
+            with warnings.catch_warnings():  # a read-only view of the mapped file, never written: packed at load
+                warnings.simplefilter("ignore", UserWarning)
+                weight: BlockRows | torch.Tensor = BlockRows(torch.from_numpy(tensor.data), qtype.name, shape[1])
         else:
-            if qtype not in (GGMLQuantizationType.F32,):
+            if qtype != GGMLQuantizationType.F32:
                 widened.setdefault(qtype.name, []).append(tensor.name)
-            weight = torch.from_numpy(np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape))
+            values = np.array(dequantize(tensor.data, qtype), dtype=np.float32)  # a copy, off the mapped file
+            weight = torch.from_numpy(values.reshape(shape))
         if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = num_heads if ".q_proj." in name else num_kv_heads
             order = unpermute_rows(shape[0], heads)
@@ -235,4 +232,4 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
                  path, len(names), qtype, ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     if "model.embed_tokens.weight" not in state:
         raise EngineError(f"{path}: no token_embd.weight tensor: not a Llama-family GGUF file")
-    return state, _field(reader, "tokenizer.chat_template")
+    return state, file.values.get("tokenizer.chat_template")

@@ -18,6 +18,7 @@ from serving.engine.blocks import BlockRows, BlockWeight, block_embedding, block
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineError
+from serving.engine.gguf_file import GGUFFile
 from serving.engine.kernels import cpu_ops
 from serving.engine.models import load_model
 from serving.engine.sampling_params import SamplingParams
@@ -140,6 +141,31 @@ def test_types_without_a_kernel_are_dequantized_and_fused_weights_of_mixed_types
     torch.testing.assert_close(fused, torch.cat([_stored(gate, "Q4_1"), _stored(up, "F16")]), rtol=1e-6, atol=1e-7)
     same = blocks.concat([state["model.layers.0.mlp.gate_proj.weight"]] * 2)
     assert isinstance(same, BlockRows) and same.shape == (64, IN)
+
+
+@pytest.mark.parametrize("which", ["bundled", "random"])
+def test_the_tensor_table_and_metadata_equal_the_gguf_packages(which, random_file):
+    path = GGUF_MODEL if which == "bundled" else random_file[2]
+    ours, theirs = GGUFFile(path, ["tokenizer.chat_template"]), gguf.GGUFReader(path)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.type == int(reference.tensor_type)
+        assert list(mine.shape) == [int(n) for n in reversed(reference.shape)]
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(reference.data).view(np.uint8).reshape(-1))
+    assert ours.values["general.architecture"] == reference_field(theirs, "general.architecture")
+    assert ours.values.get("tokenizer.chat_template") == reference_field(theirs, "tokenizer.chat_template")
+
+
+def reference_field(reader, name: str):
+    field = reader.get_field(name)
+    return None if field is None else field.contents()
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(EngineError, match="is not a GGUF file"):
+        GGUFFile(path)
 
 
 def test_the_kernel_refuses_what_it_cannot_read():
