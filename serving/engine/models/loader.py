@@ -100,15 +100,16 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
              for name, t in state.items()}
     logger.info("loaded %s (%s, %d tensors) on %s as %s", path, config.model_type, len(state), device, dtype)
     model = LlamaModel(config, state, torch_dtype, torch_device, int8=dtype == "int8")
-    del state
-    release_freed_memory()
+    if path.suffix == ".gguf":
+        del state
+        release_freed_memory()
     return LoadedModel(model, config, tokenizer)
 
 
 def release_freed_memory() -> None:
-    """Hand the heap memory that loading freed back to the system: reading a file's metadata (a GGUF's
-    tokenizer is parsed three times: config, tokenizer, tensors) and the copies made while packing leave
-    tens of MB that glibc's malloc otherwise keeps resident for the process's lifetime."""
+    """Hand the heap memory that loading a GGUF file freed back to the system: transformers parses its
+    metadata twice (config, tokenizer) into objects that become garbage, and the copies made while packing
+    leave tens of MB that glibc's malloc otherwise keeps resident for the process's lifetime."""
     import ctypes
     import ctypes.util
     import gc
