@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-import time
 
 import httpx
 import pytest
@@ -40,24 +39,33 @@ async def test_arrivals_keep_to_their_schedule_on_a_virtual_clock():
     assert len(started) / 200.0 == pytest.approx(50.0, rel=0.05)
 
 
-async def test_the_achieved_rate_holds_while_no_request_ever_answers():
-    """Open loop, in real time: answers that never come do not hold back later arrivals, and the requests
-    sent within the window, counted, make the target rate within 5%."""
+async def test_arrivals_keep_to_their_schedule_while_no_request_ever_answers():
+    """Open loop: answers that never come do not hold back later arrivals. On the virtual clock (no timing in
+    a test: a real-time rate check failed on a loaded 2-core machine, 334 sent of 400 a second), every request
+    starts at its own arrival time although none has finished, and the window holds the target rate."""
     rate, duration = 400.0, 3.0
+    now = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        await asyncio.sleep(0)
+        now[0] += seconds
+
     requests = requests_for(rate, duration, PROMPT, OUTPUT, seed=5)
     never = asyncio.Event()
     sent: list[float] = []
 
     async def send(request, origin):
-        sent.append(time.monotonic() - origin)
+        sent.append(now[0] - origin)
         await never.wait()  # a server that never answers
 
-    tasks, _ = await dispatch(requests, send)
+    # A dispatcher that waited for answers would never return: the timeout turns that hang into a failure.
+    tasks, _ = await asyncio.wait_for(dispatch(requests, send, clock=lambda: now[0], sleep=sleep), timeout=60)
     await asyncio.sleep(0)  # let the last tasks start
     try:
         assert len(sent) == len(requests)  # every one was sent although none has been answered
-        in_window = sum(1 for t in sent if t <= duration)
-        assert in_window / duration == pytest.approx(rate, rel=0.05)
+        assert not any(task.done() for task in tasks)
+        assert sent == pytest.approx([r.arrival_s for r in requests])
+        assert sum(1 for t in sent if t <= duration) / duration == pytest.approx(rate, rel=0.05)
     finally:
         for task in tasks:
             task.cancel()
