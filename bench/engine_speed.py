@@ -732,8 +732,9 @@ def rss_child(side: str, gguf: Path) -> dict[str, float]:
         torch.set_num_threads(NUM_THREADS)
         cpu_ops()
         before = _rss_mb()
-        engine = LLMEngine(EngineConfig(model=str(gguf), dtype="gguf", num_threads=NUM_THREADS, max_num_seqs=1,
-                                        num_blocks=RSS_CONTEXT_TOKENS // 16, block_size=16))
+        config = EngineConfig(model=str(gguf), dtype="gguf", num_threads=NUM_THREADS, max_num_seqs=1)
+        config.num_blocks = RSS_CONTEXT_TOKENS // config.block_size  # a KV cache of RSS_CONTEXT_TOKENS tokens
+        engine = LLMEngine(config)
         ours_run(engine, [Request(prompt, 8)])
         weights = engine.model.weight_bytes() / 2**20
     else:

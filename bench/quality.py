@@ -29,13 +29,19 @@ rounding    What the weights' rounding alone costs, whatever the kernels: the fl
             float16 scale per 32 inputs: GGUF's Q8_0), ``rounding_bfloat16_*`` (bfloat16 weights, float32
             activations). ``int8_ppl_ratio`` = int8 / float32 perplexity (the engine's ``dtype: int8``).
 formats     ``dtype: gguf``, a GGUF file served in its own blocks, for each block format: the bundled
-            ``model.gguf`` (Q4_1, its embedding Q8_0) and the same weights written in Q8_0 and Q4_0 by
-            scripts/requantize_gguf.py (re-quantized from Q4_1: they add their own rounding to Q4_1's). Per
-            format: ``gguf_<format>_perplexity``, ``gguf_<format>_next_token_agreement`` (against float32,
-            which is the Q4_1 weights de-quantized), ``gguf_<format>_weight_bytes``. ``--no-formats`` skips it.
+            ``model.gguf`` (Q4_1, its embedding Q8_0) and the same weights written in Q8_0, Q4_0 and Q4_K (its
+            ``ffn_down``: the rows that are whole super-blocks) by scripts/requantize_gguf.py (re-quantized from
+            Q4_1: they add their own rounding to Q4_1's). Per format: ``gguf_<format>_perplexity``,
+            ``gguf_<format>_next_token_agreement`` (against float32, which is the Q4_1 weights de-quantized),
+            ``gguf_<format>_weight_bytes``, ``gguf_<format>_file_bytes``. ``--no-formats`` skips it.
             llama.cpp (llama-cpp-python, ``make bench-deps``), when importable, computes the perplexity of the
             same token ids from the bundled file (``llamacpp_q4_1_perplexity``, all logits of one batch):
             ``q4_ppl_vs_llamacpp`` = ours on that file / llama.cpp's (target: within 0.5%, |ratio - 1| <= 0.005).
+            It also writes a Q4_K_M file with its own quantizer (``llama_model_quantize``, from the weights
+            de-quantized to F32), as users download them: Q4_K and Q6_K, and Q5_0 and Q8_0 where a row is not a
+            multiple of 256. Ours serves it in blocks (Q4_K as Q4_1, Q5_0 as Q8_0, Q6_K re-quantized to Q8_0;
+            serving/engine/blocks.py): ``gguf_q4_k_m_perplexity``, ``gguf_q4_k_m_weight_bytes``,
+            ``gguf_q4_k_m_file_bytes``, ``llamacpp_q4_k_m_perplexity`` and ``q4_k_m_ppl_vs_llamacpp``.
             ``gguf_q4_1_8bit_activations_perplexity``: ours with each matmul's activations first rounded to
             8 bits per 32 as llama.cpp rounds them for these formats (its Q8_0/Q8_1): the part of the gap to
             llama.cpp that is its activation rounding (we keep activations float32).
@@ -235,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-FORMATS = ("Q4_1", "Q8_0", "Q4_0")
+FORMATS = ("Q4_1", "Q8_0", "Q4_0", "Q4_K")
 
 
 def formats(gguf: Path, passage: list[int], reference: torch.Tensor) -> dict[str, Any]:
@@ -265,9 +271,31 @@ def formats(gguf: Path, passage: list[int], reference: torch.Tensor) -> dict[str
                 out["gguf_q4_1_8bit_activations_perplexity"] = perplexity(
                     next_token_logits(_with_8bit_activations(model), passage), passage)
             del model
-    out["llamacpp_q4_1_perplexity"] = llamacpp_perplexity(gguf, passage)
-    out["q4_ppl_vs_llamacpp"] = (None if out["llamacpp_q4_1_perplexity"] is None else
-                                 out["gguf_q4_1_perplexity"] / out["llamacpp_q4_1_perplexity"])
+        out["llamacpp_q4_1_perplexity"] = llamacpp_perplexity(gguf, passage)
+        out["q4_ppl_vs_llamacpp"] = (None if out["llamacpp_q4_1_perplexity"] is None else
+                                     out["gguf_q4_1_perplexity"] / out["llamacpp_q4_1_perplexity"])
+        if out["llamacpp_q4_1_perplexity"] is not None:
+            out.update(q4_k_m(script, gguf, Path(folder), passage))
+    return out
+
+
+def q4_k_m(script: Any, gguf: Path, folder: Path, passage: list[int]) -> dict[str, Any]:
+    """Ours and llama.cpp's perplexity on a Q4_K_M file written by llama.cpp's own quantizer."""
+    import llama_cpp
+
+    f32, path = folder / "model-F32.gguf", folder / "model-Q4_K_M.gguf"
+    script.requantize(gguf, f32, "F32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = NUM_THREADS
+    if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), params) != 0:
+        raise RuntimeError("llama_model_quantize failed to write a Q4_K_M file")
+    f32.unlink()
+    model = load_model(str(path), "gguf").model
+    out = {"gguf_q4_k_m_perplexity": perplexity(next_token_logits(model, passage), passage),
+           "gguf_q4_k_m_weight_bytes": model.weight_bytes(), "gguf_q4_k_m_file_bytes": path.stat().st_size,
+           "llamacpp_q4_k_m_perplexity": llamacpp_perplexity(path, passage)}
+    out["q4_k_m_ppl_vs_llamacpp"] = out["gguf_q4_k_m_perplexity"] / out["llamacpp_q4_k_m_perplexity"]
     return out
 
 
@@ -357,6 +385,11 @@ def print_table(result: dict[str, Any]) -> None:
     if "q4_ppl_vs_llamacpp" in result:
         print(f"llama.cpp on the bundled Q4_1 file: perplexity {_fmt(result['llamacpp_q4_1_perplexity'])}; "
               f"ours / llama.cpp: {_fmt(result['q4_ppl_vs_llamacpp'])}")
+    if "q4_k_m_ppl_vs_llamacpp" in result:
+        print(f"llama.cpp's Q4_K_M: ours {_fmt(result['gguf_q4_k_m_perplexity'])} in "
+              f"{_fmt(result['gguf_q4_k_m_weight_bytes'])} bytes (file {_fmt(result['gguf_q4_k_m_file_bytes'])}), "
+              f"llama.cpp {_fmt(result['llamacpp_q4_k_m_perplexity'])}; "
+              f"ours / llama.cpp: {_fmt(result['q4_k_m_ppl_vs_llamacpp'])}")
     for dtype in ("float32", "int8"):
         if f"gguf_{dtype}_perplexity" in result:
             print(f"gguf loaded as {dtype}: perplexity {_fmt(result[f'gguf_{dtype}_perplexity'])}")

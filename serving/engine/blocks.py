@@ -7,7 +7,7 @@
         dtype: gguf          # what ``auto`` picks for a .gguf on a CPU with our kernels
 
 ``dtype: gguf`` reads the file's tensors (``serving/engine/gguf_file.py``, memory-mapped) and keeps every weight
-in Q8_0, Q4_0 or Q4_1 as its rows of blocks of 32 (:class:`BlockWeight`): the linear layers, and the
+in Q8_0, Q4_0 or Q4_1 as its rows of blocks of 32 (:class:`BlockWeight`; other types below): the linear layers, and the
 token embedding, whose rows are widened when looked up and which also serves as a tied LM head. Our
 kernel (``kernels/block_linear.cpp``) takes every batch, decode and prefill: it widens each block's
 quants to float32 in registers and multiplies float32 activations with them, the block's scale applied
@@ -19,9 +19,16 @@ de-quantized weights, so the only loss is the file's own rounding (and the KV ca
 llama.cpp keeps it; ``LlamaModel.kv_dtype``). llama.cpp also rounds activations to 8 bits for these
 formats; we do not.
 
-Tensors in any other type (F32 norms, F16, the K-quants, ...) are de-quantized to float32 at load by
-the ``gguf`` package and served as plain float32 weights (their names are logged). Q, K and V (and
-gate and up) are fused into one weight where they share a format; otherwise they are de-quantized.
+Other quantized types stay in blocks too (:func:`kernel_blocks`, logged by type at load): Q4_K's
+sub-blocks of 32 become Q4_1 blocks, the same nibbles with their scale ``d * sc`` and minimum
+``-dmin * m`` rounded to fp16 (relative 2^-11: a 64th of a step at most; 20 bytes a block where
+Q4_K takes 18); Q5_0 becomes Q8_0 with the file's own scales, exactly (34 bytes for 22); any other
+(Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, the IQ types) is re-quantized to Q8_0 from its values, which adds at
+most 1/254 of each block's largest weight, an eighth of a 6-bit step. That is what a Q4_K_M file
+needs: its Q4_K and Q6_K tensors, and for a small model like the bundled one the Q5_0 and Q8_0 that
+llama.cpp writes where a row is not a multiple of 256. Unquantized tensors (F32 norms, F16, BF16)
+are widened to float32 (their names are logged). Q, K and V (and gate and up) are fused into one
+weight: in their format where they share one, else all in Q8_0 (:func:`concat`).
 
 For the ``llama`` architecture, llama.cpp's converter stores Q and K with their rotary halves
 interleaved (``permute`` in convert_hf_to_gguf.py); their rows are put back in Hugging Face's order at
@@ -120,10 +127,14 @@ def block_embedding(ids: torch.Tensor, weight: BlockWeight | torch.Tensor) -> to
 
 
 def concat(weights: list[BlockRows | torch.Tensor]) -> BlockRows | torch.Tensor:
-    """*weights* stacked along the outputs: still blocks where they share a format, else float32."""
+    """*weights* stacked along the outputs: in their format where they share one, in Q8_0 where they are blocks of
+    different formats (a Q4 weight re-quantized, a 4-bit step is 16 8-bit ones), else float32."""
     first = weights[0]
-    if all(isinstance(w, BlockRows) and w.format == getattr(first, "format", None) for w in weights):
+    if all(isinstance(w, BlockRows) and w.format == first.format for w in weights):
         return BlockRows(torch.cat([w.data for w in weights]), first.format, first.in_features)
+    if all(isinstance(w, BlockRows) for w in weights):
+        weights = [w if w.format == "Q8_0" else requantize_q8_0(dequantize_rows(w).numpy()) for w in weights]
+        return concat(weights)
     return torch.cat([dequantize_rows(w) if isinstance(w, BlockRows) else w for w in weights])
 
 
@@ -134,6 +145,74 @@ def dequantize_rows(weight: BlockRows) -> torch.Tensor:
 
     values = dequantize(weight.data.numpy(), GGMLQuantizationType[weight.format])
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(weight.shape)
+
+
+def requantize_q8_0(values: np.ndarray) -> BlockRows:
+    """Float32 ``[out, in]`` values as Q8_0 rows (ggml's rounding: each block's largest magnitude to 127)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    data = quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType.Q8_0)
+    return BlockRows(torch.from_numpy(data), "Q8_0", values.shape[1])
+
+
+def q4_k_as_q4_1(data: np.ndarray, shape: list[int]) -> BlockRows | None:
+    """Q4_K rows as Q4_1 rows: each super-block of 256 is 8 sub-blocks of 32 with a 6-bit scale and minimum
+    under the super-block's fp16 ``d`` and ``dmin``; each becomes a Q4_1 block with the same 4-bit quants, scale
+    ``d * sc`` and minimum ``-dmin * m`` in fp16. None where a product does not fit fp16."""
+    from gguf.quants import Q4_K
+
+    supers = data.reshape(-1, 144)  # d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of quants
+    count = supers.shape[0]
+    d = supers[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = supers[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(supers[:, 4:16].copy())
+    with np.errstate(over="ignore"):
+        scale = (d * sc.astype(np.float32)).astype(np.float16)
+        minimum = (-(dmin * m.astype(np.float32))).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        return None
+    # Quant byte j of a 64-weight pair of sub-blocks holds weight j (low nibble) and weight 32 + j (high).
+    quants = supers[:, 16:].reshape(count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    quants = (quants & 0x0F).reshape(count, 8, 32)
+    out = np.empty((count, 8, 20), dtype=np.uint8)
+    out[..., 0:2] = scale.view(np.uint8).reshape(count, 8, 2)
+    out[..., 2:4] = minimum.view(np.uint8).reshape(count, 8, 2)
+    out[..., 4:] = quants[..., :16] | (quants[..., 16:] << 4)  # Q4_1: byte j holds weights j and 16 + j
+    return BlockRows(torch.from_numpy(out.reshape(shape[0], -1)), "Q4_1", shape[1])
+
+
+def q5_0_as_q8_0(data: np.ndarray, shape: list[int]) -> BlockRows:
+    """Q5_0 rows as Q8_0 rows, exactly: a Q5_0 weight is ``d * (q - 16)`` with q of 5 bits, so ``q - 16`` is
+    the int8 quant under the same fp16 scale."""
+    raw = data.reshape(-1, 22)  # d (fp16), 32 high bits (bit j: weight j's), 16 bytes of low nibbles
+    high = np.unpackbits(raw[:, 2:6], axis=1, bitorder="little")  # [blocks, 32], weight order
+    low = np.concatenate([raw[:, 6:] & 0x0F, raw[:, 6:] >> 4], axis=1)  # byte j: weights j and 16 + j
+    quants = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    out = np.concatenate([raw[:, 0:2], quants.view(np.uint8)], axis=1)
+    return BlockRows(torch.from_numpy(out.reshape(shape[0], -1)), "Q8_0", shape[1])
+
+
+def kernel_blocks(data: np.ndarray, qtype: str, shape: list[int]) -> tuple[BlockRows, str]:
+    """A 2-D tensor of a quantized type without a kernel as rows in a format with one, and how (for the log)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if qtype == "Q4_K":
+        rows = q4_k_as_q4_1(data, shape)
+        if rows is not None:
+            return rows, "as Q4_1 (the same quants, scales rounded to fp16)"
+    if qtype == "Q5_0":
+        return q5_0_as_q8_0(data, shape), "as Q8_0 (the same quants and scales)"
+    values = np.asarray(dequantize(data, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(shape)
+    return requantize_q8_0(values), "re-quantized to Q8_0"
+
+
+def is_quantized(qtype: int) -> bool:
+    """Whether ggml type *qtype* stores blocks (Q4_K, IQ2_XS, ...) rather than single numbers (F32, F16, BF16)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] > 1
 
 
 def pack(weight: BlockRows | torch.Tensor) -> BlockWeight | torch.Tensor:
@@ -206,7 +285,7 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
     file = GGUFFile(path, ["tokenizer.chat_template"])
     architecture = file.values.get("general.architecture")
     state: dict[str, BlockRows | torch.Tensor] = {}
-    widened: dict[str, list[str]] = {}
+    converted: dict[tuple[str, str], list[str]] = {}
     for tensor in file.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -217,9 +296,13 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
             with warnings.catch_warnings():  # a read-only view of the mapped file, never written: packed at load
                 warnings.simplefilter("ignore", UserWarning)
                 weight: BlockRows | torch.Tensor = BlockRows(torch.from_numpy(tensor.data), qtype.name, shape[1])
+        elif is_quantized(qtype) and len(shape) == 2 and shape[1] % BLOCK == 0:
+            weight, how = kernel_blocks(tensor.data, qtype.name, shape)
+            converted.setdefault((qtype.name, how), []).append(tensor.name)
         else:
             if qtype != GGMLQuantizationType.F32:
-                widened.setdefault(qtype.name, []).append(tensor.name)
+                converted.setdefault((qtype.name, "de-quantized to float32 (no block kernel)"), []).append(
+                    tensor.name)
             values = np.array(dequantize(tensor.data, qtype), dtype=np.float32)  # a copy, off the mapped file
             weight = torch.from_numpy(values.reshape(shape))
         if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
@@ -227,9 +310,9 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
             order = unpermute_rows(shape[0], heads)
             weight = weight.take(order) if isinstance(weight, BlockRows) else weight[order].contiguous()
         state[name] = weight
-    for qtype, names in widened.items():
-        log.info("%s: %d tensors in %s have no block kernel here and are de-quantized to float32 (%s)",
-                 path, len(names), qtype, ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+    for (qtype, how), names in converted.items():
+        log.info("%s: %d tensors in %s served %s (%s)", path, len(names), qtype, how,
+                 ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     if "model.embed_tokens.weight" not in state:
         raise EngineError(f"{path}: no token_embd.weight tensor: not a Llama-family GGUF file")
     return state, file.values.get("tokenizer.chat_template")

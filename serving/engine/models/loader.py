@@ -10,7 +10,9 @@ channel at load (``serving/engine/quant.py``), activations and KV cache float32.
 
 GGUF and stored precision: with ``dtype: gguf`` a file's Q8_0, Q4_0 and Q4_1
 tensors stay in their blocks and run through our block kernel, so the model
-takes its file's size in memory; its other types are de-quantized at load.
+takes its file's size in memory; its other quantized types are converted to
+those blocks at load (Q4_K to Q4_1, the rest to Q8_0: ``blocks.kernel_blocks``)
+and its float tensors (norms, F16) widened to float32.
 With any other dtype, a GGUF file is read through transformers' GGUF support
 (it needs the ``gguf`` package), which dequantizes every tensor to float at
 load: loaded as float32, a Q4 file takes float32's memory and speed with its
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +85,7 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
             raise EngineError(f"dtype gguf serves a .gguf file's own blocks; {source!r} is not a .gguf file "
                               "(use dtype float32 or int8 for a folder)")
         check_kernels(torch_device)
-        kwargs = {"gguf_file": path.name, "local_files_only": True}
-        config = AutoConfig.from_pretrained(path.parent, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        config, tokenizer = gguf_config_and_tokenizer(path)
         state, template = read_gguf(path, config.num_attention_heads,
                                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         tokenizer.chat_template = tokenizer.chat_template or template
@@ -104,6 +105,55 @@ def load_model(source: str, dtype: str = "float32", device: str = "cpu") -> Load
         del state
         release_freed_memory()
     return LoadedModel(model, config, tokenizer)
+
+
+def gguf_cache_dir() -> Path:
+    """Where the config and tokenizer of GGUF files are kept once parsed: ``$INFERLINE_GGUF_CACHE``, by default
+    ``~/.cache/inferline/gguf``."""
+    return Path(os.environ.get("INFERLINE_GGUF_CACHE", Path.home() / ".cache/inferline/gguf"))
+
+
+def gguf_config_and_tokenizer(path: Path) -> tuple[object, PreTrainedTokenizerBase]:
+    """A GGUF file's config and tokenizer. transformers builds them from the file's metadata, parsing every
+    vocabulary entry through the ``gguf`` package's reader once for each (about 10 s for the bundled model);
+    the result is saved under :func:`gguf_cache_dir`, keyed by the file's path, size and modification time and
+    transformers' version, and read from there on later loads (a fraction of a second). A cache that cannot
+    be written is skipped (logged at DEBUG); one that cannot be read is rebuilt."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import transformers
+
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    cached = gguf_cache_dir() / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    if (cached / "complete").is_file():
+        try:
+            config = AutoConfig.from_pretrained(cached, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+            config._name_or_path = tokenizer.name_or_path = str(path.parent)  # as parsed from the file
+            return config, tokenizer
+        except (OSError, ValueError) as exc:
+            logger.warning("the cached config and tokenizer of %s in %s cannot be read (%s); parsing the file",
+                           path, cached, exc)
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    config = AutoConfig.from_pretrained(path.parent, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".partial-"))
+        try:
+            config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            (staging / "complete").touch()
+            shutil.rmtree(cached, ignore_errors=True)  # an unreadable or incomplete earlier copy
+            staging.rename(cached)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:  # read-only home, full disk, another process renaming first: the next load parses
+        logger.debug("not caching the config and tokenizer of %s in %s: %s", path, cached, exc)
+    return config, tokenizer
 
 
 def release_freed_memory() -> None:

@@ -5,6 +5,7 @@ each format answering the README's question."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import gguf
@@ -129,7 +130,102 @@ def test_other_architectures_keep_the_files_row_order(tmp_path):
                                _stored(values, "Q8_0"), rtol=1e-6, atol=1e-7)
 
 
-def test_types_without_a_kernel_are_dequantized_and_fused_weights_of_mixed_types_too(tmp_path):
+# Offsets of the fp16 fields (d, dmin) in each K-quant block; every other byte of a block may hold anything.
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def _raw(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """*rows* rows of *qtype* blocks: random bytes with small fp16 scales for the K-quants (the ``gguf`` package
+    cannot quantize to them), the package's own quantization of random weights otherwise."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _K_HALVES:
+        return quantize(_weight(rows, cols, seed), kind)
+    generator = np.random.default_rng(seed)
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    data = generator.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    for at in _K_HALVES[qtype]:
+        data[..., at:at + 2] = (generator.random((rows, cols // size, 1)) * 0.02).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def _write_raw(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# What each other quantized type is served as, and the largest error that adds, per block of 32: Q4_K's
+# scales rounded to fp16 (2^-11 of each term), Q5_0 exact, the others re-quantized to 8 bits (half a step of
+# the block's largest / 127, and its scale's fp16 rounding).
+_SERVED_AS = {"Q4_K": "Q4_1", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q5_K": "Q8_0", "Q6_K": "Q8_0", "Q2_K": "Q8_0",
+              "Q3_K": "Q8_0"}
+
+
+def _bound(reference: torch.Tensor, qtype: str) -> torch.Tensor:
+    groups = reference.reshape(reference.shape[0], -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True)
+    if qtype == "Q5_0":
+        bound = torch.zeros_like(largest)
+    elif qtype == "Q4_K":
+        bound = 2.0 ** -10 * (largest + groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True))
+    else:
+        bound = largest / 200
+    return (bound + 1e-7).expand_as(groups).reshape(reference.shape)
+
+
+@pytest.mark.parametrize("qtype", list(_SERVED_AS))
+def test_other_quantized_types_stay_in_blocks_that_have_a_kernel(qtype, tmp_path):
+    rows, cols = OUT, 512  # two K-quant super-blocks a row
+    data = _raw(qtype, rows, cols, 11)
+    path = tmp_path / f"{qtype}.gguf"
+    _write_raw(path, {"token_embd.weight": (quantize(_weight(16, cols, 8), gguf.GGMLQuantizationType.Q8_0), "Q8_0"),
+                      "blk.0.ffn_down.weight": (data, qtype)})
+    state, _ = read_gguf(path, num_heads=4, num_kv_heads=4)
+    served = state["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(served, BlockRows) and served.format == _SERVED_AS[qtype]
+    weight = served.pack()
+    reference = torch.from_numpy(np.asarray(dequantize(data, gguf.GGMLQuantizationType[qtype]),
+                                            dtype=np.float32).reshape(rows, cols))
+    error = (weight.dequantize() - reference).abs()
+    assert (error <= _bound(reference, qtype)).all(), f"{qtype}: largest error {error.max().item():.3g}"
+    if qtype == "Q5_0":
+        assert torch.equal(weight.dequantize(), reference)
+    # Memory: Q4_K in Q4_1 blocks takes 20 bytes a 32 where the file takes 18; all far below float32's 128.
+    assert weight.num_bytes <= 34 / 32 * rows * cols + weight.packed.shape[1]
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(block_linear(x, weight, None), x @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_of_different_formats_fuse_in_q8_0(tmp_path):
+    gate, up = _weight(32, IN, 9), _weight(32, IN, 10)
+    path = tmp_path / "mixed.gguf"
+    _write(path, {"token_embd.weight": (_weight(16, IN, 8), "Q8_0"), "blk.0.ffn_gate.weight": (gate, "Q4_1"),
+                  "blk.0.ffn_up.weight": (up, "Q8_0")})
+    state, _ = read_gguf(path, num_heads=4, num_kv_heads=4)
+    fused = blocks.concat([state["model.layers.0.mlp.gate_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]])
+    assert isinstance(fused, BlockRows) and fused.format == "Q8_0" and fused.shape == (64, IN)
+    reference = torch.cat([_stored(gate, "Q4_1"), _stored(up, "Q8_0")])
+    values = fused.pack().dequantize()
+    assert (values - reference).abs().le(_bound(reference, "Q8_0")).all()
+    assert torch.equal(values[32:], reference[32:])  # the Q8_0 rows as they are
+
+
+def test_the_q4_k_writer_rounds_within_a_step():
+    script = _requantize_script()
+    values = _weight(8, 512, 12)
+    back = np.asarray(dequantize(script.quantize_q4_k(values), gguf.GGMLQuantizationType.Q4_K),
+                      dtype=np.float32).reshape(values.shape)
+    groups, errors = values.reshape(8, -1, 32), np.abs(back - values).reshape(8, -1, 32)
+    step = (groups.max(-1) - np.minimum(groups.min(-1), 0)) / 15  # a 4-bit step of each sub-block
+    assert (errors.max(-1) <= step + 1e-6).all()
+    assert (errors.max(-1) <= step / 2 + 1e-6).mean() > 0.9  # mostly half a step: the 6-bit scales rarely clip
+
+
+def test_unquantized_types_are_widened_and_fused_with_blocks_in_float32(tmp_path):
     gate, up = _weight(32, IN, 9), _weight(32, IN, 10)
     path = tmp_path / "mixed.gguf"
     _write(path, {"token_embd.weight": (_weight(16, IN, 8), "Q8_0"), "blk.0.ffn_gate.weight": (gate, "Q4_1"),
@@ -161,6 +257,32 @@ def reference_field(reader, name: str):
     return None if field is None else field.contents()
 
 
+def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    from serving.engine.models import loader
+
+    monkeypatch.setenv("INFERLINE_GGUF_CACHE", str(tmp_path / "cache"))
+    parsed_config, parsed_tokenizer = loader.gguf_config_and_tokenizer(GGUF_MODEL)  # parsed, then saved
+    [entry] = (tmp_path / "cache").iterdir()
+    assert (entry / "complete").is_file() and (entry / "tokenizer.json").is_file()
+    sources = []
+    real = loader.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", lambda *a, **k: sources.append(a[0]) or real(*a, **k))
+    config, tokenizer = loader.gguf_config_and_tokenizer(GGUF_MODEL)
+    assert sources == [entry]  # the cached copy, not the file
+    assert config.to_dict() == parsed_config.to_dict()
+    text = "Hello <|im_start|>user\nwörld ✓ 12345<|im_end|>"
+    assert tokenizer(text)["input_ids"] == parsed_tokenizer(text)["input_ids"]
+    assert tokenizer.get_vocab() == parsed_tokenizer.get_vocab()
+    assert tokenizer.all_special_tokens == parsed_tokenizer.all_special_tokens
+    # An unreadable copy is parsed again and replaced.
+    (entry / "tokenizer.json").write_text("{")
+    sources.clear()
+    config, tokenizer = loader.gguf_config_and_tokenizer(GGUF_MODEL)
+    assert sources == [entry, GGUF_MODEL.parent]
+    assert tokenizer(text)["input_ids"] == parsed_tokenizer(text)["input_ids"]
+    assert json.loads((entry / "tokenizer.json").read_text())  # rewritten
+
+
 def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(64))
@@ -190,29 +312,39 @@ def test_dtype_gguf_needs_a_gguf_file():
 # -- the bundled model in each format ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory) -> dict[str, Path]:
-    """The bundled model (Q4_1) and the same weights re-quantized to Q8_0 and Q4_0 (scripts/requantize_gguf.py)."""
+def _requantize_script():
     spec = importlib.util.spec_from_file_location("requantize_gguf", Path(__file__).parents[3] / "scripts" /
                                                   "requantize_gguf.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> dict[str, Path]:
+    """The bundled model (Q4_1) and the same weights re-quantized to Q8_0, Q4_0 and Q4_K (its ``ffn_down``, the
+    weights whose rows are whole super-blocks) by scripts/requantize_gguf.py."""
+    script = _requantize_script()
     folder = tmp_path_factory.mktemp("models")
     files = {"Q4_1": GGUF_MODEL}
-    for qtype in ("Q8_0", "Q4_0"):
+    for qtype in ("Q8_0", "Q4_0", "Q4_K"):
         files[qtype] = folder / f"model-{qtype}.gguf"
         assert script.main([str(GGUF_MODEL), str(files[qtype]), "--type", qtype]) == 0
     return files
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", [*FORMATS, "Q4_K"])
 def test_each_format_answers_the_readme_question_at_its_files_size(model_files, qtype):
     path = model_files[qtype]
     engine = LLMEngine(EngineConfig(model=str(path), dtype="gguf", num_threads=2, max_num_seqs=4))
     model = engine.model
     assert model.is_blocks and isinstance(model.layers[0].gate_up, BlockWeight)
-    assert model.layers[0].gate_up.format == qtype and model.embed is model.lm_head  # tied: one packed copy
+    assert model.embed is model.lm_head  # tied: one packed copy
+    if qtype == "Q4_K":  # its Q4_K down projections in Q4_1 blocks, the rest as the bundled file
+        assert model.layers[0].down.format == "Q4_1" and model.layers[0].gate_up.format == "Q4_1"
+    else:
+        assert model.layers[0].gate_up.format == qtype
     assert engine.runner.k_caches[0].dtype == torch.float16  # K and V in float16, as llama.cpp keeps them
     # Weights held: at most the file's size (its norms and the tokenizer's metadata are in the file too).
     assert model.weight_bytes() <= path.stat().st_size
