@@ -21,14 +21,14 @@ formats; we do not.
 
 Other quantized types stay in blocks too (:func:`kernel_blocks`, logged by type at load): Q4_K's
 sub-blocks of 32 become Q4_1 blocks, the same nibbles with their scale ``d * sc`` and minimum
-``-dmin * m`` rounded to fp16 (relative 2^-11: a 64th of a step at most; 20 bytes a block where
-Q4_K takes 18); Q5_0 becomes Q8_0 with the file's own scales, exactly (34 bytes for 22); any other
-(Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, the IQ types) is re-quantized to Q8_0 from its values, which adds at
-most 1/254 of each block's largest weight, an eighth of a 6-bit step. That is what a Q4_K_M file
-needs: its Q4_K and Q6_K tensors, and for a small model like the bundled one the Q5_0 and Q8_0 that
-llama.cpp writes where a row is not a multiple of 256. Unquantized tensors (F32 norms, F16, BF16)
-are widened to float32 (their names are logged). Q, K and V (and gate and up) are fused into one
-weight: in their format where they share one, else all in Q8_0 (:func:`concat`).
+``-dmin * m`` rounded to fp16 (at most 2^-11 of each term; 20 bytes a block where Q4_K takes 18);
+Q5_0 becomes Q8_0 with the file's own scales, exactly (34 bytes for 22); any other (Q5_1, Q5_K,
+Q6_K, Q2_K, Q3_K, the IQ types) is re-quantized to Q8_0 from its values, which adds at most 1/254
+of each block's largest weight, an eighth of a 6-bit step. That is what a Q4_K_M file needs: its
+Q4_K and Q6_K tensors, and for a small model like the bundled one the Q5_0 and Q8_0 that llama.cpp
+writes where a row is not a multiple of 256. Unquantized tensors (F32 norms, F16, BF16) are widened
+to float32 (their names are logged). Q, K and V (and gate and up) are fused into one weight: in
+their format where they share one, else all in Q8_0 (:func:`concat`).
 
 For the ``llama`` architecture, llama.cpp's converter stores Q and K with their rotary halves
 interleaved (``permute`` in convert_hf_to_gguf.py); their rows are put back in Hugging Face's order at
