@@ -28,6 +28,11 @@ rounding    What the weights' rounding alone costs, whatever the kernels: the fl
             scale per output channel, as ``dtype: int8`` stores them), ``rounding_int8_g32_*`` (int8, one
             float16 scale per 32 inputs: GGUF's Q8_0), ``rounding_bfloat16_*`` (bfloat16 weights, float32
             activations). ``int8_ppl_ratio`` = int8 / float32 perplexity (the engine's ``dtype: int8``).
+            With ``--gptq``, also ``rounding_int8_gptq_*``: int8 per channel rounded by GPTQ (each column's
+            rounding error spread over the columns not yet rounded through the inverse Hessian of the
+            layer's inputs, columns in order of that Hessian's diagonal, damping 1%), calibrated on
+            ``gptq_calibration_tokens`` tokens of pipelines/data/handbook/ (not the measured passage): what
+            a calibrated quantizer buys against round-to-nearest's agreement.
 formats     ``dtype: gguf``, a GGUF file served in its own blocks, for each block format: the bundled
             ``model.gguf`` (Q4_1, its embedding Q8_0) and the same weights written in Q8_0, Q4_0 and Q4_K (its
             ``ffn_down``: the rows that are whole super-blocks) by scripts/requantize_gguf.py (re-quantized from
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     result["int8_ppl_ratio"] = result["int8_perplexity"] / result["float32_perplexity"]
     start = time.perf_counter()
-    result.update(rounding(engines["float32"].hf_config, args.model, passage, logits["float32"]))
+    result.update(rounding(engines["float32"].hf_config, args.model, passage, logits["float32"], args.gptq))
     timings["rounding_s"] = time.perf_counter() - start
 
     if args.decode_tokens:
@@ -345,20 +350,82 @@ def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(weight.shape)
 
 
-def rounding(config, folder: str, passage: list[int], reference: torch.Tensor) -> dict[str, float]:
+def rounding(config, folder: str, passage: list[int], reference: torch.Tensor, gptq: bool = False
+             ) -> dict[str, float]:
     """Perplexity and next-token agreement of the float32 model with its linear weights rounded."""
     from serving.engine.models import loader
 
     state = loader._read_safetensors(Path(folder))
     out: dict[str, float] = {}
-    for kind in ("int8_channel", "int8_g32", "bfloat16"):
-        changed = {name: rounded(t.float(), kind) if t.dim() == 2 and name.endswith("proj.weight") else t.float()
-                   for name, t in state.items()}
+    kinds = ["int8_channel", "int8_g32", "bfloat16"]
+    if gptq:
+        hessians, out["gptq_calibration_tokens"] = input_hessians(folder, GPTQ_CALIBRATION_TOKENS)
+        kinds.append("int8_gptq")
+    for kind in kinds:
+        changed = {name: t.float() for name, t in state.items()}
+        for name, weight in changed.items():
+            if weight.dim() == 2 and name.endswith("proj.weight"):
+                changed[name] = (gptq_int8(weight, hessians[name.removesuffix(".weight")]) if kind == "int8_gptq"
+                                 else rounded(weight, kind))
         model = LlamaModel(config, changed, torch.float32, torch.device("cpu"))
         logits = next_token_logits(model, passage)
         out[f"rounding_{kind}_perplexity"] = perplexity(logits, passage)
         out[f"rounding_{kind}_next_token_agreement"] = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
     return out
+
+
+GPTQ_CALIBRATION_TOKENS = 4096
+
+
+def input_hessians(folder: str, num_tokens: int) -> tuple[dict[str, torch.Tensor], int]:
+    """``X^T X`` (float64) of every ``*_proj`` layer's inputs X over *num_tokens* tokens of the handbook pages,
+    by Hugging Face module name, from transformers' forward of the float32 model (hooks on its linears)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    pages = sorted((Path(__file__).parents[1] / "pipelines" / "data" / "handbook").glob("*.md"))
+    ids = tokenizer("\n\n".join(page.read_text() for page in pages))["input_ids"][:num_tokens]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    hessians: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(module, inputs, output) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            hessians[name] = hessians.get(name, 0) + x.T @ x
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith("proj"):
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        for start in range(0, len(ids), PERPLEXITY_TOKENS):
+            model(torch.tensor([ids[start:start + PERPLEXITY_TOKENS]]))
+    return hessians, len(ids)
+
+
+def gptq_int8(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01, block: int = 128) -> torch.Tensor:
+    """*weight* ``[out, in]`` rounded to int8 with one scale per output (as ``dtype: int8``) by GPTQ (Frantar et al.
+    2022), back in float32."""
+    w, h = weight.double().clone(), hessian.clone()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    order = torch.argsort(torch.diag(h), descending=True)
+    w, h = w[:, order], h[order][:, order]
+    h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    out = torch.zeros_like(w)
+    for first in range(0, w.shape[1], block):
+        last = min(first + block, w.shape[1])
+        part, local = w[:, first:last].clone(), inverse[first:last, first:last]
+        errors = torch.zeros_like(part)
+        for i in range(last - first):
+            out[:, first + i] = torch.round(part[:, i] / scale).clamp(-127, 127) * scale
+            errors[:, i] = (part[:, i] - out[:, first + i]) / local[i, i]
+            part[:, i:] -= errors[:, i:i + 1] * local[i, i:][None, :]
+        w[:, last:] -= errors @ inverse[first:last, last:]
+    return out[:, torch.argsort(order)].float()
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -373,7 +440,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"int8 weight memory / float32: {_fmt(result['int8_weight_memory_ratio'])}; "
           f"int8 decode speedup: {_fmt(result.get('int8_decode_speedup'))}; "
           f"bfloat16 probe slowdown: {_fmt(result['bf16_slowdown'])} (slow: {result['bf16_slow']})")
-    for kind in ("int8_channel", "int8_g32", "bfloat16"):
+    for kind in ("int8_channel", "int8_g32", "bfloat16", "int8_gptq"):
+        if f"rounding_{kind}_perplexity" not in result:
+            continue
         print(f"weights rounded as {kind}: perplexity {_fmt(result[f'rounding_{kind}_perplexity'])}, next-token "
               f"agreement {_fmt(result[f'rounding_{kind}_next_token_agreement'])}")
     for qtype in FORMATS:
@@ -413,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3, help="decode-speed rounds per dtype (default: 3)")
     parser.add_argument("--no-formats", dest="formats", action="store_false",
                         help="skip the GGUF block formats (dtype: gguf) and llama.cpp's perplexity")
+    parser.add_argument("--gptq", action="store_true",
+                        help="also round the weights to int8 by GPTQ, calibrated on the handbook (about 2 minutes)")
     parser.add_argument("--gguf", default=None, help="also measure this .gguf file's perplexity as float32 and int8")
     args = parser.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
