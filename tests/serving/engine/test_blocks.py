@@ -200,15 +200,20 @@ def test_other_quantized_types_stay_in_blocks_that_have_a_kernel(qtype, tmp_path
     torch.testing.assert_close(block_linear(x, weight, None), x @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
-def test_blocks_of_different_formats_fuse_in_q8_0(tmp_path):
+def _gate_and_up(tmp_path: Path, up_type: str) -> tuple[dict, BlockRows | torch.Tensor, torch.Tensor]:
+    """A file with gate in Q4_1 and up in *up_type*: what was read, gate and up fused, and their stored values."""
     gate, up = _weight(32, IN, 9), _weight(32, IN, 10)
     path = tmp_path / "mixed.gguf"
     _write(path, {"token_embd.weight": (_weight(16, IN, 8), "Q8_0"), "blk.0.ffn_gate.weight": (gate, "Q4_1"),
-                  "blk.0.ffn_up.weight": (up, "Q8_0")})
+                  "blk.0.ffn_up.weight": (up, up_type)})
     state, _ = read_gguf(path, num_heads=4, num_kv_heads=4)
     fused = blocks.concat([state["model.layers.0.mlp.gate_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]])
+    return state, fused, torch.cat([_stored(gate, "Q4_1"), _stored(up, up_type)])
+
+
+def test_blocks_of_different_formats_fuse_in_q8_0(tmp_path):
+    _, fused, reference = _gate_and_up(tmp_path, "Q8_0")
     assert isinstance(fused, BlockRows) and fused.format == "Q8_0" and fused.shape == (64, IN)
-    reference = torch.cat([_stored(gate, "Q4_1"), _stored(up, "Q8_0")])
     values = fused.pack().dequantize()
     assert (values - reference).abs().le(_bound(reference, "Q8_0")).all()
     assert torch.equal(values[32:], reference[32:])  # the Q8_0 rows as they are
@@ -226,15 +231,10 @@ def test_the_q4_k_writer_rounds_within_a_step():
 
 
 def test_unquantized_types_are_widened_and_fused_with_blocks_in_float32(tmp_path):
-    gate, up = _weight(32, IN, 9), _weight(32, IN, 10)
-    path = tmp_path / "mixed.gguf"
-    _write(path, {"token_embd.weight": (_weight(16, IN, 8), "Q8_0"), "blk.0.ffn_gate.weight": (gate, "Q4_1"),
-                  "blk.0.ffn_up.weight": (up, "F16")})
-    state, _ = read_gguf(path, num_heads=4, num_kv_heads=4)
+    state, fused, reference = _gate_and_up(tmp_path, "F16")
     assert state["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
-    fused = blocks.concat([state["model.layers.0.mlp.gate_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]])
     assert isinstance(fused, torch.Tensor)  # Q4_1 and F16 cannot share blocks: both float32
-    torch.testing.assert_close(fused, torch.cat([_stored(gate, "Q4_1"), _stored(up, "F16")]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-7)
     same = blocks.concat([state["model.layers.0.mlp.gate_proj.weight"]] * 2)
     assert isinstance(same, BlockRows) and same.shape == (64, IN)
 
