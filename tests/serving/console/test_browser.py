@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,6 +74,16 @@ def context(browser) -> Iterator[object]:
 
 def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
+
+
+def wait_for_points(page, at_least: int) -> None:
+    """Until the requests-per-second chart has drawn *at_least* samples (at most 9 here). A locator's wait,
+    not ``page.wait_for_function``: Playwright 1.65 evaluates that predicate with ``eval`` in the page, which
+    the console's CSP (``script-src 'self'``) rightly refuses."""
+    from playwright.sync_api import expect
+
+    expect(page.locator("#chart-rps")).to_have_attribute("data-points", re.compile(f"^([{at_least}-9]|[1-9][0-9]+)$"),
+                                                          timeout=30_000)
 
 
 def sign_in(page, server: Server, key: str) -> None:
@@ -176,7 +187,7 @@ def test_the_api_viewer_and_the_console_load_nothing_from_another_host(context, 
     for path in ("/ui/pipelines/chat", "/ui/traces", "/ui/audit", "/ui/metrics"):
         page.goto(f"{server.url}{path}")
         page.wait_for_load_state("load")
-    page.wait_for_function("Number(document.getElementById('chart-rps').dataset.points || 0) >= 1")
+    wait_for_points(page, 1)
     page.get_by_role("link", name="API").click()  # the console's footer link
     page.wait_for_selector(".swagger-ui .opblock")
     foreign = [url for url in requested if not url.startswith((origin, "data:", "blob:"))]
@@ -245,7 +256,7 @@ def test_live_metrics_draw_charts(context, server, caller_key, auditor_key):
     page = context.new_page()
     sign_in(page, server, auditor_key)
     page.goto(f"{server.url}/ui/metrics")
-    page.wait_for_function("Number(document.getElementById('chart-rps').dataset.points || 0) >= 2")
+    wait_for_points(page, 2)
     assert httpx.post(f"{server.url}/pipelines/chat", json={"input": QUESTION}, timeout=60,
                       headers={"Authorization": f"Bearer {caller_key}"}).status_code == 200
     page.wait_for_selector("#chart-ttft polyline", state="attached")  # the next samples see its TTFT
