@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 
 # Before anything imports torch: see serving/engine/__init__.py for why.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The engine's start-up measurements (serving/engine/calibration.py): measured afresh by this session's first
+# engine, then read back by every later one, servers and CLI subprocesses included (they inherit it), never from
+# a file another session left behind.
+os.environ.setdefault("INFERLINE_CALIBRATION_CACHE",
+                      os.path.join(tempfile.mkdtemp(prefix="inferline-tests-"), "calibration.json"))
 
 import pytest
 

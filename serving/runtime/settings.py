@@ -6,7 +6,8 @@ path: ``INFERLINE_DATABASE``, ``INFERLINE_HTTP__PORT`` (or the short forms
 ``INFERLINE_TELEMETRY__EXPORTER``... A variable ending in ``_FILE`` reads the
 value from that file instead (``INFERLINE_DATABASE_FILE=/run/secrets/db``), so
 secrets such as a database password need not sit in the YAML or the
-environment. ``INFERLINE_CONFIG`` names the YAML file itself.
+environment. ``INFERLINE_CONFIG`` names the YAML file itself; the few other
+``INFERLINE_*`` variables that are not settings are :data:`NOT_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from pipeline.spec import ServerSpec
 PREFIX = "INFERLINE_"
 #: Short names kept for the settings people set most.
 ALIASES = {"HOST": "HTTP__HOST", "PORT": "HTTP__PORT"}
-_NOT_SETTINGS = {"CONFIG"}
+#: ``INFERLINE_*`` variables that are not settings: the YAML file's own name, the engine's process knobs
+#: (``serving/engine``: kernels, caches, start-up measurements) and the client commands' defaults
+#: (``inferline load``, ``replay``, ``pipelines``). A server started where one is exported serves as usual.
+NOT_SETTINGS = frozenset({"CONFIG", "KERNELS", "KERNEL_CACHE", "GGUF_CACHE", "CALIBRATION_CACHE", "SMALL_ROWS",
+                          "PANEL_BURST", "POOL_SPIN_US", "API_KEY", "URL", "METRICS_KEY"})
 
 
 def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = None) -> ServerSpec:
@@ -39,7 +44,7 @@ def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = No
         if key.endswith("_FILE"):
             key, raw = key[:-5], _read_secret(name, raw)
         key = ALIASES.get(key, key)
-        if key in _NOT_SETTINGS:
+        if key in NOT_SETTINGS:
             continue
         _set(data, [part.lower() for part in key.split("__")], raw, name)
         changed = True

@@ -18,6 +18,7 @@ attention run on a thread pool of our own (pool.h, pool.cpp) whose helpers spin 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -59,7 +60,7 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"inferline_kernels_{_build_key()}"
+        name = f"inferline_kernels_{build_key()}"
         build_dir = Path(os.environ.get("INFERLINE_KERNEL_CACHE", Path.home() / ".cache/inferline/kernels")) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel runs on one thread. The
@@ -75,7 +76,10 @@ def _load():
     return torch.ops.inferline
 
 
-def _build_key() -> str:
+@functools.cache
+def build_key() -> str:
+    """What the kernels' build depends on, hashed: their sources, torch's version, the machine and its
+    instruction set (the build folder's name; start-up measurements are kept under it too)."""
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from serving.engine import calibration
 from serving.engine.attention import AttentionMetadata, paged_attention, write_kv
 from serving.engine.blocks import BlockRows, BlockWeight, block_embedding, block_linear, concat, pack
 from serving.engine.errors import EngineError
@@ -197,7 +198,6 @@ class CpuLinear:
 #: Row counts at which start-up times the small-batch kernel against oneDNN, in order; the kernel keeps
 #: each while its pass over the model's layers is faster, and the first loss ends the scan.
 CALIBRATION_ROWS = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96, 128)
-_calibrated: dict[tuple, int] = {}
 
 
 def layer_linears(layers: Sequence[LayerWeights]) -> list[Weight]:
@@ -213,7 +213,8 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int, burst: bool =
     dozens, and the LM head's can differ from the layers' (docs/measurements.md). Each candidate is a pass over
     *weights* (cold, as in a step), both paths interleaved, best of two; the scan starts above ``SMALL_ROWS``
     and stops where ours is clearly slower (:func:`scan_rows`). Our kernel is timed with *burst* as the engine
-    will run it (:func:`calibrate_burst`, measured first). Measured once per process and model shape.
+    will run it (:func:`calibrate_burst`, measured first). Measured once per machine, thread count and model
+    shape, and kept between processes (``serving/engine/calibration.py``).
     ``INFERLINE_SMALL_ROWS`` sets the limit instead (0: oneDNN only).
     """
     override = os.environ.get("INFERLINE_SMALL_ROWS", "").strip()
@@ -223,9 +224,16 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int, burst: bool =
                               f"got {override!r}")
         return int(override)
     key = (tuple(w.shape for w in weights), torch.get_num_threads(), min(max_rows, CALIBRATION_ROWS[-1]), burst)
-    if key not in _calibrated:
-        _calibrated[key] = _scan_small_rows(weights, max_rows, SMALL_ROWS, burst)
-    return _calibrated[key]
+    limit, source = calibration.remembered("small_rows", key, lambda: _scan_small_rows(weights, max_rows, SMALL_ROWS,
+                                                                                      burst))
+    if source not in ("measured", "this process"):
+        log.info("small-batch kernel up to %d rows for %s (measured against oneDNN at an earlier start-up here, "
+                 "kept in %s)", limit, _which(weights), source)
+    return limit
+
+
+def _which(weights: Sequence[Weight]) -> str:
+    return "the layers" if len(weights) > 1 else f"the {weights[0].shape[0]} x {weights[0].shape[1]} matmul"
 
 
 def _timed_pass(weights: Sequence[Any], inputs: dict[int, torch.Tensor], rows: int,
@@ -266,8 +274,7 @@ def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int, bur
 
     with torch.inference_mode():
         limit = scan_rows(time_both, max_rows, default)
-    log.info("small-batch kernel up to %d rows for %s (measured against oneDNN at start-up)", limit,
-             "the layers" if len(weights) > 1 else f"the {weights[0].shape[0]} x {weights[0].shape[1]} matmul")
+    log.info("small-batch kernel up to %d rows for %s (measured against oneDNN at start-up)", limit, _which(weights))
     return limit
 
 
@@ -275,7 +282,6 @@ def _scan_small_rows(weights: Sequence[Weight], max_rows: int, default: int, bur
 SCAN_TIE = 0.05
 #: Going without the decode matmuls' own prefetch must be this much faster to be chosen (:func:`calibrate_burst`).
 BURST_MARGIN = 0.02
-_burst_calibrated: dict[tuple, bool] = {}
 
 
 def calibrate_burst(weights: Sequence[Weight]) -> bool:
@@ -284,8 +290,9 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
 
     Machine-dependent: on some machines the hardware prefetchers alone stream the weights faster
     (docs/measurements.md). Timed as the row limit is: passes over *weights*, both ways interleaved, best of
-    five; the burst stays unless going without is more than :data:`BURST_MARGIN` faster. Once per process and
-    model shape; ``INFERLINE_PANEL_BURST`` (1 or 0) sets it instead.
+    five; the burst stays unless going without is more than :data:`BURST_MARGIN` faster. Once per machine,
+    thread count and model shape, kept between processes (``serving/engine/calibration.py``);
+    ``INFERLINE_PANEL_BURST`` (1 or 0) sets it instead.
     """
     override = os.environ.get("INFERLINE_PANEL_BURST", "").strip()
     if override:
@@ -295,18 +302,27 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
     if not has_panels(weights):
         return True
     key = (tuple(w.shape for w in weights), torch.get_num_threads())
-    if key not in _burst_calibrated:
-        inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
-        with torch.inference_mode():
-            with_burst = without = float("inf")
-            for _ in range(5):
-                with_burst = min(with_burst, _timed_pass(weights, inputs, 1, _panels(True)))
-                without = min(without, _timed_pass(weights, inputs, 1, _panels(False)))
-        _burst_calibrated[key] = not without * (1 + BURST_MARGIN) < with_burst
-        log.info("decode matmuls: %s (a pass over the weights at 1 row: %.1f ms with the kernel's prefetch, "
-                 "%.1f ms without)", "the kernel prefetches" if _burst_calibrated[key] else "hardware prefetch",
-                 with_burst * 1e3, without * 1e3)
-    return _burst_calibrated[key]
+    burst, source = calibration.remembered("burst", key, lambda: _measure_burst(weights))
+    if source not in ("measured", "this process"):
+        log.info("decode matmuls: %s (measured at an earlier start-up here, kept in %s)", _burst_name(burst), source)
+    return burst
+
+
+def _burst_name(burst: bool) -> str:
+    return "the kernel prefetches" if burst else "hardware prefetch"
+
+
+def _measure_burst(weights: Sequence[Weight]) -> bool:
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    with torch.inference_mode():
+        with_burst = without = float("inf")
+        for _ in range(5):
+            with_burst = min(with_burst, _timed_pass(weights, inputs, 1, _panels(True)))
+            without = min(without, _timed_pass(weights, inputs, 1, _panels(False)))
+    burst = not without * (1 + BURST_MARGIN) < with_burst
+    log.info("decode matmuls: %s (a pass over the weights at 1 row: %.1f ms with the kernel's prefetch, "
+             "%.1f ms without)", _burst_name(burst), with_burst * 1e3, without * 1e3)
+    return burst
 
 
 def scan_rows(time_both: Callable[[int], tuple[float, float]], max_rows: int, default: int) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from serving.engine import calibration
 from serving.engine.errors import EngineError
 from serving.engine.models import llama
 
@@ -58,6 +60,16 @@ def test_it_computes_a_linear_layer(ops, rows, out_features, in_features, with_b
 
 
 @pytest.fixture
+def empty_cache(tmp_path, monkeypatch) -> Path:
+    """No measurement known yet: an empty calibration cache file of this test's own, nothing in memory."""
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv(calibration.ENV, str(path))
+    calibration.forget()
+    yield path
+    calibration.forget()  # what this test measured, with its counting wrappers, is not the session's
+
+
+@pytest.fixture
 def panel_model(loaded_model):
     """The test model, where its linear layers keep panels for the small-batch kernel (else skipped)."""
     model = loaded_model.model
@@ -74,10 +86,9 @@ def test_leaving_the_prefetch_to_the_hardware_changes_no_result(ops, rows):
     assert torch.equal(ops.panel_linear(x, panels, 1000, None, False), ops.panel_linear(x, panels, 1000, None))
 
 
-def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(panel_model, monkeypatch):
+def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(panel_model, monkeypatch, empty_cache):
     model = panel_model
     monkeypatch.delenv("INFERLINE_PANEL_BURST", raising=False)
-    monkeypatch.setattr(llama, "_burst_calibrated", {})
     weights = llama.layer_linears(model.layers)
     asked: list[bool] = []
     real = torch.ops.inferline.panel_linear
@@ -202,10 +213,9 @@ def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(panel
     assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(7, 41)})
 
 
-def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monkeypatch):
+def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monkeypatch, empty_cache):
     model = panel_model
     monkeypatch.delenv("INFERLINE_SMALL_ROWS", raising=False)
-    monkeypatch.setattr(llama, "_calibrated", {})
     timed: list[int] = []
     real = llama._onednn_linear
     monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: timed.append(x.shape[0]) or real(x, w, b))
@@ -217,6 +227,11 @@ def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monke
     assert set(timed)  # at least the first row count above SMALL_ROWS was timed
     timed.clear()
     assert llama.calibrate_small_rows(weights, 40) == limit and not timed  # once per process and shape
+    calibration.forget()  # a new process on this machine: the cache file answers, nothing is timed
+    assert llama.calibrate_small_rows(weights, 40) == limit and not timed
+    monkeypatch.setenv(calibration.ENV, "off")  # measured at every start
+    calibration.forget()
+    assert llama.calibrate_small_rows(weights, 40) in (llama.SMALL_ROWS, *llama.CALIBRATION_ROWS) and timed
 
 
 def test_the_lm_head_has_a_limit_of_its_own(panel_model, monkeypatch):

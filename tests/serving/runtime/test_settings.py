@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from pipeline.errors import SpecError
 from pipeline.spec import ServerSpec
-from serving.runtime.settings import apply_environment
+from serving.runtime.settings import NOT_SETTINGS, PREFIX, apply_environment
+
+ROOT = Path(__file__).parents[3]
 
 
 def test_overrides_by_path_and_alias():
@@ -41,3 +46,28 @@ def test_bad_overrides_are_clear(env, message):
 def test_no_overrides_is_the_same_object():
     server = ServerSpec()
     assert apply_environment(server, {}) is server
+
+
+def test_variables_that_are_not_settings_leave_the_server_alone():
+    """A client's key or the engine's knobs exported in the shell that starts a server: the server starts."""
+    env = {f"{PREFIX}{name}": "1" for name in NOT_SETTINGS}
+    assert apply_environment(ServerSpec(), env) == ServerSpec()
+
+
+def test_every_inferline_variable_the_code_reads_is_a_setting_or_named_as_not_one(tmp_path):
+    """Each ``INFERLINE_*`` name in the code either overrides a setting or is in NOT_SETTINGS: one the
+    server took for a setting would refuse to start where it is exported ("no setting ... to override")."""
+    names = set()
+    for folder in ("serving", "pipeline", "stages", "store"):
+        for path in [*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.h"), *(ROOT / folder).rglob("*.cpp")]:
+            names |= set(re.findall(r"\bINFERLINE_([A-Z][A-Z0-9_]*[A-Z0-9])\b", path.read_text()))
+    assert names >= {"API_KEY", "SMALL_ROWS", "CALIBRATION_CACHE", "POOL_SPIN_US"}  # the scan finds them
+    value = tmp_path / "value"
+    value.write_text("1")
+    for name in sorted(names - NOT_SETTINGS):
+        try:
+            apply_environment(ServerSpec(), {f"{PREFIX}{name}": str(value) if name.endswith("_FILE") else "1"})
+        except SpecError as exc:
+            pytest.fail(f"{PREFIX}{name}: {exc}")
+        except ValueError:
+            pass  # a setting, given a value of the wrong type
