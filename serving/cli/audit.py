@@ -34,7 +34,6 @@ import sqlalchemy as sa
 
 from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
 from serving.cli.keys import ENV_DATABASE, database_url
-from serving.console.render import report_file
 from serving.runtime.workspace import Workspace, open_workspace
 from store.audit import AuditMaintenance, AuditReader
 from store.audit_access import ACCESS_FIELDS, parse_access_filters
@@ -363,6 +362,8 @@ def _report(args: argparse.Namespace) -> int:
         report = reader.report(_filters(args, ("since", "until", "pipeline")), folder)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
+    from serving.console.render import report_file  # the console's templates: litestar and the app's state
+
     text = json.dumps(report, indent=2, default=str) + "\n" if args.format == "json" else report_file(report)
     if args.output:
         Path(args.output).write_text(text)

@@ -31,7 +31,6 @@ from typing import Any
 import httpx
 
 from pipeline.errors import SpecError
-from serving.evals.replay import ReplayError, ReplayServer, html_report, replay, replayable, summarize_replay
 from serving.runtime.workspace import open_workspace
 from store.audit_filters import parse_filters
 from store.audit_query import MAX_LIMIT
@@ -70,6 +69,10 @@ def add_replay_parser(sub: Any) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    # Here, not at the top: replaying runs pipelines (torch, transformers), which the other commands and
+    # `inferline --help` need not import.
+    from serving.evals.replay import ReplayError, html_report, replay, summarize_replay
+
     if args.limit < 1 or args.concurrency < 1:
         print("inferline replay: --limit and --concurrency must be at least 1", file=sys.stderr)
         return EXIT_USAGE
@@ -102,6 +105,8 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 async def _on_server(args: argparse.Namespace, filters: Any) -> tuple[list[dict[str, Any]], Counter[str]]:
+    from serving.evals.replay import ReplayServer
+
     async with ReplayServer(args.url, args.key) as server:
         candidate = Path(args.candidate)
         version = await server.keep(args.pipeline, candidate.read_text()) if candidate.is_file() else args.candidate
@@ -112,6 +117,8 @@ async def _on_server(args: argparse.Namespace, filters: Any) -> tuple[list[dict[
 def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any]], Counter[str]]:
     """Up to *limit* matching records, newest first: those that can be replayed, and the others counted
     by why not."""
+    from serving.evals.replay import replayable
+
     engine = make_engine(url)
     try:
         create_schema(engine)

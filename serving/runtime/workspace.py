@@ -12,7 +12,6 @@ from pipeline.errors import InvalidInput, SpecError, SpecIssue
 from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_pipeline_text, load_server, name_clash
 from pipeline.registry import StageRegistry
 from pipeline.spec import ServerSpec
-from serving.engine.constraints import compile_error
 from serving.runtime.settings import apply_environment
 from stages import register_builtins
 
@@ -43,12 +42,12 @@ class Workspace:
     def load_pipeline(self, path: str | Path) -> LoadedPipeline:
         # A pipeline's own output: is compiled as the engines would, here at load, so that a broken one
         # never reaches a request (where it would read as the caller's mistake).
-        return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=compile_error))
+        return load_pipeline(path, self.registry, replace(catalog_of(self.server), check_output=_compile_error))
 
     def load_pipeline_text(self, text: str, file: str) -> LoadedPipeline:
         """A pipeline from its YAML *text* (a deploy through the API), checked as :meth:`load_pipeline` does;
         *file* is the name its errors carry."""
-        catalog = replace(catalog_of(self.server), check_output=compile_error)
+        catalog = replace(catalog_of(self.server), check_output=_compile_error)
         return load_pipeline_text(text, file, self.registry, catalog)
 
     def load_pipelines(self) -> list[LoadedPipeline]:
@@ -124,3 +123,11 @@ def open_workspace(config: str | None = None) -> Workspace:
         server, root = load_server(path), Path(path).parent
     server = apply_environment(server)
     return Workspace(server, build_registry(server), root)
+
+
+def _compile_error(kind: str, value: object) -> str | None:
+    """:func:`serving.engine.constraints.compile_error`, imported when a pipeline first declares an ``output:``
+    (llguidance brings transformers and torch: seconds that ``inferline keys`` or ``--help`` need not pay)."""
+    from serving.engine.constraints import compile_error
+
+    return compile_error(kind, value)

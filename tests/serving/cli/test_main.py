@@ -255,6 +255,15 @@ def test_console_script_version_and_help():
         assert result.stdout.startswith("usage: inferline")
 
 
+def test_the_command_line_imports_no_model_library_until_a_command_needs_one():
+    """`inferline --help`, `keys` and `audit` start without torch, transformers or llguidance (about 4 s of
+    imports on 2 cores): each command imports what it runs when it runs."""
+    heavy = ("torch", "transformers", "llguidance", "litestar", "faiss")
+    code = f"import sys; import serving.cli.main; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.slow
 def test_run_chat_streams_a_real_answer():
     exe = Path(sys.executable).with_name("inferline")

@@ -58,15 +58,15 @@ async def test_a_changed_candidate_shows_the_differences_and_skips_what_was_not_
 
 
 def test_the_command_line_reports_and_exits_1_on_a_change(tmp_path, monkeypatch, capsys):
-    from serving.cli import replay as replay_cli
     from serving.cli.main import main
+    from serving.evals import replay as replay_module
 
     workspace = audited_workspace(tmp_path, monkeypatch)
 
     async def over_fakes(*args, **kwargs):  # the command over the fake model instead of the config's
         return await replay(*args, **kwargs, engines=FakeEngines(smol=FakeEngine("Paris.")))
 
-    monkeypatch.setattr(replay_cli, "replay", over_fakes)
+    monkeypatch.setattr(replay_module, "replay", over_fakes)  # the command imports it when it runs
     config = str(workspace.root / "inferline.yaml")
     same = main(["replay", "chat", "--candidate", str(workspace.pipelines_dir / "chat.yaml"), "--format", "jsonl",
                  "--config", config])
