@@ -57,12 +57,18 @@ $(GUIDELLM):
 run: install
 	$(VENV)/bin/inferline serve
 
+# Two workers, each taking whole files (a file's module-scoped server starts once): about 12 minutes here
+# where one worker took 21-22, since most of a serial run waits on servers, Ray and subprocesses with a
+# core idle. TEST_WORKERS=0 runs in this process, one test after another.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: install $(CHROMIUM) $(GUIDELLM)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: install
 	$(PY) bench/runner.py
