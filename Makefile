@@ -59,9 +59,11 @@ run: install
 
 # Two workers, each taking whole files (a file's module-scoped server starts once): about 12 minutes here
 # where one worker took 21-22, since most of a serial run waits on servers, Ray and subprocesses with a
-# core idle. TEST_WORKERS=0 runs in this process, one test after another.
+# core idle. Files go out in collection order (tests/faults' long single tests first), not xdist's
+# most-tests-first, which left the one-test files that take 30-45 s each for the end, one worker idle.
+# TEST_WORKERS=0 runs in this process, one test after another.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install $(CHROMIUM) $(GUIDELLM)
 	$(VENV)/bin/lint-imports
