@@ -40,6 +40,8 @@ class IndexRegistry(Mapping[str, VectorStore]):
         self.server = server
         self.root = root
         self._loaded: dict[str, VectorStore] = {}
+        #: Indexes already reported as not built: the watcher asks every ``reload_every_s``, the log says it once.
+        self._reported_missing: set[str] = set()
 
     def __getitem__(self, name: str) -> VectorStore:
         return self._loaded[name]
@@ -61,9 +63,10 @@ class IndexRegistry(Mapping[str, VectorStore]):
             version = VectorStore.current_version(folder)
             loaded = self._loaded.get(name)
             if version is None or (loaded is not None and loaded.version == version):
-                if version is None and loaded is None:
-                    logger.warning("index %r is not built yet (%s): `inferline index build DOCS --name %s`",
-                                   name, folder, name)
+                if version is None and loaded is None and name not in self._reported_missing:
+                    self._reported_missing.add(name)
+                    logger.warning("index %r is not built yet (%s): `inferline index build DOCS --name %s`; "
+                                   "it loads when built", name, folder, name)
                 continue
             store = VectorStore.load(folder / version, shared_embedder(spec.model, spec.device))
             self._loaded[name] = store  # the swap: one assignment

@@ -118,3 +118,15 @@ def test_a_rag_request_over_http_reports_and_records_its_retrieval(workspace_dir
     assert (source["n"], source["citation"], source["path"]) == (1, "[1]", "billing.md")
     assert (source["id"], source["score"]) == (retrieval["ids"][0], retrieval["scores"][0])
     assert source["title"] == "Billing"
+
+
+def test_an_index_not_built_yet_is_reported_once_then_loads_when_built(workspace_dir, caplog):
+    """The watcher refreshes every ``reload_every_s``: the warning comes once, not at every refresh."""
+    workspace = open_workspace(str(workspace_dir / "inferline.yaml"))
+    registry = IndexRegistry(workspace.server, workspace.root)
+    with caplog.at_level("WARNING", logger="serving.backends.indexes"):
+        for _ in range(3):
+            assert registry.refresh() == []
+    assert caplog.text.count("index 'kb' is not built yet") == 1 and "it loads when built" in caplog.text
+    assert cli(workspace_dir, "build", str(workspace_dir / "docs"), "--name", "kb") == 0
+    assert registry.refresh() == ["kb"] and len(registry["kb"].chunks) == 2
