@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from pipeline.errors import SpecError, SpecIssue
 from pipeline.spec import ServerSpec
@@ -36,7 +37,7 @@ def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = No
     """*server* with every ``INFERLINE_*`` override applied (validated like the YAML)."""
     environ = os.environ if environ is None else environ
     data = server.model_dump(mode="json")
-    changed = False
+    texts: dict[tuple[str, ...], str] = {}  # each override's path and its text as written
     for name, raw in sorted(environ.items()):
         if not name.startswith(PREFIX):
             continue
@@ -46,9 +47,29 @@ def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = No
         key = ALIASES.get(key, key)
         if key in NOT_SETTINGS:
             continue
-        _set(data, [part.lower() for part in key.split("__")], raw, name)
-        changed = True
-    return ServerSpec.model_validate(data) if changed else server
+        path = [part.lower() for part in key.split("__")]
+        _set(data, path, raw, name)
+        texts[tuple(path)] = raw
+    if not texts:
+        return server
+    try:
+        return ServerSpec.model_validate(data)
+    except ValidationError as exc:
+        # YAML read a value as a number or a boolean where the setting is text (a key of digits only,
+        # "INFERLINE_AUDIT__CHECKPOINT_KEY=0123"): such a value is taken as written, and validated again.
+        retry = [tuple(str(part) for part in error["loc"]) for error in exc.errors() if error["type"] == "string_type"]
+        if not any(loc in texts for loc in retry):
+            raise
+        for loc in retry:
+            if loc in texts:
+                _node(data, loc)[loc[-1]] = texts[loc]
+        return ServerSpec.model_validate(data)
+
+
+def _node(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    for part in path[:-1]:
+        data = data[part]
+    return data
 
 
 def _set(data: dict[str, Any], path: list[str], raw: str, variable: str) -> None:

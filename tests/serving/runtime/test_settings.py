@@ -71,3 +71,13 @@ def test_every_inferline_variable_the_code_reads_is_a_setting_or_named_as_not_on
             pytest.fail(f"{PREFIX}{name}: {exc}")
         except ValueError:
             pass  # a setting, given a value of the wrong type
+
+
+def test_text_settings_keep_values_that_yaml_would_read_as_numbers():
+    """A key of digits only is text, as written: YAML alone would make it the number 123 (leading zero
+    lost) and the setting would refuse it; a numeric setting still gets its number."""
+    server = apply_environment(ServerSpec(), {"INFERLINE_AUDIT__CHECKPOINT_KEY": "0123",
+                                              "INFERLINE_PORT": "8001"})
+    assert server.audit.checkpoint_key == "0123" and server.http.port == 8001
+    with pytest.raises(ValueError, match=r"http\.port"):
+        apply_environment(ServerSpec(), {"INFERLINE_AUDIT__CHECKPOINT_KEY": "0123", "INFERLINE_PORT": "many"})
