@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -13,8 +15,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The engine's start-up measurements (serving/engine/calibration.py): measured afresh by this session's first
 # engine, then read back by every later one, servers and CLI subprocesses included (they inherit it), never from
 # a file another session left behind.
-os.environ.setdefault("INFERLINE_CALIBRATION_CACHE",
-                      os.path.join(tempfile.mkdtemp(prefix="inferline-tests-"), "calibration.json"))
+if "INFERLINE_CALIBRATION_CACHE" not in os.environ:  # set here, inherited by the xdist workers
+    _calibration_dir = tempfile.mkdtemp(prefix="inferline-tests-")
+    os.environ["INFERLINE_CALIBRATION_CACHE"] = os.path.join(_calibration_dir, "calibration.json")
+    atexit.register(shutil.rmtree, _calibration_dir, True)
 
 import pytest
 

@@ -9,7 +9,8 @@ a restart, a second replica or ``inferline run`` reads it back in a millisecond 
 and every process on the machine chooses the same kernels (which the capacity planner relies on).
 
 An entry's key is a hash of all a measurement depends on: the kernels' build (their sources, torch's version and
-the CPU's instruction set: :func:`serving.engine.kernels.build_key`), the CPU's model name, the number of
+the CPU's instruction set: :func:`serving.engine.kernels.build_key`), the CPU's model name
+(:func:`serving.engine.kernels.cpu_model`), the number of
 threads, the weights' shapes and the question's own arguments. Another machine, a new kernel build or a
 different thread count therefore measures afresh. ``INFERLINE_CALIBRATION_CACHE=off`` measures at every
 start and keeps nothing; deleting the file measures again once.
@@ -21,13 +22,14 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from serving.engine.kernels import build_key, cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -48,34 +50,20 @@ def cache_file() -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "inferline" / "calibration.json"
 
 
-def machine() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def remembered(question: str, key: tuple, measure: Callable[[], T]) -> tuple[T, str]:
-    """The answer to *question* for *key* on this machine, and where it came from: ``"measured"`` (now,
-    by ``measure()``), ``"this process"`` or the cache file's path (measured by an earlier process)."""
-    from serving.engine.kernels import build_key
-
-    cpu = machine()
+def remembered(question: str, key: tuple, measure: Callable[[], T]) -> tuple[T, Path | None]:
+    """The answer to *question* for *key* on this machine, and the cache file it was read from: None when
+    this process measured it (now, by ``measure()``, or at an earlier call)."""
+    cpu = cpu_model()
     full = hashlib.sha256(json.dumps([question, build_key(), cpu, *key], default=str).encode()).hexdigest()[:24]
     with _lock:
         if full in _memory:
-            return _memory[full], "this process"  # type: ignore[return-value]
+            return _memory[full], None  # type: ignore[return-value]
     path = cache_file()
     kept = _read(path).get(full) if path else None
     if kept is not None and isinstance(kept.get("value"), int | bool):
-        value = kept["value"]
-        source = str(path)
+        value, source = kept["value"], path
     else:
-        value, source = measure(), "measured"
+        value, source = measure(), None
         if path:
             _write(path, full, {"question": question, "cpu": cpu, "value": value})
     with _lock:

@@ -48,7 +48,8 @@ def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = No
         if key in NOT_SETTINGS:
             continue
         path = [part.lower() for part in key.split("__")]
-        _set(data, path, raw, name)
+        # YAML scalars, so that "8001" is a number, "false" a boolean and "[a, b]" a list.
+        _set(data, path, yaml.safe_load(raw) if raw.strip() else raw, name)
         texts[tuple(path)] = raw
     if not texts:
         return server
@@ -62,17 +63,11 @@ def apply_environment(server: ServerSpec, environ: Mapping[str, str] | None = No
             raise
         for loc in retry:
             if loc in texts:
-                _node(data, loc)[loc[-1]] = texts[loc]
+                _set(data, list(loc), texts[loc], PREFIX + "__".join(loc).upper())
         return ServerSpec.model_validate(data)
 
 
-def _node(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
-    for part in path[:-1]:
-        data = data[part]
-    return data
-
-
-def _set(data: dict[str, Any], path: list[str], raw: str, variable: str) -> None:
+def _set(data: dict[str, Any], path: list[str], value: Any, variable: str) -> None:
     node = data
     for part in path[:-1]:
         if not isinstance(node.get(part), dict):
@@ -80,8 +75,7 @@ def _set(data: dict[str, Any], path: list[str], raw: str, variable: str) -> None
         node = node[part]
     if path[-1] not in node:
         raise SpecError([SpecIssue(variable, 1, 1, "", f"no setting {'.'.join(path)!r} to override")])
-    # YAML scalars, so that "8001" is a number, "false" a boolean and "[a, b]" a list.
-    node[path[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+    node[path[-1]] = value
 
 
 def _read_secret(variable: str, path: str) -> str:

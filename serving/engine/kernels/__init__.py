@@ -91,11 +91,23 @@ def build_key() -> str:
 
 
 def cpu_flags() -> str:
+    """The CPU's instruction-set flags line of ``/proc/cpuinfo`` (x86 ``flags``, ARM ``Features``)."""
+    return _cpuinfo_line(("flags", "Features")) or platform.processor()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    line = _cpuinfo_line(("model name",))
+    return line.partition(":")[2].strip() if line else platform.processor() or platform.machine()
+
+
+@functools.cache
+def _cpuinfo_line(prefixes: tuple[str, ...]) -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(prefixes):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
 

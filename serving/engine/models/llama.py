@@ -224,11 +224,11 @@ def calibrate_small_rows(weights: Sequence[Weight], max_rows: int, burst: bool =
                               f"got {override!r}")
         return int(override)
     key = (tuple(w.shape for w in weights), torch.get_num_threads(), min(max_rows, CALIBRATION_ROWS[-1]), burst)
-    limit, source = calibration.remembered("small_rows", key, lambda: _scan_small_rows(weights, max_rows, SMALL_ROWS,
-                                                                                      burst))
-    if source not in ("measured", "this process"):
+    limit, kept_in = calibration.remembered("small_rows", key,
+                                            lambda: _scan_small_rows(weights, max_rows, SMALL_ROWS, burst))
+    if kept_in:
         log.info("small-batch kernel up to %d rows for %s (measured against oneDNN at an earlier start-up here, "
-                 "kept in %s)", limit, _which(weights), source)
+                 "kept in %s)", limit, _which(weights), kept_in)
     return limit
 
 
@@ -302,9 +302,9 @@ def calibrate_burst(weights: Sequence[Weight]) -> bool:
     if not has_panels(weights):
         return True
     key = (tuple(w.shape for w in weights), torch.get_num_threads())
-    burst, source = calibration.remembered("burst", key, lambda: _measure_burst(weights))
-    if source not in ("measured", "this process"):
-        log.info("decode matmuls: %s (measured at an earlier start-up here, kept in %s)", _burst_name(burst), source)
+    burst, kept_in = calibration.remembered("burst", key, lambda: _measure_burst(weights))
+    if kept_in:
+        log.info("decode matmuls: %s (measured at an earlier start-up here, kept in %s)", _burst_name(burst), kept_in)
     return burst
 
 

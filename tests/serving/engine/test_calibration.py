@@ -31,13 +31,14 @@ def counting(value):
 
 def test_measured_once_then_read_back_by_the_next_process(cache):
     measure, calls = counting(24)
-    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, "measured")
-    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, "this process")
+    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, None)  # measured
+    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, None)  # this process's
     calibration.forget()  # another process on this machine
-    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, str(cache))
+    assert calibration.remembered("small_rows", ((576, 576),), measure) == (24, cache)
     assert len(calls) == 1
     (entry,) = json.loads(cache.read_text())["entries"].values()
     assert entry["value"] == 24 and entry["question"] == "small_rows" and entry["measured"].endswith("Z")
+    assert entry["cpu"] == kernels.cpu_model() != ""
 
 
 def test_another_question_shape_build_or_machine_measures_afresh(cache, monkeypatch):
@@ -47,10 +48,10 @@ def test_another_question_shape_build_or_machine_measures_afresh(cache, monkeypa
     calibration.remembered("burst", ((576, 576), 1), measure)  # another thread count
     calibration.remembered("burst", ((1536, 576), 2), measure)  # another shape
     calibration.forget()
-    monkeypatch.setattr(kernels, "build_key", lambda: "another-build")  # new sources, torch or instruction set
+    monkeypatch.setattr(calibration, "build_key", lambda: "another-build")  # new sources, torch or instruction set
     calibration.remembered("burst", ((576, 576), 2), measure)
     calibration.forget()
-    monkeypatch.setattr(calibration, "machine", lambda: "Another CPU")
+    monkeypatch.setattr(calibration, "cpu_model", lambda: "Another CPU")
     calibration.remembered("burst", ((576, 576), 2), measure)
     assert len(calls) == 6 and len(json.loads(cache.read_text())["entries"]) == 6
 
@@ -79,7 +80,7 @@ def test_a_damaged_file_is_measured_over_and_one_that_cannot_be_written_is_only_
     cache.write_text("{not json")
     measure, calls = counting(12)
     with caplog.at_level(logging.WARNING, logger="serving.engine.calibration"):
-        assert calibration.remembered("small_rows", (1,), measure) == (12, "measured")
+        assert calibration.remembered("small_rows", (1,), measure) == (12, None)
     assert "unreadable" in caplog.text and json.loads(cache.read_text())["version"] == 1
     blocked = tmp_path / "a-file"
     blocked.write_text("")
@@ -87,7 +88,7 @@ def test_a_damaged_file_is_measured_over_and_one_that_cannot_be_written_is_only_
     calibration.forget()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="serving.engine.calibration"):
-        assert calibration.remembered("small_rows", (1,), measure) == (12, "measured")
+        assert calibration.remembered("small_rows", (1,), measure) == (12, None)
     assert "could not be written" in caplog.text and f"{calibration.ENV}=off" in caplog.text
     assert len(calls) == 2
 
