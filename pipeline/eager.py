@@ -26,16 +26,27 @@ def start_eagerly(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     started = _Started(coro)
     task = loop.create_task(started, context=context)  # type: ignore[arg-type]
     caller = asyncio.current_task(loop)
-    if caller is not None:
-        asyncio.tasks._leave_task(loop, caller)
-    asyncio.tasks._enter_task(loop, task)
+    swap_current_task(loop, caller, task)
     try:
         context.run(started.start)
     finally:
-        asyncio.tasks._leave_task(loop, task)
-        if caller is not None:
-            asyncio.tasks._enter_task(loop, caller)
+        swap_current_task(loop, task, caller)
     return task
+
+
+def swap_current_task(loop: asyncio.AbstractEventLoop, leaving: asyncio.Task | None,
+                      entering: asyncio.Task | None) -> None:
+    """Make *entering* the loop's ``current_task()`` in place of *leaving* (None: no task).
+
+    The one use of asyncio's private functions in the project: Python 3.11 has no public way to run a step
+    of a task's coroutine outside the loop's own step. It goes when the project moves to Python 3.12, whose
+    ``asyncio.eager_task_factory`` (or ``asyncio.Task(..., eager_start=True)``) replaces
+    :func:`start_eagerly` altogether. asyncio raises RuntimeError if *leaving* is not the current task.
+    """
+    if leaving is not None:
+        asyncio.tasks._leave_task(loop, leaving)
+    if entering is not None:
+        asyncio.tasks._enter_task(loop, entering)
 
 
 class _Started(Coroutine[Any, Any, Any]):

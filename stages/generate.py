@@ -19,8 +19,11 @@ YAML::
         priority: interactive   # or batch: admitted after interactive work, never starved
         queue_timeout_ms: 2000  # still queued for the model after this long: 503 deadline_exceeded
 
-Writes ``token_stream``; the ``stream`` stage consumes it. With a ``route``
-stage before it, failures fall back to the route's next models (see
+Writes ``token_stream``; the ``stream`` stage consumes it and closes it. A
+stream that no stage read to its end (a later stage failed, or the request was
+cancelled before ``stream`` ran) is closed when the request ends: the engine
+stops generating for it and it no longer counts as the model's load. With a
+``route`` stage before it, failures fall back to the route's next models (see
 :mod:`stages.failover`); a ``cache`` hit has already written ``token_stream``,
 and then nothing is generated. A caller's
 ``params`` may override only the options listed in ``client_params``, and
@@ -56,7 +59,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.context import RequestContext
 from pipeline.errors import InvalidInput
-from pipeline.protocols import Catalog, SamplingParams, SchedulingHints
+from pipeline.protocols import Catalog, SamplingParams, SchedulingHints, TokenStream
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.tracing import (
     GEN_AI_OPERATION_NAME,
@@ -198,6 +201,7 @@ class GenerateStage(Stage):
         deadline_s = None if config.queue_timeout_ms is None else time.perf_counter() + config.queue_timeout_ms / 1000
         hints = SchedulingHints(config.priority, ctx.tenant, deadline_s)
         ctx.model, engine, ctx.token_stream = await submit_with_fallback(self.resources, ctx, sampling, salt, hints)
+        ctx.finalizers.append(_close_stream)
         self._record(ctx, scope, sampling, engine)
         tried = ctx.facts.get("route", {}).get("fallbacks_tried", [])
         if tried:
@@ -224,6 +228,13 @@ class GenerateStage(Stage):
         scope.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, sampling.max_tokens)
         scope.set_attribute(GEN_AI_REQUEST_TEMPERATURE, sampling.temperature)
         scope.set_attribute(GEN_AI_REQUEST_TOP_P, sampling.top_p)
+
+
+async def _close_stream(ctx: RequestContext) -> None:
+    """Close the request's token stream as the request ends: its opener owns it (a no-op where ``stream`` read
+    it to its end or closed it; ``stream``'s retries close the stream they replace)."""
+    if ctx.token_stream is not None:
+        await cast(TokenStream, ctx.token_stream).aclose()
 
 
 def _override_issues(config: GenerateConfig) -> list[CheckIssue]:

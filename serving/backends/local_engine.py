@@ -30,7 +30,13 @@ def engine_sampling(sampling: SamplingParams) -> EngineSampling:
 
 
 class _Stream:
-    """An engine stream whose errors are the pipeline's; reports its first token's time to its model."""
+    """An engine stream whose errors are the pipeline's; reports its first token's time to its model.
+
+    It counts as its replica's load (``LocalEngine.outstanding``) from submit until it ends, fails or is closed,
+    or its reader (the async generator ``__aiter__`` returns) is closed or cancelled: the engine request is
+    aborted then too. A stream nobody reads counts until its opener closes it (``aclose``; the ``generate``
+    stage closes its stream when the request ends).
+    """
 
     __slots__ = ("_open", "_owner", "_stream", "_submitted_s", "replica")
 
@@ -57,20 +63,15 @@ class _Stream:
         except EngineError as exc:
             raise BackendError(f"model {self._owner.name!r}: {exc}") from exc
         finally:
-            self._release()
+            # Ended, failed, or left at a yield (the reader closed or cancelled): a no-op on an ended stream.
+            await self.aclose()
 
     async def aclose(self) -> None:
-        self._release()
-        await self._stream.aclose()
-
-    def _release(self) -> None:
+        """Stop early: the engine aborts the request; the replica's load count drops now. Idempotent."""
         if self._open:
             self._open = False
             self._owner.outstanding[self.replica] -= 1
-
-    def __del__(self) -> None:
-        # A stream dropped without being read or closed must not count as load forever.
-        self._release()
+        await self._stream.aclose()
 
 
 class LocalEngine:

@@ -4,7 +4,10 @@ Layout, one concept per file: ``config`` (options), ``sampling_params``,
 ``sequence`` (one request's state), ``block_manager`` (KV blocks and the prefix
 cache), ``scheduler`` (who runs this step), ``model_runner`` (one batched
 forward), ``sampler``, ``models/`` (the forward passes and weight loading),
-``engine`` (the step loop and its async front), ``metrics``.
+``cpu_linear`` (which CPU kernel runs a matmul), ``kernel_calibration`` (what
+start-up measures to choose it) and ``calibration`` (where those answers are
+kept between processes), ``engine`` (the step loop and its async front),
+``metrics``.
 
 Imports torch and transformers; nothing else of Inferline's.
 """

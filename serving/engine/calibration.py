@@ -1,9 +1,10 @@
 """Start-up measurements kept between processes.
 
-The engine measures two choices on the machine at start-up (``models/llama.py``): how many rows go to our
-small-batch kernel before oneDNN (:func:`~serving.engine.models.llama.calibrate_small_rows`, about 5 s for
-SmolLM2-135M's layers on 2 cores) and whether decode's matmuls prefetch for themselves
-(:func:`~serving.engine.models.llama.calibrate_burst`). Both are the machine's, not the process's, so each is
+The engine measures two choices on the machine at start-up (``kernel_calibration.py`` measures; this module
+keeps the answers): how many rows go to our small-batch kernel before oneDNN
+(:func:`~serving.engine.kernel_calibration.calibrate_small_rows`, about 5 s for SmolLM2-135M's layers on 2
+cores) and whether decode's matmuls prefetch for themselves
+(:func:`~serving.engine.kernel_calibration.calibrate_burst`). Both are the machine's, not the process's, so each is
 measured once and kept in ``$INFERLINE_CALIBRATION_CACHE`` (default ``~/.cache/inferline/calibration.json``):
 a restart, a second replica or ``inferline run`` reads it back in a millisecond instead of measuring again,
 and every process on the machine chooses the same kernels (which the capacity planner relies on).

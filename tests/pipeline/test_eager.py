@@ -7,7 +7,7 @@ import contextvars
 
 import pytest
 
-from pipeline.eager import start_eagerly
+from pipeline.eager import start_eagerly, swap_current_task
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="caller")
 
@@ -133,3 +133,35 @@ async def test_it_is_the_current_task_while_it_starts_so_a_timeout_cancels_it_no
     task = start_eagerly(work())
     assert seen == [task] and asyncio.current_task() is caller
     assert await task == "timed out"
+
+
+async def test_swap_current_task_hands_current_task_over_and_back():
+    loop = asyncio.get_running_loop()
+    caller = asyncio.current_task()
+    other = loop.create_task(asyncio.sleep(0))  # not started: the loop has not stepped it yet
+    swap_current_task(loop, caller, other)
+    assert asyncio.current_task() is other
+    with pytest.raises(RuntimeError):  # asyncio checks who leaves: a mix-up fails loudly
+        swap_current_task(loop, caller, other)
+    swap_current_task(loop, other, caller)
+    assert asyncio.current_task() is caller
+    await other
+
+
+async def test_swap_current_task_outside_any_task_as_from_a_callback():
+    loop = asyncio.get_running_loop()
+    other = loop.create_task(asyncio.sleep(0))
+    seen: list[object] = []
+
+    def callback() -> None:  # callbacks run with no current task
+        seen.append(asyncio.current_task())
+        swap_current_task(loop, None, other)
+        seen.append(asyncio.current_task())
+        swap_current_task(loop, other, None)
+        seen.append(asyncio.current_task())
+
+    done = loop.create_future()
+    loop.call_soon(lambda: (callback(), done.set_result(None)))
+    await done
+    assert seen == [None, other, None]
+    await other

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.cost import Price
-from pipeline.events import Done, Error, TextDelta
+from pipeline.events import Done, Error, StageStarted, TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
@@ -129,3 +129,26 @@ def test_generation_stages_need_their_inputs(registry):
     with pytest.raises(SpecError, match="no model to tokenize for"):
         load_pipeline_text("name: x\nstages: [{id: p, type: prompt}, {id: t, type: tokenize}]\n", "x.yaml",
                            registry, Catalog())
+
+
+async def test_a_stream_no_stage_read_is_closed_when_the_request_fails(registry):
+    engines = FakeEngines()
+    pipeline = build(CHAT.replace("  - {id: out,", "  - {id: boom, type: fail}\n  - {id: out,"), registry, engines)
+    ctx = RequestContext.from_text("chat", "x")
+    events = await run(pipeline, ctx)
+    assert isinstance(events[-1], Error) and [s.status for s in ctx.stages][-2:] == ["failed", "skipped"]
+    stream = engines.engines["smol"].streams[0]
+    assert stream.sent == 1 and stream.closed  # read up to its first token only; its opener, generate, closed it
+
+
+async def test_a_stream_no_stage_read_is_closed_when_the_request_is_cancelled(registry):
+    engines = FakeEngines()
+    pipeline = build(CHAT.replace("  - {id: out,", "  - {id: wait, type: record, with: {delay_s: 10}}\n  - {id: out,"),
+                     registry, engines)
+    stream = Runner().stream(pipeline, RequestContext.from_text("chat", "x"))
+    async for event in stream:
+        if isinstance(event, StageStarted) and event.stage_id == "wait":
+            break
+    assert not engines.engines["smol"].streams[0].closed
+    await stream.aclose()  # the client went away before the stream stage ran
+    assert engines.engines["smol"].streams[0].closed

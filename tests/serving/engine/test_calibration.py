@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from serving.engine import calibration, kernels
-from serving.engine.models import llama
+from serving.engine.cpu_linear import CpuLinear, has_panels
 
 
 @pytest.fixture
@@ -98,20 +98,20 @@ def test_a_second_start_of_the_real_model_reads_its_limits_back(loaded_model, ca
     """The real model's prepare measures on the first start and reads the file on the next, logging where
     the limits came from, and chooses the same kernels."""
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or not llama.has_panels([model.layers[0].qkv]):
+    if not isinstance(model.linear, CpuLinear) or not has_panels([model.layers[0].qkv]):
         pytest.skip("the model keeps no panels here")
     for name in ("INFERLINE_SMALL_ROWS", "INFERLINE_PANEL_BURST"):
         monkeypatch.delenv(name, raising=False)
     for linear in (model.linear, model.head_linear):  # restored after prepare sets them
         monkeypatch.setattr(linear, "small_rows", linear.small_rows)
         monkeypatch.setattr(linear, "burst", linear.burst)
-    with caplog.at_level(logging.INFO, logger="serving.engine.models.llama"):
+    with caplog.at_level(logging.INFO, logger="serving.engine.kernel_calibration"):
         model.prepare(40, 8)
     first = (model.linear.small_rows, model.head_linear.small_rows, model.linear.burst)
     assert "measured against oneDNN at start-up" in caplog.text
     calibration.forget()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="serving.engine.models.llama"):
+    with caplog.at_level(logging.INFO, logger="serving.engine.kernel_calibration"):
         model.prepare(40, 8)
     assert (model.linear.small_rows, model.head_linear.small_rows, model.linear.burst) == first
     assert f"at an earlier start-up here, kept in {cache}" in caplog.text

@@ -61,16 +61,16 @@ def test_greedy_matches_transformers(loaded_model, chat_prompts, hf_greedy, opti
 def test_a_step_is_padded_once_to_the_matmul_row_bucket(loaded_model, chat_prompts, hf_greedy, monkeypatch):
     """Steps that go to oneDNN run at its row bucket from the embedding on: every matmul gets a bucket's
     rows as they are (no pad of its own), and the output is still transformers' token for token."""
-    from serving.engine.models import llama
+    from serving.engine import cpu_linear
 
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear):
+    if not isinstance(model.linear, cpu_linear.CpuLinear):
         pytest.skip("the oneDNN path runs only in float32 on a CPU with oneDNN")
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "4")  # steps above 4 tokens go to oneDNN
     calibrated = model.linear.small_rows, model.head_linear.small_rows  # the shared model keeps its limits
     matmul_rows: list[int] = []
-    real_linear = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear",
+    real_linear = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear",
                         lambda x, w, b: matmul_rows.append(x.shape[0]) or real_linear(x, w, b))
     engine = make_engine(loaded_model)
     step_tokens: list[int] = []
@@ -82,8 +82,8 @@ def test_a_step_is_padded_once_to_the_matmul_row_bucket(loaded_model, chat_promp
     finally:
         model.linear.small_rows, model.head_linear.small_rows = calibrated
     assert [o.token_ids for o in outputs] == hf_greedy
-    assert any(llama.bucket_rows(n) > n for n in step_tokens if n > 4)  # some step was padded
-    assert matmul_rows and all(llama.bucket_rows(n) == n for n in matmul_rows)
+    assert any(cpu_linear.bucket_rows(n) > n for n in step_tokens if n > 4)  # some step was padded
+    assert matmul_rows and all(cpu_linear.bucket_rows(n) == n for n in matmul_rows)
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(loaded_model, chat_prompts, hf_greedy):

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine.models.llama import _onednn_linear, bucket_rows, use_onednn
+from serving.engine import cpu_linear
+from serving.engine.cpu_linear import bucket_rows, onednn_linear, use_onednn
 
 
 def test_buckets_cover_every_count_with_little_padding():
@@ -26,7 +27,7 @@ def test_a_padded_linear_returns_the_rows_asked_for(rows):
     weight, bias = torch.randn(96, 64), torch.randn(96)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     x = torch.randn(rows, 64)
-    out = _onednn_linear(x, packed, bias)
+    out = onednn_linear(x, packed, bias)
     assert out.shape == (rows, 96) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
@@ -35,16 +36,17 @@ def test_the_engine_prepares_every_bucket_at_start(monkeypatch):
     from serving.engine.models import llama
 
     seen: list[tuple[int, int]] = []
-    real = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append((x.shape[0], w.shape[0])) or real(x, w, b))
     model = llama.LlamaModel.__new__(llama.LlamaModel)
     if not use_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN is not available")
     weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 16), 64)
     model.layers = [llama.LayerWeights(input_norm=None, qkv=weight, qkv_bias=None, o=weight, post_norm=None,
                                        gate_up=weight, down=weight)]
-    model.lm_head, model.linear, model.dtype = weight, llama._onednn_linear, torch.float32
-    model.head_linear = llama._onednn_linear
+    model.lm_head, model.linear, model.dtype = weight, onednn_linear, torch.float32
+    model.head_linear = onednn_linear
+    real = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear",
+                        lambda x, w, b: seen.append((x.shape[0], w.shape[0])) or real(x, w, b))
     model.prepare(100, 20)
     rows = sorted({r for r, _ in seen})
     assert rows == sorted({bucket_rows(n) for n in range(1, 101)})

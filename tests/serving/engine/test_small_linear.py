@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine import calibration
+from serving.engine import calibration, cpu_linear, kernel_calibration
+from serving.engine.cpu_linear import SMALL_ROWS, CpuLinear, CpuWeight, bucket_rows, has_panels, use_onednn
 from serving.engine.errors import EngineError
+from serving.engine.kernel_calibration import CALIBRATION_ROWS, calibrate_burst, calibrate_small_rows, scan_rows
 from serving.engine.models import llama
 
 
@@ -22,7 +24,7 @@ def panels_of(ops, weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def dense_of(weight: llama.CpuWeight) -> torch.Tensor:
+def dense_of(weight: CpuWeight) -> torch.Tensor:
     """The ``[out, in]`` matrix that *weight*'s panels hold."""
     return weight.panels.transpose(1, 2).reshape(-1, weight.shape[1])[:weight.shape[0]]
 
@@ -73,7 +75,7 @@ def empty_cache(tmp_path, monkeypatch) -> Path:
 def panel_model(loaded_model):
     """The test model, where its linear layers keep panels for the small-batch kernel (else skipped)."""
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear) or not llama.has_panels([model.layers[0].qkv, model.lm_head]):
+    if not isinstance(model.linear, CpuLinear) or not has_panels([model.layers[0].qkv, model.lm_head]):
         pytest.skip("the model keeps no panels here")
     return model
 
@@ -100,16 +102,16 @@ def test_start_up_measures_whether_decode_prefetches_and_it_can_be_set(panel_mod
             return real(x, panels, n, bias, burst)
 
     monkeypatch.setattr(torch.ops, "inferline", Ops)
-    chosen = llama.calibrate_burst(weights)
+    chosen = calibrate_burst(weights)
     assert isinstance(chosen, bool) and asked.count(True) == asked.count(False) == 5 * len(weights)
     asked.clear()
-    assert llama.calibrate_burst(weights) == chosen and not asked  # once per process and shape
+    assert calibrate_burst(weights) == chosen and not asked  # once per process and shape
     for value, expected in (("1", True), ("0", False)):
         monkeypatch.setenv("INFERLINE_PANEL_BURST", value)
-        assert llama.calibrate_burst(weights) is expected
+        assert calibrate_burst(weights) is expected
     monkeypatch.setenv("INFERLINE_PANEL_BURST", "yes")
     with pytest.raises(EngineError, match=r"INFERLINE_PANEL_BURST must be 1 .* got 'yes'"):
-        llama.calibrate_burst(weights)
+        calibrate_burst(weights)
 
 
 def test_rows_may_be_a_slice_of_a_wider_tensor(ops):
@@ -161,14 +163,14 @@ def test_it_refuses_what_it_cannot_run(ops):
 
 def test_small_batches_take_the_kernel_and_larger_ones_onednn(loaded_model, ops, monkeypatch):
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear):
+    if not isinstance(model.linear, CpuLinear):
         pytest.skip("the model does not run on oneDNN here")
     seen: list[int] = []
-    real = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    real = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
     monkeypatch.setattr(model.linear, "small_rows", 5)
     layer = model.layers[0]
-    assert isinstance(layer.qkv, llama.CpuWeight) and layer.qkv.panels is not None
+    assert isinstance(layer.qkv, CpuWeight) and layer.qkv.panels is not None
     with torch.inference_mode():
         for rows in range(1, 7):
             x = torch.randn(rows, model.shape.hidden_size)
@@ -180,9 +182,9 @@ def test_small_batches_take_the_kernel_and_larger_ones_onednn(loaded_model, ops,
 def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
     from tests.serving.engine.model import DEVICE, MODEL
 
-    if DEVICE != "cpu" or not llama.use_onednn(torch.float32, torch.device("cpu")):
+    if DEVICE != "cpu" or not use_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN packing is a CPU float32 path")
-    monkeypatch.setattr(llama, "PANEL_COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(cpu_linear, "PANEL_COPY_MAX_BYTES", 0)
     from serving.engine.models import load_model
 
     model = load_model(str(MODEL), "float32", "cpu").model
@@ -195,14 +197,14 @@ def test_models_past_the_copy_budget_keep_only_the_packed_weights(monkeypatch):
     # Every matmul goes to oneDNN, whatever the limit: a step is padded once to its row bucket, at the
     # embedding, rather than at each matmul.
     model.linear.small_rows = 64
-    assert model._onednn_rows(17) == llama.bucket_rows(17) == 18
+    assert model._onednn_rows(17) == bucket_rows(17) == 18
 
 
 def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(panel_model, monkeypatch):
     model = panel_model
     seen: list[int] = []
-    real = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    real = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "6")  # the limit as set, not measured
     for linear in (model.linear, model.head_linear):  # restored after prepare sets them
         monkeypatch.setattr(linear, "small_rows", linear.small_rows)
@@ -210,28 +212,28 @@ def test_start_up_builds_no_onednn_kernels_for_rows_the_small_kernel_takes(panel
     model.prepare(40, 8)
     assert model.linear.small_rows == 6
     assert min(seen) == 7
-    assert sorted(set(seen)) == sorted({llama.bucket_rows(n) for n in range(7, 41)})
+    assert sorted(set(seen)) == sorted({bucket_rows(n) for n in range(7, 41)})
 
 
 def test_start_up_measures_the_small_batch_limit_on_the_model(panel_model, monkeypatch, empty_cache):
     model = panel_model
     monkeypatch.delenv("INFERLINE_SMALL_ROWS", raising=False)
     timed: list[int] = []
-    real = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: timed.append(x.shape[0]) or real(x, w, b))
+    real = kernel_calibration.onednn_linear
+    monkeypatch.setattr(kernel_calibration, "onednn_linear", lambda x, w, b: timed.append(x.shape[0]) or real(x, w, b))
     weights = llama.layer_linears(model.layers)
-    limit = llama.calibrate_small_rows(weights, 40)
-    assert limit == llama.SMALL_ROWS or limit in llama.CALIBRATION_ROWS
-    assert llama.SMALL_ROWS <= limit <= 40
-    assert set(timed) <= {r for r in llama.CALIBRATION_ROWS if llama.SMALL_ROWS < r <= 40}
+    limit = calibrate_small_rows(weights, 40)
+    assert limit == SMALL_ROWS or limit in CALIBRATION_ROWS
+    assert SMALL_ROWS <= limit <= 40
+    assert set(timed) <= {r for r in CALIBRATION_ROWS if SMALL_ROWS < r <= 40}
     assert set(timed)  # at least the first row count above SMALL_ROWS was timed
     timed.clear()
-    assert llama.calibrate_small_rows(weights, 40) == limit and not timed  # once per process and shape
+    assert calibrate_small_rows(weights, 40) == limit and not timed  # once per process and shape
     calibration.forget()  # a new process on this machine: the cache file answers, nothing is timed
-    assert llama.calibrate_small_rows(weights, 40) == limit and not timed
+    assert calibrate_small_rows(weights, 40) == limit and not timed
     monkeypatch.setenv(calibration.ENV, "off")  # measured at every start
     calibration.forget()
-    assert llama.calibrate_small_rows(weights, 40) in (llama.SMALL_ROWS, *llama.CALIBRATION_ROWS) and timed
+    assert calibrate_small_rows(weights, 40) in (SMALL_ROWS, *CALIBRATION_ROWS) and timed
 
 
 def test_the_lm_head_has_a_limit_of_its_own(panel_model, monkeypatch):
@@ -252,8 +254,8 @@ def test_the_lm_head_has_a_limit_of_its_own(panel_model, monkeypatch):
     assert asked == [(len(llama.layer_linears(model.layers)), 40), (1, 8)]
     assert (model.linear.small_rows, model.head_linear.small_rows) == (40, 2)
     seen: list[tuple[int, int]] = []
-    real = llama._onednn_linear
-    monkeypatch.setattr(llama, "_onednn_linear", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
+    real = cpu_linear.onednn_linear
+    monkeypatch.setattr(cpu_linear, "onednn_linear", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
     with torch.inference_mode():
         x = torch.randn(3, model.shape.hidden_size)
         logits = model.head_linear(x, model.lm_head, None)
@@ -272,14 +274,14 @@ def test_the_scan_keeps_the_kernel_up_to_its_first_loss():
         return time_both
 
     # A loss is timed twice before it ends the scan.
-    assert llama.scan_rows(timings(24), 512, 3) == 24 and asked == [4, 6, 8, 12, 16, 20, 24, 28, 28]
+    assert scan_rows(timings(24), 512, 3) == 24 and asked == [4, 6, 8, 12, 16, 20, 24, 28, 28]
     asked.clear()
-    assert llama.scan_rows(timings(0), 512, 3) == 3 and asked == [4, 4]  # oneDNN already wins at 4 rows
+    assert scan_rows(timings(0), 512, 3) == 3 and asked == [4, 4]  # oneDNN already wins at 4 rows
     asked.clear()
-    assert llama.scan_rows(timings(1000), 16, 3) == 16 and asked[-1] == 16  # never past the step's rows
+    assert scan_rows(timings(1000), 16, 3) == 16 and asked[-1] == 16  # never past the step's rows
     asked.clear()
-    assert llama.scan_rows(timings(1000), 512, 8) == 128 and asked[0] == 12  # starts above the default
-    tie = llama.scan_rows(lambda rows: (1.0, 1.0), 512, 3)
+    assert scan_rows(timings(1000), 512, 8) == 128 and asked[0] == 12  # starts above the default
+    tie = scan_rows(lambda rows: (1.0, 1.0), 512, 3)
     assert tie == 3  # ties keep oneDNN
 
 
@@ -295,40 +297,40 @@ def test_a_burst_on_one_pass_or_a_tie_does_not_end_the_scan():
             return 3.0, 1.0  # other work on the machine during this pass: timed again, ours wins
         return (1.0, 2.0) if rows <= 40 else (1.2, 1.0)
 
-    assert llama.scan_rows(time_both, 512, 4) == 40
+    assert scan_rows(time_both, 512, 4) == 40
     assert asked == [6, 8, 12, 12, 16, 20, 24, 28, 32, 40, 48, 48]
     asked.clear()
     # A tie at the end is not kept either: the last clear win is the limit.
-    assert llama.scan_rows(lambda rows: (asked.append(rows), (1.0, 2.0) if rows <= 8 else (1.04, 1.0))[1],
+    assert scan_rows(lambda rows: (asked.append(rows), (1.0, 2.0) if rows <= 8 else (1.04, 1.0))[1],
                            16, 3) == 8 and asked == [4, 6, 8, 12, 16]
 
 
 def test_the_limit_can_be_set(loaded_model, monkeypatch):
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "0")
-    assert llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 0
+    assert calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 0
     monkeypatch.setenv("INFERLINE_SMALL_ROWS", "12")
-    assert llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 12
+    assert calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512) == 12
     for bad in ("twelve", "-1", "1.5"):
         monkeypatch.setenv("INFERLINE_SMALL_ROWS", bad)
         with pytest.raises(EngineError, match=f"INFERLINE_SMALL_ROWS must be a whole number.*{re.escape(repr(bad))}"):
-            llama.calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512)
+            calibrate_small_rows(llama.layer_linears(loaded_model.model.layers), 512)
 
 
 def test_weights_without_panels_keep_the_default():
-    packed_only = llama.CpuWeight(torch.zeros(4, 4), None)
+    packed_only = CpuWeight(torch.zeros(4, 4), None)
     layer = llama.LayerWeights(torch.ones(4), packed_only, None, packed_only, torch.ones(4), packed_only,
                                packed_only)
-    assert llama._scan_small_rows(llama.layer_linears([layer]), 512, 3) == 3
+    assert kernel_calibration._scan_small_rows(llama.layer_linears([layer]), 512, 3) == 3
 
 
 @pytest.mark.parametrize(("flags", "rows"), [("flags\t: fpu sse avx2 fma avx512f avx512bw", 3),
                                              ("flags\t: fpu sse avx2 fma", 8)])
 def test_the_small_batch_limit_follows_the_vector_unit(monkeypatch, flags, rows):
-    # oneDNN's AVX-512 kernels win from 4 rows on; without AVX-512 ours stays ahead to 8 (llama._small_rows).
+    # oneDNN's AVX-512 kernels win from 4 rows on; without AVX-512 ours stays ahead to 8 (cpu_linear._small_rows).
     from serving.engine import kernels
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
-    assert llama._small_rows() == rows
+    assert cpu_linear._small_rows() == rows
 
 
 def test_a_profile_records_the_row_limits_its_engine_measured(loaded_model):
@@ -336,7 +338,7 @@ def test_a_profile_records_the_row_limits_its_engine_measured(loaded_model):
     from serving.capacity.step_profile import small_rows_of
 
     model = loaded_model.model
-    if not isinstance(model.linear, llama.CpuLinear):
+    if not isinstance(model.linear, CpuLinear):
         pytest.skip("the model does not run on oneDNN here")
     assert small_rows_of(model) == {"small_rows": model.linear.small_rows,
                                     "head_small_rows": model.head_linear.small_rows}
