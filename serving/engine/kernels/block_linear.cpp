@@ -215,10 +215,11 @@ constexpr int PV = 3, PR = NREGS == 32 ? 8 : 4;
 constexpr int64_t PK = 128, PW = PV * G;
 constexpr int64_t WIDE_ROWS = 8;
 
-// buf[i, v * G + lane] = W[output (g0 + v) * G + lane, k0 + i] for i < PK (k0 a multiple of 32).
+// buf[i, v * G + lane] = W[output (g0 + v) * G + lane, k0 + i] for i < min(PK, k - k0) (k0 a multiple of 32);
+// the blocks past k are never read: the last group's would lie past the end of the packed weights.
 template <int64_t F>
 inline void widen_panel(const Job& job, int64_t g0, int64_t k0, float* buf) {
-  const int64_t groups = (job.n + G - 1) / G, blocks = job.k / QK;
+  const int64_t groups = (job.n + G - 1) / G, blocks = job.k / QK, last = std::min(k0 + PK, job.k) / QK;
   constexpr int64_t GB = G * block_bytes(F), HB = G * header_bytes(F);
   for (int v = 0; v < PV; v++) {
     float* col = buf + v * G;
@@ -227,7 +228,7 @@ inline void widen_panel(const Job& job, int64_t g0, int64_t k0, float* buf) {
       continue;
     }
     const uint8_t* group = job.packed + (g0 + v) * blocks * GB;
-    for (int64_t b = k0 / QK; b < (k0 + PK) / QK; b++) {
+    for (int64_t b = k0 / QK; b < last; b++) {
       const uint8_t* gb = group + b * GB;
       const uint8_t* q = gb + HB;
       const vn d = halves(gb);
@@ -283,7 +284,7 @@ void wide_chunk(const Job& job, int64_t panel) {
   const int64_t g0 = panel * PV;
   for (int64_t k0 = 0; k0 < job.k; k0 += PK) {
     const int64_t kc = std::min(PK, job.k - k0);
-    widen_panel<F>(job, g0, k0, buf);  // kc is a multiple of 32: the tail of buf is left unread
+    widen_panel<F>(job, g0, k0, buf);  // the first kc rows of buf: the tail is neither written nor read
     for (int64_t m = 0; m < job.rows; m += PR)
       panel_any(static_cast<int>(std::min<int64_t>(PR, job.rows - m)), job.x + m * job.x_stride + k0, job.x_stride,
                 buf, kc, tile.data() + m * PW, k0 == 0);

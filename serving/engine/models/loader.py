@@ -133,13 +133,13 @@ def gguf_config_and_tokenizer(path: Path) -> tuple[object, PreTrainedTokenizerBa
             config = AutoConfig.from_pretrained(cached, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
             config._name_or_path = tokenizer.name_or_path = str(path.parent)  # as parsed from the file
-            return config, tokenizer
+            return config, _with_special_tokens(config, tokenizer)
         except (OSError, ValueError) as exc:
             logger.warning("the cached config and tokenizer of %s in %s cannot be read (%s); parsing the file",
                            path, cached, exc)
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     config = AutoConfig.from_pretrained(path.parent, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    tokenizer = _with_special_tokens(config, AutoTokenizer.from_pretrained(path.parent, **kwargs))
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".partial-"))
@@ -237,4 +237,16 @@ def _from_gguf(path: Path, dtype: torch.dtype):
     tokenizer.chat_template = tokenizer.chat_template or chat_template(path)  # transformers leaves it out
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kwargs)
     state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
-    return hf_model.config, tokenizer, state
+    return hf_model.config, _with_special_tokens(hf_model.config, tokenizer), state
+
+
+def _with_special_tokens(config, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """*tokenizer* with the end- and start-of-sequence tokens the file's config names: transformers' GGUF
+    tokenizer leaves them unset, and constrained decoding (the grammar's end) needs ``eos_token_id``."""
+    for role in ("eos", "bos"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, list):
+            token_id = token_id[0] if token_id else None
+        if getattr(tokenizer, f"{role}_token_id") is None and token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer

@@ -276,6 +276,16 @@ def test_dtype_auto_keeps_a_gguf_files_blocks_on_a_cpu(monkeypatch, caplog):
     assert fallback.dtype == "float32" and "INFERLINE_KERNELS=0" in caplog.text
 
 
+def test_the_default_config_serves_the_gguf_in_its_blocks():
+    # `make run` serves the bundled GGUF as it is (a twelfth of the float32 folder's memory), not the folder.
+    from pipeline.loader import load_server
+    from serving.backends import engine_config as module
+
+    smol = load_server(ROOT / "inferline.yaml").models["smol"]
+    assert smol.source.endswith(".gguf") and (ROOT / smol.source).is_file()
+    assert module.engine_config(smol, ROOT).dtype == "gguf"
+
+
 def test_dtype_gguf_needs_a_gguf_source():
     with pytest.raises(ValueError, match=r"give source: a \.gguf file"):
         ModelSpec(source="models/smollm2-135m-instruct", dtype="gguf")

@@ -283,6 +283,55 @@ def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_from_the_ca
     assert json.loads((entry / "tokenizer.json").read_text())  # rewritten
 
 
+def test_a_gguf_tokenizer_knows_its_end_of_sequence_token_as_the_folders_does(tmp_path, monkeypatch):
+    # transformers' GGUF tokenizer leaves eos/bos unset; constrained decoding needs eos_token_id (a JSON
+    # schema or a forced tool call on the default GGUF model failed: "the tokenizer has no eos_token_id").
+    from transformers import AutoTokenizer
+
+    from serving.engine.models import loader
+
+    monkeypatch.setenv("INFERLINE_GGUF_CACHE", str(tmp_path / "cache"))
+    folder = AutoTokenizer.from_pretrained(GGUF_MODEL.parent, local_files_only=True)
+    for _ in ("parsed", "cached"):
+        _, tokenizer = loader.gguf_config_and_tokenizer(GGUF_MODEL)
+        assert (tokenizer.eos_token_id, tokenizer.eos_token) == (folder.eos_token_id, folder.eos_token)
+        assert tokenizer.bos_token_id == folder.bos_token_id
+
+
+GUARDED_READS = """
+import ctypes, mmap
+import numpy as np, torch
+from serving.engine.kernels import cpu_ops
+ops, page = cpu_ops(), mmap.PAGESIZE
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+for fmt, nbytes in ((3, 20), (2, 18), (8, 34)):
+    for n, k in ((40, 96), (24, 576), (16, 160), (8, 32)):
+        packed = ops.block_pack(torch.randint(0, 256, (n, k // 32 * nbytes), dtype=torch.uint8), fmt, k)
+        pages = -(-packed.numel() // page) + 1
+        area = mmap.mmap(-1, pages * page)
+        assert libc.mprotect(ctypes.addressof(ctypes.c_char.from_buffer(area)) + (pages - 1) * page, page, 0) == 0
+        ends_at_guard = torch.from_numpy(np.frombuffer(area, np.uint8, packed.numel(),
+                                                       (pages - 1) * page - packed.numel())).view(packed.shape)
+        ends_at_guard.copy_(packed)
+        for rows in (1, 4, 8, 9, 33):
+            ops.block_linear(torch.randn(rows, k), ends_at_guard, fmt, n, k, None)
+"""
+
+
+def test_the_kernel_reads_nothing_past_the_packed_weights():
+    # Prefill (over 8 rows) widened 128 positions at a time and read the blocks past k of a k that is not a
+    # multiple of 128 (SmolLM2's 576): past the end of the last group, a segfault when the weights ended at a
+    # page boundary (the default GGUF server crashed now and then). Here the weights end right before a page
+    # that may not be read; in a child process, so that a read past them fails this test, not the run.
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", GUARDED_READS], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).parents[3])
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
 def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(64))
