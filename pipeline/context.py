@@ -207,6 +207,8 @@ class Facts(TypedDict, total=False):
     policy: list[dict[str, Any]]
     #: policy: the input before redaction, and the input as redacted.
     original_input: str
+    #: policy: the client's messages as sent, when its input rails changed any (the audit record's chat).
+    original_messages: list[ChatMessage]
     redacted_input: str
     #: stream: the output as sent, redacted by an output filter.
     redacted_output: str

@@ -7,7 +7,8 @@ requests are recorded too)::
       type: audit
       always: true
       with:
-        content: hash        # full | redacted | hash (SHA-256 only; the default)
+        content: hash        # full | redacted | hash (SHA-256 only; the default) | encrypted
+        subject: key         # content: encrypted: whose data key (key | tenant | tags.NAME); erasable per subject
         retention_days: 365  # how long `inferline audit prune` keeps this pipeline's records
 
 ``redacted`` stores the text a policy stage redacted (``facts["redacted_input"]``)
@@ -16,7 +17,12 @@ its PII redacted here); it falls back to ``hash`` when no policy stage redacted
 the input. An embeddings request's content is its list of texts (JSON), with no output: never
 the vectors. A request for ``n`` answers keeps them all: its output content is
 the JSON list of their texts, in index order (hashed, redacted or encrypted as
-one text), and ``params.n`` says how many. The record
+one text), and ``params.n`` says how many. A chat of several turns keeps them all: its input content
+is the JSON list of its ``{"role", "content"}`` turns, and ``params.turns`` says how many. The request's
+tags (the end user that OpenAI's ``user``
+or Anthropic's ``metadata.user_id`` names is the ``user`` tag) are kept as its content is: as sent,
+redacted, each value hashed, or encrypted with the content; with ``encrypted`` the record names its
+subject only by a keyed hash, which the sink computes (``subject_hash``). The record
 goes to the server's audit sink, which writes it durably (database, or a local
 spool file while the database is away) and chains it into the tamper-evident log.
 """
@@ -31,7 +37,7 @@ from typing import Any, Literal, cast
 
 from pydantic import Field
 
-from pipeline.context import RequestContext
+from pipeline.context import ChatMessage, RequestContext, chat_turns
 from pipeline.errors import BackendError, InferlineError
 from pipeline.stage import NoConfig, Stage, StageScope
 from stages.detectors import Redactor, find_pii
@@ -91,7 +97,7 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
                                                                                    for p in policy} - {""})),
         "status": _STATUS.get(ctx.status, ctx.status), "finish_reason": ctx.finish_reason or None,
         "error_type": _error_type(ctx.error), "content_mode": mode,
-        "input_content": input_text, "output_content": output_text,
+        "input_content": input_text, "output_content": output_text, "tags": tags_content(ctx.tags, mode),
         "stages": [{"stage_id": s.id, "type": s.type, "status": s.status, "duration_ms": s.duration_s * 1e3,
                     "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id)}
                    for s in ctx.stages] + _shadow_stage(ctx),
@@ -99,11 +105,27 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
 
 
 def _params(ctx: RequestContext) -> dict[str, Any]:
-    """The sampling the request was generated with, and the end user it names (``user``), if any."""
-    params = dict(ctx.facts.get("sampling", {}))
-    if ctx.tags.get("user"):
-        params["user"] = ctx.tags["user"]
-    return params
+    """The sampling the request was generated with (the end user it names is a tag, kept with the tags), and
+    for a chat of several turns their number (its content is then the chat: :func:`_sent_input`)."""
+    turns = {"turns": len(ctx.input_messages)} if len(ctx.input_messages) > 1 and "input_texts" not in ctx.facts \
+        else {}
+    return dict(ctx.facts.get("sampling", {})) | turns
+
+
+def tags_content(tags: dict[str, str], mode: str) -> str | None:
+    """The request's *tags* as the record keeps them under content *mode*, as JSON text (None without tags):
+    as sent with ``full`` and ``encrypted`` (the sink encrypts them with the content), each value's SHA-256
+    with ``hash``, each value with its PII redacted with ``redacted``."""
+    if not tags:
+        return None
+    if mode == "hash":
+        shown = {name: _sha256(value) for name, value in tags.items()}
+    elif mode == "redacted":
+        redactor = Redactor()  # one for all: a value in two tags gets one placeholder
+        shown = {name: redactor.redact(value, find_pii(value)) for name, value in tags.items()}
+    else:
+        shown = dict(tags)
+    return json.dumps(shown, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
@@ -123,14 +145,25 @@ def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:
     if "input_texts" in ctx.facts:
         return _texts_content(ctx, mode)
     redacted = ctx.facts.get("redacted_input")
+    sent = _sent_input(ctx, ctx.facts.get("original_messages", ctx.input_messages),
+                       ctx.facts.get("original_input", ctx.input))
     if mode in ("full", "encrypted"):  # what the client sent, before any policy redaction (the sink encrypts)
-        return mode, ctx.facts.get("original_input", ctx.input), output_content(ctx)
+        return mode, sent, output_content(ctx)
     if mode == "redacted" and redacted is not None:
         output = ctx.facts.get("redacted_output")
         if output is None:  # no output rails redacted the answer: redact its PII here
             output = output_content(ctx, lambda text: Redactor().redact(text, find_pii(text)))
-        return "redacted", redacted, output
-    return "hash", _sha256(ctx.facts.get("original_input", ctx.input)), _sha256(output_content(ctx))
+        return "redacted", _sent_input(ctx, ctx.input_messages, redacted), output
+    return "hash", _sha256(sent), _sha256(output_content(ctx))
+
+
+def _sent_input(ctx: RequestContext, messages: list[ChatMessage], last_user: str) -> str:
+    """The input as the record keeps it: the last user message's text, or, for a chat of several turns
+    (``params.turns`` says how many), the JSON list of its ``{"role", "content"}`` turns: what replay sends
+    again."""
+    if len(ctx.input_messages) < 2:
+        return last_user
+    return json.dumps(chat_turns(messages), ensure_ascii=False)
 
 
 def output_content(ctx: RequestContext, shown: Callable[[str], str] = str) -> str:

@@ -276,6 +276,7 @@ class PolicyStage(Stage):
         changed = messages != ctx.input_messages
         if changed:
             ctx.facts["original_input"] = ctx.input
+            ctx.facts["original_messages"] = ctx.input_messages
             ctx.input_messages = messages
         if changed or "redact" in self._input.pii_actions.values():
             ctx.facts["redacted_input"] = ctx.input

@@ -49,11 +49,13 @@ class AuditStore:
     def __init__(self, engine: sa.Engine, *, spool_path: Path,
                  mode: Literal["best_effort", "required"] = "best_effort",
                  checkpoint_key: bytes | Signer | None = None, checkpoint_every: int = 1000,
-                 public_keys: Sequence[bytes | str] = (), vault: ContentVault | None = None) -> None:
+                 public_keys: Sequence[bytes | str] = (), vault: ContentVault | None = None,
+                 checkpoint_window_s: float | None = None) -> None:
         self.writer = AuditWriter(engine, spool_path=spool_path, mode=mode, checkpoint_key=checkpoint_key,
                                   checkpoint_every=checkpoint_every)
         self.reader = AuditReader(engine, checkpoint_key=None if checkpoint_key is None else
-                                  Verifier.for_signer(as_signer(checkpoint_key), public_keys), vault=vault)
+                                  Verifier.for_signer(as_signer(checkpoint_key), public_keys), vault=vault,
+                                  checkpoint_window_s=checkpoint_window_s)
         #: Encrypts and decrypts ``content: encrypted`` (None: no ``audit.master_key``).
         self.vault = vault
         self.maintenance = AuditMaintenance.for_writer(self.writer)
@@ -110,6 +112,10 @@ class AuditStore:
     def checkpoint(self) -> dict[str, Any] | None:
         """:meth:`AuditWriter.checkpoint`."""
         return self.writer.checkpoint()
+
+    def cover_head(self) -> int | None:
+        """:meth:`AuditWriter.cover_head`."""
+        return self.writer.cover_head()
 
     def close(self) -> None:
         """:meth:`AuditWriter.close` (the reader and maintenance hold no connection between calls)."""

@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from store.audit_chain import utc_text
 from store.audit_models import AuditChainHead, AuditCheckpoint, AuditRecord
 from store.audit_signing import Signer, Verifier
+from store.audit_verify import Tail, tail_after
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,15 @@ class Anchors:
         self.engine = engine
         self.folder = folder
         self.signer = signer
+        self._last: tuple[int, str] | None = None  # the newest digest this object wrote or found
+
+    def _newest(self) -> tuple[int, str]:
+        # A listing reads every name in the folder, one more per checkpoint (every few seconds): it is done
+        # again only once the digest last seen has gone. Digests another process added since are met as
+        # files already there, and taken as they are.
+        if self._last is not None and (self._last[0] == 0 or (self.folder / digest_name(self._last[0])).exists()):
+            return self._last
+        return self.last()
 
     def last(self) -> tuple[int, str]:
         """The seq of the newest digest in the folder and the SHA-256 of its file; (0, GENESIS) for none."""
@@ -97,7 +107,7 @@ class Anchors:
         """A digest file for each checkpoint after the newest digest (up to *limit*); OSError when the
         folder cannot be written (the next call retries)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        last_seq, last_sha = self.last()
+        last_seq, last_sha = self._newest()
         delivery = Delivery()
         with self.engine.connect() as conn:
             if last_seq:
@@ -128,6 +138,7 @@ class Anchors:
                 staged.unlink(missing_ok=True)
             delivery.written.append(digest)
             last_seq, last_sha = checkpoint["seq"], hashlib.sha256(data).hexdigest()
+        self._last = last_seq, last_sha
         return delivery
 
 
@@ -165,16 +176,22 @@ class AnchorReport:
     findings: list[AnchorFinding]
     #: Digests no key given could check.
     unchecked: int = 0
+    #: The records after the newest digest: not anchored yet.
+    unanchored: Tail | None = None
 
 
 def verify_anchors(engine: sa.Engine, folder: Path, verifier: Verifier | None,
-                   now: datetime | None = None) -> AnchorReport:
+                   now: datetime | None = None, window_s: float | None = None) -> AnchorReport:
     """The digests in *folder* checked against each other (signatures, the chain of digests) and the
-    database against them (every digested head still there, unchanged)."""
+    database against them (every digested head still there, unchanged). *window_s*: how soon a digest
+    follows a record (the server's ``checkpoint_every_s + anchors.every_s``): a checkpoint older than that
+    without a digest is ``digest_missing`` (without it, one older than :data:`UNDELIVERED_GRACE`)."""
     findings: list[AnchorFinding] = []
     digests, unchecked = _read_digests(folder, verifier, findings)
+    anchored = digests[-1]["seq"] if digests else 0
     with engine.connect() as conn:
         head_seq = conn.scalar(sa.select(AuditChainHead.seq)) or 0
+        unanchored = tail_after(conn, anchored, head_seq)
         seqs = [d["seq"] for d in digests]
         held = dict(conn.execute(sa.select(AuditRecord.seq, AuditRecord.hash).where(AuditRecord.seq.in_(seqs)))
                     .all()) if seqs else {}
@@ -209,15 +226,14 @@ def verify_anchors(engine: sa.Engine, folder: Path, verifier: Verifier | None,
         elif seq not in checkpoints:
             findings.append(AnchorFinding("checkpoint_removed", seq, f"the checkpoint at seq {seq} is gone from the "
                                                                      "database; its digest keeps it"))
-    anchored = digests[-1]["seq"] if digests else 0
-    grace = (now or datetime.now(UTC)) - UNDELIVERED_GRACE
+    grace = (now or datetime.now(UTC)) - (UNDELIVERED_GRACE if window_s is None else timedelta(seconds=window_s))
     digested = set(seqs)
     for seq, created in sorted(checkpoints.items()):
         if seq not in digested and (seq < anchored or _aware(created) < grace):
             findings.append(AnchorFinding("digest_missing", seq, (
                 f"the checkpoint at seq {seq} (made {utc_text(_aware(created))}) has no digest: it was never "
                 "delivered, or its digest file was removed")))
-    return AnchorReport(not findings, len(digests), anchored, findings, unchecked)
+    return AnchorReport(not findings, len(digests), anchored, findings, unchecked, unanchored)
 
 
 def _read_digests(folder: Path, verifier: Verifier | None,

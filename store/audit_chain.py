@@ -27,8 +27,12 @@ HASHED_COLUMNS = (
     "key_id", "role", "client_addr", "pipeline", "pipeline_version", "spec_sha256", "model", "weights_hash",
     "params", "input_tokens", "output_tokens", "cost_usd", "route", "retrieval", "policy", "policy_action",
     "policy_categories", "status", "finish_reason", "http_status", "error_type", "content_mode",
-    "input_content", "output_content", "request_id", "trace_id", "pruned",
+    "input_content", "output_content", "request_id", "trace_id", "pruned", "tags", "subject_hash",
 )
+#: Columns added after records were first chained: left out of the canonical form while NULL, so that a
+#: record chained before them hashes as it did.
+_LATER_COLUMNS = ("tags", "subject_hash")
+_FIRST_COLUMNS = tuple(name for name in HASHED_COLUMNS if name not in _LATER_COLUMNS)
 STAGE_COLUMNS = ("stage_id", "type", "status", "duration_ms", "cost_usd", "decision")
 _STAGE_KEYS = frozenset(STAGE_COLUMNS)
 _ROW_KEYS = frozenset((*HASHED_COLUMNS, "hash", "legal_hold"))
@@ -38,7 +42,7 @@ _INTS = ("input_tokens", "output_tokens", "http_status")
 _JSONS = ("params", "route", "retrieval", "policy", "pruned")
 _STRINGS = ("key_id", "role", "client_addr", "pipeline", "pipeline_version", "spec_sha256", "model",
             "weights_hash", "policy_action", "policy_categories", "status", "finish_reason", "error_type",
-            "content_mode", "input_content", "output_content", "request_id", "trace_id")
+            "content_mode", "input_content", "output_content", "request_id", "trace_id", "tags", "subject_hash")
 _NOT_NULL_STRINGS = {"pipeline": "", "pipeline_version": "", "spec_sha256": "", "policy_categories": "",
                      "input_content": "", "output_content": ""}
 #: What a writer may pass: the columns it owns, plus ``stages``. seq, hashes and holds are the store's.
@@ -102,7 +106,11 @@ def canonical(row: Mapping[str, Any], stages: Sequence[Mapping[str, Any]]) -> st
         body = dict(row)
         del body["hash"], body["legal_hold"]
     else:
-        body = {name: row[name] for name in HASHED_COLUMNS}
+        body = {name: row[name] for name in _FIRST_COLUMNS}
+        body.update((name, row.get(name)) for name in _LATER_COLUMNS)
+    for name in _LATER_COLUMNS:
+        if body[name] is None:
+            del body[name]
     for name in _DATETIMES:
         if isinstance(body[name], datetime):  # verify may pass the text already formatted
             body[name] = utc_text(body[name])

@@ -33,6 +33,8 @@ FILTER_FIELDS: dict[str, str] = {
     "finish_reason": "why generation stopped (stop, length, ...)",
     "min_cost_usd": "cost in USD at least this (a finite number, 0 or more)",
     "text": "case-insensitive substring of the stored input or output",
+    "subject": "the records of one subject of content: encrypted (key:ID, tenant:NAME or tags.FIELD:VALUE), "
+               "found by its keyed hash (needs audit.master_key)",
 }
 #: The filters that make sense for chain verification: a time range.
 RANGE_FIELDS = ("since", "until")
@@ -40,6 +42,15 @@ TIME_HELP = "ISO 8601 (2026-12-05, 2026-12-05T09:30, with an offset or taken as 
             "today, yesterday, now)"
 _RELATIVE = re.compile(r"(\d{1,6})\s*([mhdw])")
 _UNITS = {"m": timedelta(minutes=1), "h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
+
+
+@dataclass(frozen=True, slots=True)
+class SubjectMatch:
+    """What finds a subject's records without its name: the keyed hash they keep (``subject_hash``), and the
+    ids of its data keys, which name the content of records chained before records kept that hash."""
+
+    subject_hash: str
+    key_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +72,14 @@ class AuditFilters:
     """Case-insensitive substring of input_content or output_content (wildcards are literal)."""
     kind: str | None = "record"
     """``record`` (requests), ``prune`` (prune markers), or None for both."""
+    subject: str | None = None
+    """A subject of ``content: encrypted``, as erasure names it; selecting it needs :attr:`subject_match`."""
+    subject_match: SubjectMatch | None = None
+    """How :attr:`subject`'s records are found, which takes the master key: the reader sets it."""
 
     def given(self) -> dict[str, str | float]:
-        """The filters that are set, as JSON-able values (times in ISO 8601), for the access log."""
+        """The filters that are set, as JSON-able values (times in ISO 8601), for the access log (which keeps a
+        ``subject`` as its keyed hash only: AuditReader.log_access)."""
         return {name: (value.isoformat() if isinstance(value, datetime) else value)
                 for name in FILTER_FIELDS if (value := getattr(self, name)) is not None}
 

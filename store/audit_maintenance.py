@@ -22,11 +22,13 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from store.audit_chain import normalize
+from store.audit_filters import SubjectMatch
 from store.audit_locking_append import LockingAppender, lock_head
 from store.audit_models import AuditRecord
 from store.audit_prune import PruneReport, prune_in
+from store.audit_query import of_subject
 from store.audit_signing import Signer
-from store.audit_vault import PREFIX, ContentVault, subject_id
+from store.audit_vault import ContentVault
 from store.audit_writer import AuditWriter
 from store.db import utcnow
 
@@ -35,6 +37,7 @@ __all__ = ["AuditMaintenance", "ErasureReport", "PruneReport"]
 
 @dataclass(frozen=True, slots=True)
 class ErasureReport:
+    #: The subject's keyed hash (ContentVault.subject_hash), as the erasure record names it.
     subject_id: str
     records: int
     keys_destroyed: int
@@ -80,8 +83,9 @@ class AuditMaintenance:
         return changed
 
     def erase(self, vault: ContentVault, subject: str, by: str, now: datetime | None = None) -> ErasureReport:
-        """Crypto-shred *subject*: destroy its data keys, so that the content of its encrypted records can
-        no longer be read, and chain an erasure record (who, when, which subject, how many records). The
+        """Crypto-shred *subject*: destroy its data keys, so that the content and tags of its encrypted records
+        can no longer be read, and chain an erasure record (who, when, the subject's keyed hash, how many
+        records; its records are found by that hash, or, chained before records kept it, by key). The
         records and their hashes stay: the chain still verifies. ValueError when the subject has no
         encrypted content, or when any of its records is on legal hold (then nothing is erased)."""
         now = now or utcnow()
@@ -89,19 +93,17 @@ class AuditMaintenance:
         if not key_ids:
             raise ValueError("no encrypted audit content names this subject (check its form: key:ID, "
                              "tenant:NAME or tags.FIELD:VALUE)")
-        c = _records.c
-        of_subject = sa.or_(*(c.input_content.startswith(f"{PREFIX}{key_id}:", autoescape=True)
-                              for key_id in key_ids))
+        c, sid = _records.c, vault.subject_hash(subject)
+        subject_records = of_subject(SubjectMatch(sid, tuple(key_ids)))
         with self._chain.lock, self.engine.begin() as conn:
             lock_head(conn, 0)
-            count = conn.scalar(sa.select(sa.func.count()).select_from(_records).where(of_subject)) or 0
+            count = conn.scalar(sa.select(sa.func.count()).select_from(_records).where(subject_records)) or 0
             held = conn.scalar(sa.select(sa.func.count()).select_from(_records).where(
-                of_subject, c.legal_hold.is_(True))) or 0
+                subject_records, c.legal_hold.is_(True))) or 0
             if held:
                 raise ValueError(f"{held} of this subject's {count} record(s) are on legal hold: release the hold "
                                  "first (inferline audit hold --release); nothing was erased")
             destroyed = vault.erase(subject, by, conn)
-            sid = subject_id(subject)
             message = (f"erase subject {sid[:16]}: the content of {count} record(s) made unreadable "
                        f"({len(destroyed)} data key(s) destroyed) by {by}")
             row, stages = normalize({

@@ -70,7 +70,7 @@ class AuditRecord(Base):
     weights_hash: Mapped[str | None] = mapped_column(sa.String(64))
     """Hash of the model weights that answered, so an answer can be tied to exact weights."""
     params: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
-    """Sampling parameters: temperature, top_p, max_tokens, seed."""
+    """Sampling parameters: temperature, top_p, max_tokens, seed, n (the end user is a tag: ``tags``)."""
     input_tokens: Mapped[int] = mapped_column(sa.Integer)
     output_tokens: Mapped[int] = mapped_column(sa.Integer)
     cost_usd: Mapped[float] = mapped_column(sa.Float, index=True)
@@ -98,6 +98,12 @@ class AuditRecord(Base):
     """Prune markers only: the seq ranges deleted and the hashes that link over each range."""
     legal_hold: Mapped[bool] = mapped_column(sa.Boolean)
     """Kept by prune whatever its age; outside the hash, so that holds can change."""
+    tags: Mapped[str | None] = mapped_column(sa.Text)
+    """The request's tags as JSON text, kept as its content is: as sent (``full``), redacted, each value's
+    SHA-256 (``hash``), or encrypted with the content (``encrypted``); NULL when it sent none."""
+    subject_hash: Mapped[str | None] = mapped_column(sa.String(64), index=True)
+    """``content: encrypted`` only: the keyed hash of the subject (store/audit_vault.py), by which erasure and
+    the subject filter find its records; never the subject itself."""
 
 
 class AuditStage(Base):

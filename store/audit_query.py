@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import csv
 import io
 import json
@@ -20,8 +21,9 @@ from typing import Any, Literal
 import sqlalchemy as sa
 
 from store.audit_chain import STAGE_COLUMNS, row_to_dict
-from store.audit_filters import AuditFilters, parse_cost
+from store.audit_filters import AuditFilters, SubjectMatch, parse_cost
 from store.audit_models import AuditRecord, AuditStage
+from store.audit_vault import PREFIX
 from store.keys import ApiKey
 
 MAX_LIMIT = 500
@@ -68,7 +70,18 @@ def conditions(filters: AuditFilters) -> list[sa.ColumnElement[bool]]:
         text = _text(filters.text)
         where.append(sa.or_(c.input_content.icontains(text, autoescape=True),
                             c.output_content.icontains(text, autoescape=True)))
+    if filters.subject is not None:
+        if filters.subject_match is None:
+            raise ValueError("subject: its records are found by its keyed hash, which needs audit.master_key")
+        where.append(of_subject(filters.subject_match))
     return where
+
+
+def of_subject(match: SubjectMatch) -> sa.ColumnElement[bool]:
+    """The records of a subject: those that keep its keyed hash, and those encrypted under its data keys."""
+    c = _records.c
+    return sa.or_(c.subject_hash == match.subject_hash,
+                  *(c.input_content.startswith(f"{PREFIX}{key_id}:", autoescape=True) for key_id in match.key_ids))
 
 
 def query_page(conn: sa.Connection, filters: AuditFilters, sort: str, cursor: str | None, limit: int) -> Page:
@@ -89,7 +102,7 @@ def query_page(conn: sa.Connection, filters: AuditFilters, sort: str, cursor: st
     order = (column.desc(), seq.desc()) if descending else (column.asc(), seq.asc())
     rows = [dict(row) for row in conn.execute(statement.order_by(*order).limit(limit + 1)).mappings()]
     next_cursor = _encode_cursor(sort, rows[limit - 1][name], rows[limit - 1]["seq"]) if len(rows) > limit else None
-    return Page([row_to_dict(row) for row in rows[:limit]], next_cursor)
+    return Page([shown(row_to_dict(row)) for row in rows[:limit]], next_cursor)
 
 
 def parse_sort(sort: str) -> tuple[str, bool]:
@@ -134,7 +147,7 @@ def export_lines(engine: sa.Engine, filters: AuditFilters, fmt: Literal["jsonl",
             statement = (sa.select(_records, _KEY_NAME).select_from(_WITH_KEY)
                          .where(*conditions(filters), _records.c.seq > after)
                          .order_by(_records.c.seq).limit(EXPORT_BATCH))
-            rows = [row_to_dict(dict(row)) for row in conn.execute(statement).mappings()]
+            rows = [shown(row_to_dict(dict(row))) for row in conn.execute(statement).mappings()]
             stages = stages_of(conn, [row["id"] for row in rows])
         if not rows:
             return
@@ -150,9 +163,19 @@ def get_record(conn: sa.Connection, record_id: str) -> dict[str, Any] | None:
     row = conn.execute(statement).mappings().first()
     if row is None:
         return None
-    found = row_to_dict(dict(row))
+    found = shown(row_to_dict(dict(row)))
     found["stages"] = stages_of(conn, [record_id]).get(record_id, [])
     return found
+
+
+def shown(record: dict[str, Any]) -> dict[str, Any]:
+    """*record* as reviewers read it: its ``tags`` as an object (they are stored as JSON text), or, encrypted,
+    the ciphertext (which the reader's ``reveal`` decrypts)."""
+    tags = record.get("tags")
+    if isinstance(tags, str) and not tags.startswith(PREFIX):
+        with contextlib.suppress(ValueError):  # not JSON (written by hand): shown as stored
+            record["tags"] = json.loads(tags)
+    return record
 
 
 def stages_of(conn: sa.Connection, record_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:

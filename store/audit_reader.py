@@ -15,7 +15,9 @@ written by whoever serves that read, and is a plain row outside the chain
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +26,7 @@ import sqlalchemy as sa
 
 from store.audit_access import AccessFilters, access_page
 from store.audit_chain import row_to_dict
-from store.audit_filters import AuditFilters
+from store.audit_filters import AuditFilters, SubjectMatch
 from store.audit_models import AuditAccess
 from store.audit_query import Page, export_lines, get_record, query_page, summarize
 from store.audit_report import build_report
@@ -40,15 +42,17 @@ class AuditReader:
     """Queries, summarizes, exports and verifies the audit log; keeps the log of who read it. Thread-safe."""
 
     def __init__(self, engine: sa.Engine, *, checkpoint_key: bytes | Verifier | None = None,
-                 vault: ContentVault | None = None) -> None:
+                 vault: ContentVault | None = None, checkpoint_window_s: float | None = None) -> None:
         self.engine = engine
         self._verifier = as_verifier(checkpoint_key)
+        #: How soon a signed checkpoint follows a record: verify reports records uncovered for longer.
+        self.checkpoint_window_s = checkpoint_window_s
         #: Decrypts ``content: encrypted`` for :meth:`reveal` (the server's ``audit.master_key``).
         self.vault = vault
 
     def reveal(self, record: dict[str, Any], key_id: str | None, role: str | None) -> dict[str, Any]:
         """*record* with its encrypted content decrypted beside the stored ciphertext (``decrypted``:
-        ``{"input", "output"}``, or ``content_erased: true`` once its subject was erased); the read is
+        ``{"input", "output", "tags"}``, or ``content_erased: true`` once its subject was erased); the read is
         in the access log (``decrypt``). A record not encrypted comes back as it is."""
         if record.get("content_mode") != "encrypted":
             return record
@@ -58,7 +62,11 @@ class AuditReader:
         self.log_access(key_id, role, "decrypt", {"record_id": record["id"]})
         texts = [self.vault.decrypt(record["input_content"]), self.vault.decrypt(record["output_content"])]
         erased = None in texts
-        return {**record, "decrypted": None if erased else {"input": texts[0], "output": texts[1]},
+        tags = record.get("tags")
+        if isinstance(tags, str) and not erased:
+            tags = self.vault.decrypt(tags)
+            tags = None if tags is None else json.loads(tags)
+        return {**record, "decrypted": None if erased else {"input": texts[0], "output": texts[1], "tags": tags},
                 "content_erased": erased}
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
@@ -67,13 +75,17 @@ class AuditReader:
         HMAC key, or a :class:`Verifier` with public keys.
 
         Without *checkpoint_key*, the reader's own keys (if configured) check the checkpoints.
-        *workers*: processes hashing in parallel (None: one per CPU for long spans; 1: none).
+        *workers*: processes hashing in parallel (None: one per CPU for long spans; 1: none). With keys and
+        :attr:`checkpoint_window_s`, the report names the records no good checkpoint covers yet, and those
+        older than the window are a ``missing_checkpoint`` finding.
         """
-        return verify_chain(self.engine, since, until, as_verifier(checkpoint_key) or self._verifier, workers)
+        return verify_chain(self.engine, since, until, as_verifier(checkpoint_key) or self._verifier, workers,
+                            window_s=self.checkpoint_window_s)
 
     def query(self, filters: AuditFilters, *, sort: str = "-received_at", cursor: str | None = None,
               limit: int = 50) -> Page:
         """A page of matching records; ValueError for an unknown sort, a bad cursor or limit."""
+        filters = self.resolved(filters)
         with self.engine.connect() as conn:
             return query_page(conn, filters, sort, cursor, limit)
 
@@ -92,6 +104,7 @@ class AuditReader:
     def summary(self, filters: AuditFilters,
                 group_by: Literal["pipeline", "model", "key_id", "day"]) -> list[dict[str, Any]]:
         """Per group: count, denied, block_rate, input/output tokens and cost_usd."""
+        filters = self.resolved(filters)
         with self.engine.connect() as conn:
             return summarize(conn, filters, group_by)
 
@@ -99,12 +112,26 @@ class AuditReader:
         """Matching records (with stages) as JSON lines or CSV rows, streamed in seq order."""
         if fmt not in ("jsonl", "csv"):
             raise ValueError(f"unknown export format {fmt!r}; use jsonl or csv")
-        return export_lines(self.engine, filters, fmt)
+        return export_lines(self.engine, self.resolved(filters), fmt)
+
+    def resolved(self, filters: AuditFilters) -> AuditFilters:
+        """*filters* ready to select: a ``subject`` with what finds its records (its keyed hash and data keys),
+        which takes this reader's vault; ValueError for a subject without one."""
+        if filters.subject is None or filters.subject_match is not None:
+            return filters
+        if self.vault is None:
+            raise ValueError("subject: its records are found by its keyed hash, which needs audit.master_key")
+        match = SubjectMatch(self.vault.subject_hash(filters.subject), tuple(self.vault.key_ids(filters.subject)))
+        return replace(filters, subject_match=match)
 
     def log_access(self, key_id: str | None, role: str | None, action: str, query: Mapping[str, Any]) -> None:
-        """Record that *key_id* read the audit log (*action*, with the *query* it asked)."""
+        """Record that *key_id* read the audit log (*action*, with the *query* it asked). A ``subject`` asked
+        for is kept as its keyed hash (``subject_hash``; without a vault, not at all): it may name a person."""
         safe_query = {str(k): v if isinstance(v, str | int | float | bool | type(None)) else str(v)
-                      for k, v in query.items()}
+                      for k, v in query.items() if k != "subject"}
+        if query.get("subject"):
+            safe_query["subject_hash"] = (self.vault.subject_hash(str(query["subject"])) if self.vault is not None
+                                          else "(no audit.master_key to hash it with)")
         with self.engine.begin() as conn:
             conn.execute(sa.insert(AuditAccess).values(at=utcnow(), key_id=key_id, role=role, action=action,
                                                        query=safe_query))

@@ -4,6 +4,7 @@
     signer.sign(b"1000:ab12...")                      # hex signature; signer.key_id names the key
     verifier = Verifier(public_keys=[public_pem, old_public_pem], hmac_key=None)
     verifier.check("ed25519", key_id, message, signature)   # True, False, or None: no key to check it
+    signer, made = load_or_create(Path("inferline-audit-signing.pem"))   # a server's own key, made once
 
 An Ed25519 key id is the first 16 hex characters of the SHA-256 of the raw public key; each
 checkpoint stores the id of the key that signed it, so after a rotation the old public keys keep
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from cryptography.exceptions import InvalidSignature
@@ -104,6 +108,55 @@ def generate_pem() -> tuple[bytes, bytes]:
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     return private, Ed25519Signer(key).public_pem()
+
+
+def load_or_create(path: Path) -> tuple[Ed25519Signer, bool]:
+    """The Ed25519 key in the PEM file *path*, made there first when there is none (mode 0600, its public key
+    in ``<path>.pub``), as sshd makes its host keys: (the signer, whether it was made now). Processes that
+    start together end up with one key: the first file linked in place wins, the others read it. ValueError
+    when the file holds no unencrypted Ed25519 key; OSError when it cannot be read or made."""
+    made = False
+    try:
+        pem = path.read_bytes()
+    except FileNotFoundError:
+        pem, _ = generate_pem()
+        made = _create_once(path, pem)
+        if not made:
+            pem = path.read_bytes()
+    signer = Ed25519Signer.from_pem(pem)
+    public = path.with_name(path.name + ".pub")
+    if made or not public.exists():
+        staged = path.with_name(f".{public.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        staged.write_bytes(signer.public_pem())
+        os.replace(staged, public)
+    return signer, made
+
+
+def _create_once(path: Path, data: bytes) -> bool:
+    """Write *data* to *path* (mode 0600) unless a file is there already; whether this call wrote it. The
+    file appears whole: a hard link of a fsynced copy (an exclusive create where links are not supported)."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    try:
+        os.link(staged, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    finally:
+        staged.unlink(missing_ok=True)
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    except FileExistsError:
+        return False
+    return True
 
 
 class Verifier:

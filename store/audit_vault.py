@@ -3,13 +3,16 @@
     vault = ContentVault(engine, master_key)           # audit.master_key: 32 bytes (base64 or hex)
     text = vault.encrypt("tenant:acme", "the prompt")  # "enc:v1:<data key id>:<nonce+ciphertext, base64>"
     vault.decrypt(text)                                # the prompt; None once the subject is erased
+    vault.subject_hash("tenant:acme")                  # the keyed hash that records keep of their subject
     vault.erase("tenant:acme", by="key-id")            # the subject's data key destroyed
 
 Each subject (a tenant, an API key, or a value the pipeline names, such as the request's user) has its
 own data key (AES-256-GCM), stored wrapped by the master key in ``audit_data_keys`` under the subject's
-id (a hash: the subject itself may be personal data). A record with ``content: encrypted`` keeps its
-input and output encrypted under that key; the chain hashes the ciphertext, so destroying the data
-key makes the content unreadable while every hash, and so the chain, still verifies.
+keyed hash (:meth:`ContentVault.subject_hash`: the subject itself may be personal data, and a plain
+hash of a name is found by hashing names). A record with ``content: encrypted`` keeps its input,
+output and tags encrypted under that key and the subject's keyed hash in clear (``subject_hash``, which
+finds and counts the subject's records); the chain hashes the ciphertext, so destroying the data key
+makes the content unreadable while every hash, and so the chain, still verifies.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import os
 import threading
 import time
@@ -30,6 +34,9 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 from store.db import Base, UTCDateTime, utcnow
 
 PREFIX = "enc:v1:"
+#: What the key of subject hashes is derived from the master key with (HMAC-SHA256 of this under the master key):
+#: a key of its own, so that the master key is used for one thing only, wrapping data keys.
+_SUBJECT_HASH_KEY = b"inferline-audit-subject-hash"
 #: How long a process encrypts with a subject's key before looking again whether it was erased (by
 #: another process: an erasure here applies at once).
 LIVE_KEY_S = 30.0
@@ -43,6 +50,8 @@ class AuditDataKey(Base):
     key_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
     """Named by each content it encrypted (``enc:v1:<key_id>:...``)."""
     subject_id: Mapped[str] = mapped_column(sa.String(64), index=True)
+    """The subject's keyed hash (:meth:`ContentVault.subject_hash`); a key made before hashes were keyed has
+    :func:`legacy_subject_id` until its subject is named again (an encryption or an erasure renames it)."""
     wrapped: Mapped[str | None] = mapped_column(sa.Text)
     """Base64 of the nonce and the AES-GCM ciphertext of the data key; NULL once erased."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -68,8 +77,9 @@ def parse_master_key(text: str) -> bytes:
                      "(python -c 'import os,base64; print(base64.b64encode(os.urandom(32)).decode())')")
 
 
-def subject_id(subject: str) -> str:
-    """What the database keeps of a subject: a hash (the subject itself may be personal data)."""
+def legacy_subject_id(subject: str) -> str:
+    """What data keys made before subject hashes were keyed name their subject by: a plain SHA-256, which
+    anyone can compute for a guessed name (hence :meth:`ContentVault.subject_hash`)."""
     return hashlib.sha256(f"inferline-audit-subject\0{subject}".encode()).hexdigest()
 
 
@@ -86,6 +96,7 @@ class ContentVault:
     def __init__(self, engine: sa.Engine, master_key: bytes):
         self.engine = engine
         self._master = AESGCM(master_key)
+        self._hash_key = hmac.new(master_key, _SUBJECT_HASH_KEY, hashlib.sha256).digest()
         #: What encrypting uses, for up to LIVE_KEY_S seconds: key id -> data key; subject id -> its key id.
         self._keys: dict[str, bytes | None] = {}
         self._live: dict[str, str] = {}
@@ -100,16 +111,22 @@ class ContentVault:
         if row is not None:
             self._unwrap(row.key_id, row.wrapped or "")
 
+    def subject_hash(self, subject: str) -> str:
+        """What the database keeps of *subject*: HMAC-SHA256 under a key derived from the master key, hex.
+        Equal for equal subjects, so it finds and counts a subject's records; without the master key it
+        tells nothing of who the subject is, and no guessed name can be checked against it."""
+        return hmac.new(self._hash_key, subject.encode(), hashlib.sha256).hexdigest()
+
     def has_key(self, subject: str) -> bool:
         """Whether encrypting for *subject* needs no database read now (its key is at hand)."""
-        sid = subject_id(subject)
+        sid = self.subject_hash(subject)
         with self._lock:
             key_id = self._live.get(sid)
             return key_id is not None and self._keys.get(key_id) is not None \
                 and time.monotonic() - self._since.get(sid, 0.0) < LIVE_KEY_S
 
     def encrypt(self, subject: str, text: str) -> str:
-        key_id, key = self._live_key(subject_id(subject))
+        key_id, key = self._live_key(subject)
         nonce = os.urandom(12)
         sealed = AESGCM(key).encrypt(nonce, text.encode(), key_id.encode())
         return f"{PREFIX}{key_id}:{base64.b64encode(nonce + sealed).decode()}"
@@ -133,18 +150,19 @@ class ContentVault:
         """Every data key *subject* has had (erased ones too)."""
         with Session(self.engine) as session:
             return list(session.scalars(sa.select(AuditDataKey.key_id)
-                                        .where(AuditDataKey.subject_id == subject_id(subject))))
+                                        .where(AuditDataKey.subject_id.in_(self._subject_ids(subject)))))
 
     def erase(self, subject: str, by: str, conn: sa.Connection | None = None) -> list[str]:
         """Destroy every data key of *subject* (on *conn*, in its transaction, when given); the ids of those
         that were live."""
-        sid = subject_id(subject)
+        sid = self.subject_hash(subject)
         table = AuditDataKey.__table__
-        live = sa.and_(table.c.subject_id == sid, table.c.wrapped.is_not(None))
+        live = sa.and_(table.c.subject_id.in_(self._subject_ids(subject)), table.c.wrapped.is_not(None))
 
         def run(connection: sa.Connection) -> list[str]:
             ids = list(connection.scalars(sa.select(table.c.key_id).where(live)))
             connection.execute(table.update().where(live).values(wrapped=None, erased_at=utcnow(), erased_by=by))
+            self._rename_legacy(connection, subject)  # no plain hash of an erased subject stays behind
             return ids
 
         if conn is not None:
@@ -158,13 +176,25 @@ class ContentVault:
             self._live.pop(sid, None)
         return destroyed
 
-    def _live_key(self, sid: str) -> tuple[str, bytes]:
+    def _subject_ids(self, subject: str) -> tuple[str, str]:
+        return self.subject_hash(subject), legacy_subject_id(subject)
+
+    def _rename_legacy(self, conn: sa.Connection, subject: str) -> None:
+        """Give *subject*'s keys made before hashes were keyed its keyed hash (a write only when there are any)."""
+        table, legacy = AuditDataKey.__table__, legacy_subject_id(subject)
+        if conn.scalar(sa.select(table.c.key_id).where(table.c.subject_id == legacy).limit(1)) is not None:
+            conn.execute(table.update().where(table.c.subject_id == legacy)
+                         .values(subject_id=self.subject_hash(subject)))
+
+    def _live_key(self, subject: str) -> tuple[str, bytes]:
+        sid = self.subject_hash(subject)
         with self._lock:
             key_id = self._live.get(sid)
             if key_id is not None and (key := self._keys.get(key_id)) is not None \
                     and time.monotonic() - self._since.get(sid, 0.0) < LIVE_KEY_S:
                 return key_id, key
         with Session(self.engine) as session, session.begin():
+            self._rename_legacy(session.connection(), subject)
             row = session.scalars(sa.select(AuditDataKey).where(AuditDataKey.subject_id == sid,
                                                                 AuditDataKey.wrapped.is_not(None))
                                   .order_by(AuditDataKey.created_at.desc()).limit(1)).first()

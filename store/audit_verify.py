@@ -14,6 +14,11 @@ hands back, per row, only what the walk needs (seq, id, prev_hash, hash and
 whether the hash matched; the whole row where it did not), and the walk, which
 is sequential but cheap, runs here in seq order over their answers. A worker
 that fails has its range checked in this process instead.
+
+The newest records, after the newest good checkpoint, are covered by none yet:
+the report names them (:class:`Tail`), and when the oldest of them is older
+than the window in which a checkpoint should have followed, that is a
+``missing_checkpoint`` finding.
 """
 
 from __future__ import annotations
@@ -53,16 +58,33 @@ logger = logging.getLogger(__name__)
 Checked = tuple[Mapping[str, Any], list[dict[str, Any]], bool]
 _records = AuditRecord.__table__
 _stages = AuditStage.__table__
+_checkpoints = AuditCheckpoint.__table__
+_COVER_PAGE = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """One thing wrong: kind is modified, inserted, deleted, reordered, gap or bad_checkpoint."""
+    """One thing wrong: kind is modified, inserted, deleted, reordered, gap, bad_checkpoint or missing_checkpoint."""
 
     kind: str
     seq: int | None
     record_id: str | None
     detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The newest records, seqs first_seq..last_seq, past what covers the rest (a good checkpoint, a digest)."""
+
+    first_seq: int
+    last_seq: int
+    #: How many records of those seqs the database holds.
+    count: int
+    #: When the oldest of them was completed: none has been uncovered for longer.
+    since: datetime
+
+    def age_s(self, now: datetime) -> float:
+        return max(0.0, (now - self.since).total_seconds())
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +97,8 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     #: Checkpoints that no key given could check (signed with another algorithm or an unknown key).
     unchecked_checkpoints: int = 0
+    #: With a window: the records after the newest checkpoint the keys given find good (a check to the head).
+    uncovered: Tail | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +206,15 @@ def _why_modified(row: Mapping[str, Any], stages: list[dict[str, Any]]) -> str:
 
 
 def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | None,
-                 verifier: Verifier | None, workers: int | None = None) -> VerifyReport:
+                 verifier: Verifier | None, workers: int | None = None, *, window_s: float | None = None,
+                 now: datetime | None = None) -> VerifyReport:
     """Walk the chain (or the seq span of records received in [since, until)) and report findings.
 
     *workers*: processes that recompute hashes in parallel; None picks one per CPU for a long span,
-    1 does everything in this process.
+    1 does everything in this process. *window_s* (with keys, up to the head): how soon a checkpoint
+    follows a record (the server's ``checkpoint_every_s`` and then some); the report names the records no
+    good checkpoint covers yet in ``uncovered``, and those older than the window (at *now*) are a
+    ``missing_checkpoint`` finding.
     """
     with engine.connect() as conn:
         head_seq, head_hash = conn.execute(sa.select(AuditChainHead.seq, AuditChainHead.hash)).one()
@@ -201,7 +229,60 @@ def verify_chain(engine: sa.Engine, since: datetime | None, until: datetime | No
         if until is None:
             _check_tail(walk, head_seq, head_hash)
         unchecked = _check_checkpoints(conn, walk, verifier, lo, hi, head_seq) if checking else 0
-    return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings, unchecked)
+        uncovered = None
+        if checking and until is None and verifier is not None and window_s is not None:
+            uncovered = _check_coverage(conn, walk, verifier, head_seq, window_s, now or datetime.now(UTC))
+    return VerifyReport(not walk.findings, walk.checked, head_seq, walk.findings, unchecked, uncovered)
+
+
+def _check_coverage(conn: sa.Connection, walk: _Walk, verifier: Verifier, head_seq: int, window_s: float,
+                    now: datetime) -> Tail | None:
+    """The records no good checkpoint covers; reported missing when the oldest is older than *window_s*."""
+    uncovered = tail_after(conn, _newest_cover(conn, verifier, head_seq), head_seq)
+    if uncovered is not None and uncovered.age_s(now) > window_s:
+        walk.report("missing_checkpoint", None, (
+            f"seq {uncovered.first_seq}..{uncovered.last_seq}: {uncovered.count} record(s), the oldest written "
+            f"{age_text(uncovered.age_s(now), up=False)} ago, are covered by no signed checkpoint, though one "
+            f"follows within {window_s:g} s while a server holding the key runs: none has run since, or their "
+            "checkpoints were removed"), seq=uncovered.first_seq)
+    return uncovered
+
+
+def tail_after(conn: sa.Connection, seq: int, head_seq: int) -> Tail | None:
+    """The records after *seq*, up to the head at *head_seq*; None when the database holds none."""
+    if head_seq <= seq:
+        return None
+    count, oldest = conn.execute(sa.select(sa.func.count(), sa.func.min(_records.c.completed_at))
+                                 .where(_records.c.seq > seq, _records.c.seq <= head_seq)).one()
+    if not count:
+        return None
+    return Tail(seq + 1, head_seq, count, oldest if oldest.tzinfo is not None else oldest.replace(tzinfo=UTC))
+
+
+def age_text(seconds: float, *, up: bool = True) -> str:
+    """*seconds* for a reader: 2 s, 12 min, 3 h, 2 d; rounded *up* ("in the last ..."), or down ("... ago")."""
+    unit, size = next(((unit, size) for unit, size in (("d", 86400), ("h", 3600), ("min", 60)) if seconds >= 2 * size),
+                      ("s", 1))
+    count = -(-seconds // size) if up else seconds // size
+    return f"{max(1, count):.0f} {unit}"
+
+
+def _newest_cover(conn: sa.Connection, verifier: Verifier, head_seq: int) -> int:
+    """The seq of the newest checkpoint, at or before the head, that *verifier* finds good and whose record
+    (when not pruned) is the one it signed; 0 for none. Newest first, a page at a time: it is usually the first."""
+    c, r = _checkpoints.c, _records.c
+    before = head_seq + 1
+    while True:
+        page = conn.execute(sa.select(c.seq, c.head_hash, c.signature, c.algorithm, c.key_id, r.hash)
+                            .select_from(_checkpoints.outerjoin(_records, r.seq == c.seq))
+                            .where(c.seq < before).order_by(c.seq.desc()).limit(_COVER_PAGE)).all()
+        for seq, head_hash, signature, algorithm, key_id, held in page:
+            if held in (None, head_hash) and verifier.check(algorithm, key_id, checkpoint_message(seq, head_hash),
+                                                            signature):
+                return seq
+        if len(page) < _COVER_PAGE:
+            return 0
+        before = page[-1][0]
 
 
 def _walk_rows(walk: _Walk, rows: Iterator[Checked]) -> None:

@@ -5,6 +5,7 @@
     await writer.awrite_batch(records)                # the server's group commit, from the event loop
     writer.replay_file(Path("audit-journal.123-ab.jsonl"))  # a stopped process's journal
     writer.checkpoint()                               # sign the head now
+    writer.cover_head()                               # the same, unless a checkpoint is there already
 
 Each record is hashed into a chain (store/audit_chain.py) by the locking
 append (store/audit_locking_append.py), which takes the chain head's row lock;
@@ -16,7 +17,10 @@ through :meth:`AuditWriter.awrite_batch`, which does the common case on the
 event loop without a thread hop. When the database is unreachable, records go
 to a local spool file (store/audit_spool.py) and are replayed, exactly once,
 when it is back; journals of stopped processes (store/audit_journal.py) are
-replayed the same way. Reading the log is store/audit_reader.py's.
+replayed the same way. Checkpoints come at multiples of ``checkpoint_every``
+from a writer with the key and, from a serving process that holds it, at the
+head every few seconds (:meth:`AuditWriter.cover_head`), whoever appended the
+records since. Reading the log is store/audit_reader.py's.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sqlalchemy as sa
 from store.audit_append import AsyncOneTripAppender, Item, OneTripAppender, SqliteLoopWriter
 from store.audit_chain import json_line, normalize, sign_checkpoint
 from store.audit_locking_append import LockingAppender, lock_head
-from store.audit_models import AuditCheckpoint, AuditRecord
+from store.audit_models import HEAD_ID, AuditChainHead, AuditCheckpoint, AuditRecord
 from store.audit_signing import Signer
 from store.audit_spool import Spool
 from store.db import utcnow
@@ -50,6 +54,11 @@ TRANSIENT_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.Timeo
 RETRY_AFTER_S = 1.0
 _CHUNK = 500  # rows per IN list and per replay transaction
 _records = AuditRecord.__table__
+_head = AuditChainHead.__table__
+_checkpoints = AuditCheckpoint.__table__
+#: The head's seq, and whether a checkpoint signs it.
+_HEAD_COVERED = (sa.select(_head.c.seq, sa.exists().where(_checkpoints.c.seq == _head.c.seq))
+                 .where(_head.c.id == HEAD_ID))
 
 
 class AuditUnavailable(RuntimeError):
@@ -171,6 +180,24 @@ class AuditWriter:
             if conn.scalar(sa.select(AuditCheckpoint.seq).where(AuditCheckpoint.seq == seq)) is None:
                 self.chain.insert_checkpoint(conn, seq, head_hash)
         return {"seq": seq, "head_hash": head_hash, "signature": sign_checkpoint(key, seq, head_hash)}
+
+    def cover_head(self) -> int | None:
+        """Sign a checkpoint at the chain head unless one is there already, whichever process appended the
+        records since the last (one without the key too); the seq signed, or None. Nothing is locked or
+        written while the head has its checkpoint. Writers sharing a database, each calling this, leave
+        one checkpoint per head: the head's lock orders them. Needs the checkpoint key."""
+        if self.chain.checkpoint_key is None:
+            raise ValueError("no checkpoint key is configured")
+        with self.engine.connect() as conn:
+            seq, covered = conn.execute(_HEAD_COVERED).one()
+        if seq == 0 or covered:
+            return None
+        with self._lock, self.engine.begin() as conn:
+            seq, head_hash = lock_head(conn, 0)
+            if seq == 0 or conn.scalar(sa.select(AuditCheckpoint.seq).where(AuditCheckpoint.seq == seq)) is not None:
+                return None
+            self.chain.insert_checkpoint(conn, seq, head_hash)
+        return seq
 
     def close(self) -> None:
         """Give back the connection that PostgreSQL writes hold between writes (engine.dispose() does too)."""

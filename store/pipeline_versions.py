@@ -5,6 +5,7 @@
                     deployed_by="file")        # once per (name, sha256); later loads of it return the same row
     versions.by_sha256(sha)                     # the exact YAML that served an audit record (its spec_sha256)
     versions.list("support")                    # newest first
+    versions.labelled("support", "3")           # those labelled 3: more than one, and a pin by label is ambiguous
 
 A version is identified by its spec hash: the SHA-256 of the YAML text, which audit records carry.
 """
@@ -100,6 +101,14 @@ class PipelineVersions:
         with Session(self.engine) as session:
             row = session.scalars(query.order_by(PipelineVersionRow.id)).first()
             return None if row is None else PipelineVersion.of(row)
+
+    def labelled(self, name: str, label: str) -> list[PipelineVersion]:
+        """The versions of *name* whose ``version:`` label is *label*, newest first: more than one, and a
+        pin, split or shadow by that label is ambiguous."""
+        query = (sa.select(PipelineVersionRow).where(PipelineVersionRow.name == name, PipelineVersionRow.label == label)
+                 .order_by(PipelineVersionRow.id.desc()))
+        with Session(self.engine) as session:
+            return [PipelineVersion.of(row) for row in session.scalars(query)]
 
     def list(self, name: str | None = None, limit: int = 100) -> list[PipelineVersion]:
         """Versions, newest first (of pipeline *name*, when given)."""

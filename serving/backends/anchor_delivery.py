@@ -1,8 +1,9 @@
 """Delivering the audit log's digests outside the database, off every request's path.
 
-Every ``audit.anchors.every_s`` seconds a task writes a digest file for each new checkpoint
-(store/audit_anchors.py) and, with ``audit.anchors.url``, POSTs each digest there as JSON. A failure is
-logged, counted and retried on the next round; a request never waits for any of it. A digest POST that
+Every ``audit.anchors.every_s`` seconds the server's seal (serving/backends/audit_seal.py) has a digest
+file written for each new checkpoint (store/audit_anchors.py) and, with ``audit.anchors.url``, each digest
+POSTed there as JSON. A failure is logged, counted and retried on the next round; a request never waits
+for any of it. A digest POST that
 keeps failing waits in memory (the newest 10,000) until the endpoint is back; the files are the record.
 
 Metrics: ``inferline_audit_anchor_deliveries_total{target="file"|"http", result="ok"|"failed"}``,
@@ -40,13 +41,6 @@ class AnchorDelivery:
                               registry=registry)
         self.mismatches = Counter("inferline_audit_anchor_mismatches", "Rounds in which the newest digest no longer "
                                   "matched the database (cut, rolled back or rewritten).", registry=registry)
-
-    async def run(self) -> None:
-        """Deliver every ``every_s`` seconds until cancelled."""
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            while True:
-                await self.deliver_once(client)
-                await asyncio.sleep(self.every_s)
 
     async def deliver_once(self, client: httpx.AsyncClient | None = None) -> int:
         """One round: the new digests written (and posted); how many were written."""

@@ -11,16 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry
 
 from pipeline.errors import BackendError, SpecError, SpecIssue, status_of
 from pipeline.spec import ServerSpec
-from serving.backends.anchor_delivery import AnchorDelivery
+from serving.backends.audit_keys import exposure_window_s, public_keys
 from store.audit import AuditStore, AuditUnavailable, Item
-from store.audit_anchors import Anchors
 from store.audit_chain import json_line, normalize
 from store.audit_journal import Journal, leftover_journals
-from store.audit_signing import Ed25519Signer, HmacSigner, Signer, load_public_key
+from store.audit_signing import Signer
 from store.audit_spool import Spool
 from store.audit_vault import ContentVault, VaultError, parse_master_key
 from store.db import utcnow
@@ -91,9 +89,11 @@ class StoreSink:
             raise BackendError(f"the audit record could not be made durable: {exc}") from exc
 
     async def _seal(self, record: dict[str, Any], subject: str) -> None:
-        """Encrypt the record's content under *subject*'s data key; without a vault, or when the key cannot
-        be had (the database is away), keep only hashes: the record is never lost, its plain text never kept."""
-        vault, texts = self.store.vault, (record.get("input_content") or "", record.get("output_content") or "")
+        """Encrypt the record's content and tags under *subject*'s data key, and name the subject by its keyed
+        hash only; without a vault, or when the key cannot be had (the database is away), keep only hashes
+        (of each tag's value, as ``content: hash`` does): the record is never lost, its plain text never kept."""
+        vault, tags = self.store.vault, record.get("tags")
+        texts = [record.get("input_content") or "", record.get("output_content") or "", *([tags] if tags else [])]
         try:
             if vault is None:
                 raise VaultError("no audit.master_key is configured")
@@ -101,12 +101,17 @@ class StoreSink:
                 sealed = [vault.encrypt(subject, text) for text in texts]
             else:  # the data key is read (or made) in the database: off the loop
                 sealed = await asyncio.to_thread(lambda: [vault.encrypt(subject, text) for text in texts])
+            record["subject_hash"] = vault.subject_hash(subject)
         except Exception as exc:
             logger.error("audit: content not encrypted (%s: %s); the record keeps only its hashes",
                          type(exc).__name__, exc)
             record["content_mode"] = "hash"
-            sealed = [hashlib.sha256(text.encode()).hexdigest() for text in texts]
-        record["input_content"], record["output_content"] = sealed
+            sealed = [_sha256(text) for text in texts[:2]]
+            if tags:
+                sealed.append(json.dumps({name: _sha256(value) for name, value in json.loads(tags).items()},
+                                         sort_keys=True, separators=(",", ":")))
+        record["input_content"], record["output_content"] = sealed[:2]
+        record["tags"] = sealed[2] if tags else None
 
     async def flushed(self, timeout: float | None = None) -> bool:
         """Wait until every record written so far is in the store, or *timeout* seconds; whether it
@@ -245,6 +250,10 @@ class StoreSink:
             self._progress.notify_all()
 
 
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def http_status(status: str, error_type: str | None) -> int:
     if status == "ok":
         return 200
@@ -253,12 +262,14 @@ def http_status(status: str, error_type: str | None) -> int:
     return status_of(error_type or "")
 
 
-def open_store(server: ServerSpec, root: Path, engine: sa.Engine) -> AuditStore:
-    """The audit store of *server*'s config (spool path relative to *root*, the config's folder)."""
+def open_store(server: ServerSpec, root: Path, engine: sa.Engine, signer: Signer | None) -> AuditStore:
+    """The audit store of *server*'s config (spool path relative to *root*, the config's folder), signing
+    checkpoints with *signer* (``serving_signer`` for a serving process, else ``checkpoint_signer``)."""
     audit = server.audit
     return AuditStore(engine, spool_path=root / Path(audit.spool), mode=audit.mode,
-                      checkpoint_key=checkpoint_signer(server), checkpoint_every=audit.checkpoint_every,
-                      public_keys=public_keys(server, root), vault=content_vault(server, engine))
+                      checkpoint_key=signer, checkpoint_every=audit.checkpoint_every,
+                      public_keys=public_keys(server, root), vault=content_vault(server, engine),
+                      checkpoint_window_s=exposure_window_s(server))
 
 
 def content_vault(server: ServerSpec, engine: sa.Engine | None) -> ContentVault | None:
@@ -280,47 +291,6 @@ def content_vault(server: ServerSpec, engine: sa.Engine | None) -> ContentVault 
         raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.master_key", f"{exc}: start with the master "
                                    "key the log was written with")]) from None
     return vault
-
-
-def anchor_delivery(server: ServerSpec, root: Path, engine: sa.Engine,
-                    registry: CollectorRegistry | None = None) -> AnchorDelivery:
-    """The delivery of ``audit.anchors`` (folder relative to *root*); SpecError without a key to sign with."""
-    spec = server.audit.anchors
-    assert spec is not None
-    signer = checkpoint_signer(server)
-    if signer is None:
-        raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
-                                   "audit.signing_key (inferline audit keygen) or audit.checkpoint_key")])
-    return AnchorDelivery(Anchors(engine, root / Path(spec.dir), signer), url=spec.url, every_s=spec.every_s,
-                          registry=registry)
-
-
-def checkpoint_signer(server: ServerSpec) -> Signer | None:
-    """What signs checkpoints and digests: the Ed25519 ``signing_key``, else the HMAC ``checkpoint_key``, else
-    nothing. A key that is not one stops the server with :class:`SpecError`."""
-    audit = server.audit
-    if audit.signing_key:
-        try:
-            return Ed25519Signer.from_pem(audit.signing_key)
-        except ValueError as exc:
-            raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.signing_key",
-                                       f"{exc}: give the private key `inferline audit keygen` writes "
-                                       "(INFERLINE_AUDIT__SIGNING_KEY_FILE=path)")]) from None
-    return HmacSigner(audit.checkpoint_key.encode()) if audit.checkpoint_key else None
-
-
-def public_keys(server: ServerSpec, root: Path) -> list[bytes]:
-    """The PEM texts of ``audit.public_keys`` (paths relative to *root*); SpecError for one that cannot be read."""
-    keys = []
-    for n, name in enumerate(server.audit.public_keys):
-        path = root / Path(name)
-        try:
-            keys.append(path.read_bytes())
-            load_public_key(keys[-1])
-        except (OSError, ValueError) as exc:
-            raise SpecError([SpecIssue("inferline.yaml", 1, 1, f"audit.public_keys.{n}",
-                                       f"{path}: {exc}")]) from None
-    return keys
 
 
 def open_sink(server: ServerSpec, root: Path, store: AuditStore) -> StoreSink:

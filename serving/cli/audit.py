@@ -17,22 +17,28 @@ The filters are the API's (store/audit_filters.py), so one filter selects the sa
 A time T is ISO 8601 (without an offset: UTC) or relative: 30m, 24h, 7d, 2w, today, yesterday.
 The database is ``--database URL``, else ``$INFERLINE_DATABASE``, else the server config's, as for
 ``inferline keys``. Listings print a table on a terminal and JSON lines otherwise (``--format``).
+``verify`` and ``report`` check with the config's keys and its digests (``audit.anchors.dir``), or with
+the public key and the digest folder a server made for itself beside a SQLite database
+(serving/backends/audit_keys.py); ``--public-key`` and ``--anchors`` add or choose others.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
-from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
+from serving.backends.audit_keys import anchor_folder, checkpoint_signer, exposure_window_s, local_key, public_keys
+from serving.backends.audit_sink import content_vault
 from serving.cli.keys import ENV_DATABASE, database_url
 from serving.runtime.workspace import Workspace, open_workspace
 from store.audit import AuditMaintenance, AuditReader
@@ -48,6 +54,7 @@ from store.audit_filters import (
     parse_time,
 )
 from store.audit_signing import Ed25519Signer, Verifier, generate_pem
+from store.audit_verify import Tail, age_text
 from store.db import make_engine
 from store.migrate import create_schema
 from store.pipeline_versions import PipelineVersions
@@ -96,10 +103,12 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "spans of 40,000+ records; 1: this process only)")
     verify.add_argument("--public-key", action="append", default=[], metavar="FILE",
                         help="an Ed25519 public key (PEM) that checks checkpoints and digests; repeat it for the "
-                             "keys before a rotation. No secret is needed")
+                             "keys before a rotation. No secret is needed. The config's keys, and the public key "
+                             "a server made beside a SQLite database, are used as well")
     verify.add_argument("--anchors", metavar="DIR",
-                        help="also check the database against the digest files in DIR (audit.anchors.dir): a cut "
-                             "tail, an older copy restored, a range rewritten, a digest missing or altered")
+                        help="check the database against the digest files in DIR: a cut tail, an older copy "
+                             "restored, a range rewritten, a digest missing or altered (default: audit.anchors.dir, "
+                             "else the folder a server made beside a SQLite database)")
     verify.set_defaults(handler=_reporting(_verify))
 
     keygen = actions.add_parser("keygen", help="write a new Ed25519 key pair for signing checkpoints",
@@ -120,7 +129,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     report.add_argument("--public-key", action="append", default=[], metavar="FILE",
                         help="an Ed25519 public key that checks the checkpoints (repeatable)")
     report.add_argument("--anchors", metavar="DIR", help="also check the database against the digests in DIR "
-                                                         "(default: audit.anchors.dir when configured)")
+                                                         "(default: audit.anchors.dir, else the folder a server "
+                                                         "made beside a SQLite database)")
     report.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
     report.set_defaults(handler=_reporting(_report))
 
@@ -176,14 +186,31 @@ def _reporting(handler: Callable[[argparse.Namespace], int]) -> Callable[[argpar
     def run(args: argparse.Namespace) -> int:
         try:
             return handler(args)
+        except BrokenPipeError:  # the reader of stdout stopped early (| head): done, as cat would be
+            _drop_stdout()
+            return 0
         except ValueError as exc:
             print(f"inferline: {exc}", file=sys.stderr)
         except sa.exc.SQLAlchemyError as exc:
             # The URL may carry a password: only the first line of the driver's error, never the URL.
             reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
             print(f"inferline: audit database: {reason}", file=sys.stderr)
+        finally:
+            # Connections closed here, not left to the garbage collector (main() may run in-process).
+            for engine in getattr(args, "engines", []):
+                engine.dispose()
         return 1
     return run
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the closed pipe would fail again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor has no pipe either
+            os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -213,17 +240,46 @@ def _reader(args: argparse.Namespace) -> AuditReader:
     """What the listings and verify need: no spool; the config's keys (and ``--public-key``) check checkpoints,
     its master key decrypts."""
     workspace, engine = _open(args)
-    return AuditReader(engine, checkpoint_key=_verifier(args, workspace),
+    return AuditReader(engine, checkpoint_key=_verifier(args, workspace, engine),
                        vault=content_vault(workspace.server, engine))
 
 
-def _verifier(args: argparse.Namespace, workspace: Workspace) -> Verifier:
+def _logged(reader: AuditReader, action: str, query: dict[str, Any]) -> None:
+    """Write this read to the access log, as the API and the console write theirs: role ``cli`` (no key id:
+    whoever reaches the database), the *query* as asked (times in ISO 8601, unset ones left out)."""
+    reader.log_access(None, "cli", action, {name: value.isoformat() if isinstance(value, datetime) else value
+                                            for name, value in query.items() if value is not None})
+
+
+def _verifier(args: argparse.Namespace, workspace: Workspace, engine: sa.Engine) -> Verifier:
+    """The config's keys, the public key a server made beside the database (if any) and ``--public-key``."""
+    server = workspace.server
+    local = local_key(server, engine.url)
     try:
         given = [Path(name).read_bytes() for name in getattr(args, "public_key", [])]
+        if local is not None and local.public.exists():
+            given.append(local.public.read_bytes())
     except OSError as exc:
-        raise ValueError(f"--public-key: {exc}") from None
-    server = workspace.server
+        raise ValueError(f"public key: {exc}") from None
     return Verifier.for_signer(checkpoint_signer(server), [*public_keys(server, workspace.root), *given])
+
+
+def _anchor_folder(args: argparse.Namespace, workspace: Workspace, engine: sa.Engine) -> Path | None:
+    """``--anchors``, else ``audit.anchors.dir``, else the folder a server made beside the database with its key
+    (none before a server has made one)."""
+    if args.anchors:
+        return Path(args.anchors)
+    server = workspace.server
+    local = local_key(server, engine.url)
+    if server.audit.anchors is None and local is not None and not (local.public.exists() or local.digests.exists()):
+        return None
+    return anchor_folder(server, workspace.root, engine.url)
+
+
+def _tail(tail: Tail, now: datetime) -> str:
+    """"the last 3 record(s) (seq 18..20), written in the last 2 s\""""
+    return (f"the last {tail.count} record(s) (seq {tail.first_seq}..{tail.last_seq}), written in the last "
+            f"{age_text(tail.age_s(now))}")
 
 
 def _maintenance(args: argparse.Namespace) -> AuditMaintenance:
@@ -236,6 +292,7 @@ def _maintenance(args: argparse.Namespace) -> AuditMaintenance:
 def _open(args: argparse.Namespace) -> tuple[Workspace, sa.Engine]:
     workspace = open_workspace(args.config)
     engine = make_engine(database_url(args))
+    args.engines = [*getattr(args, "engines", []), engine]  # closed by _reporting once the action is done
     create_schema(engine)
     return workspace, engine
 
@@ -284,7 +341,9 @@ def _record_cells(row: dict[str, Any]) -> dict[str, str]:
 
 
 def _query(args: argparse.Namespace) -> int:
-    page = _reader(args).query(_filters(args), sort=args.sort, cursor=args.cursor, limit=args.limit)
+    reader, filters = _reader(args), _filters(args)
+    _logged(reader, "query", {**filters.given(), "sort": args.sort, "cursor": args.cursor, "limit": args.limit})
+    page = reader.query(filters, sort=args.sort, cursor=args.cursor, limit=args.limit)
     _print_rows(page.records, _format(args), _record_cells)
     if page.next_cursor:
         print(f"more: --cursor {page.next_cursor}", file=sys.stderr)
@@ -293,6 +352,7 @@ def _query(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     reader = _reader(args)
+    _logged(reader, "show spec" if args.spec else "show", {"record_id": args.record_id})
     found = reader.get(args.record_id)
     if found is None:
         print(f"inferline: no audit record {args.record_id!r}", file=sys.stderr)
@@ -313,7 +373,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace) -> int:
-    groups = _reader(args).summary(_filters(args), args.group_by)
+    reader, filters = _reader(args), _filters(args)
+    _logged(reader, "summary", {"group_by": args.group_by, **filters.given()})
+    groups = reader.summary(filters, args.group_by)
 
     def cells(group: dict[str, Any]) -> dict[str, str]:
         key = _key(group) if args.group_by == "key_id" else str(group[args.group_by] or "-")
@@ -327,8 +389,13 @@ def _summary(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     filters = _filters(args, RANGE_FIELDS)
     workspace, engine = _open(args)
-    verifier = _verifier(args, workspace)
-    report = AuditReader(engine, checkpoint_key=verifier).verify(filters.since, filters.until, workers=args.workers)
+    audit, window_s = workspace.server.audit, exposure_window_s(workspace.server)
+    verifier = _verifier(args, workspace, engine)
+    folder = _anchor_folder(args, workspace, engine)
+    reader = AuditReader(engine, checkpoint_key=verifier, checkpoint_window_s=window_s)
+    _logged(reader, "verify", filters.given())
+    report = reader.verify(filters.since, filters.until, workers=args.workers)
+    now = datetime.now(UTC)
     for finding in report.findings:
         print(f"{finding.kind}: seq {finding.seq} record {finding.record_id}: {finding.detail}")
     verdict = "ok" if report.ok else f"FAILED ({len(report.findings)} finding(s))"
@@ -336,10 +403,16 @@ def _verify(args: argparse.Namespace) -> int:
     if report.unchecked_checkpoints:
         print(f"note: {report.unchecked_checkpoints} checkpoint(s) not checked: no key given for their algorithm or "
               "key id (--public-key, or the config's checkpoint_key for HMAC)")
-    if not args.anchors:
+    if verifier.empty and local_key(workspace.server, engine.url) is not None:
+        print("note: no server has made its signing key beside this database yet: checkpoints and digests not "
+              "checked")
+    if report.uncovered is not None and not any(f.kind == "missing_checkpoint" for f in report.findings):
+        print(f"note: {_tail(report.uncovered, now)}, are not yet covered by a signed checkpoint (a server holding "
+              f"the key signs the head every {audit.checkpoint_every_s:g} s)")
+    if folder is None:
         return 0 if report.ok else 1
     try:
-        anchored = verify_anchors(engine, Path(args.anchors), verifier)
+        anchored = verify_anchors(engine, folder, verifier, now=now, window_s=window_s)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
     alone = " (the database alone does not show this)" if report.ok else ""
@@ -349,15 +422,17 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"anchors {verdict}: {anchored.digests} digest(s), the newest of seq {anchored.anchored_seq}")
     if anchored.unchecked:
         print(f"note: {anchored.unchecked} digest(s) not checked: no key given for them")
+    if anchored.unanchored is not None:
+        print(f"note: {_tail(anchored.unanchored, now)}, are not yet anchored (a digest follows within "
+              f"{window_s:g} s while a server holding the key runs)")
     return 0 if report.ok and anchored.ok else 1
 
 
 def _report(args: argparse.Namespace) -> int:
     workspace, engine = _open(args)
-    anchors = workspace.server.audit.anchors
-    folder = Path(args.anchors) if args.anchors else (workspace.root / anchors.dir if anchors else None)
-    reader = AuditReader(engine, checkpoint_key=_verifier(args, workspace))
-    reader.log_access(None, "cli", "report", {"since": args.since, "until": args.until, "pipeline": args.pipeline})
+    folder = _anchor_folder(args, workspace, engine)
+    reader = AuditReader(engine, checkpoint_key=_verifier(args, workspace, engine))
+    _logged(reader, "report", {"since": args.since, "until": args.until, "pipeline": args.pipeline})
     try:
         report = reader.report(_filters(args, ("since", "until", "pipeline")), folder)
     except FileNotFoundError as exc:
@@ -404,8 +479,9 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    count = 0
-    for line in _reader(args).export(_filters(args), args.format):
+    reader, filters, count = _reader(args), _filters(args), 0
+    _logged(reader, "export", {"format": args.format, **filters.given()})
+    for line in reader.export(filters, args.format):
         sys.stdout.write(line if line.endswith("\n") else line + "\n")
         count += 1
     if count <= (1 if args.format == "csv" else 0):  # the CSV header alone
@@ -415,7 +491,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def _access(args: argparse.Namespace) -> int:
     filters = parse_access_filters({name: getattr(args, name) for name in ACCESS_FIELDS})
-    page = _reader(args).access(filters, cursor=args.cursor, limit=args.limit)
+    reader = _reader(args)
+    _logged(reader, "access", {**filters.given(), "cursor": args.cursor, "limit": args.limit})
+    page = reader.access(filters, cursor=args.cursor, limit=args.limit)
 
     def cells(entry: dict[str, Any]) -> dict[str, str]:
         return {"at (UTC)": str(entry["at"])[:19].replace("T", " "), "key": _key(entry), "role": entry["role"] or "-",

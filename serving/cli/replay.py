@@ -8,9 +8,10 @@
 
 Reads the audit records of pipeline NAME from the config's database (those whose content was kept in
 full: ``content: full`` on the audit stage; the others are skipped and counted), runs each record's
-input through the candidate in-process over the config's models, and reports per request and in total:
-identical outputs, latency, tokens, cost and policy decisions, old against new
-(serving/evals/replay.py). Exit 1 when any answer changed.
+request again (its last user message, the sampling its caller set, its tags and end user) through the
+candidate in-process over the config's models, and reports per request and in total: identical
+outputs, latency, tokens, cost and policy decisions, old against new, and what of each request the
+record did not keep (serving/evals/replay.py). Exit 1 when any answer changed.
 
 With ``--url``, the records come from that server's audit API, the candidate file is kept there (not
 served) and each input is sent to the server pinned to it, on the server's own models; ``--candidate``
@@ -24,13 +25,13 @@ import asyncio
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pipeline.errors import SpecError
+from serving.evals.replay_report import NOT_A_REQUEST, html_report, ms
 from serving.runtime.workspace import open_workspace
 from store.audit_filters import parse_filters
 from store.audit_query import MAX_LIMIT
@@ -45,8 +46,10 @@ def add_replay_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "replay", help="re-run audited requests through a candidate version; old answers against new",
         description="Re-run the audited requests of PIPELINE (content kept in full) through a candidate "
-                    "pipeline file, in-process or on a running server (--url), and compare: identical outputs, "
-                    "latency, tokens, cost, policy decisions. Exit 1 when any answer changed.")
+                    "pipeline file, in-process or on a running server (--url), each as its record keeps it (its "
+                    "last user message, the sampling its caller set, its tags and end user), and compare: "
+                    "identical outputs, latency, tokens, cost, policy decisions, and per request what the record "
+                    "could not restore. Exit 1 when any answer changed.")
     parser.add_argument("pipeline", metavar="PIPELINE", help="the pipeline whose audited requests to replay")
     parser.add_argument("--candidate", required=True, metavar="FILE|VERSION",
                         help="the candidate pipeline file; with --url also a version the server keeps")
@@ -71,7 +74,7 @@ def add_replay_parser(sub: Any) -> None:
 def _replay(args: argparse.Namespace) -> int:
     # Here, not at the top: replaying runs pipelines (torch, transformers), which the other commands and
     # `inferline --help` need not import.
-    from serving.evals.replay import ReplayError, html_report, replay, summarize_replay
+    from serving.evals.replay import ReplayError, replay, summarize_replay
 
     if args.limit < 1 or args.concurrency < 1:
         print("inferline replay: --limit and --concurrency must be at least 1", file=sys.stderr)
@@ -98,42 +101,40 @@ def _replay(args: argparse.Namespace) -> int:
         records, skipped = read_records(workspace.database_url, filters, args.limit)
         results = asyncio.run(replay(workspace, candidate, records, concurrency=args.concurrency))
     totals = summarize_replay(results, skipped)
-    show(results, totals, args.format or ("table" if sys.stdout.isatty() else "jsonl"))
+    show(results, skipped, totals, args.format or ("table" if sys.stdout.isatty() else "jsonl"))
     if args.html:
-        args.html.write_text(html_report(args.pipeline, str(args.candidate), totals, results))
+        args.html.write_text(html_report(args.pipeline, str(args.candidate), totals, results, skipped))
     return EXIT_OK if totals["identical"] == totals["replayed"] else EXIT_CHANGED
 
 
-async def _on_server(args: argparse.Namespace, filters: Any) -> tuple[list[dict[str, Any]], Counter[str]]:
+async def _on_server(args: argparse.Namespace,
+                     filters: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     from serving.evals.replay import ReplayServer
 
     async with ReplayServer(args.url, args.key) as server:
         candidate = Path(args.candidate)
-        version = await server.keep(args.pipeline, candidate.read_text()) if candidate.is_file() else args.candidate
+        text = candidate.read_text() if candidate.is_file() else None
+        version = await server.keep(args.pipeline, text) if text is not None else args.candidate
         records, skipped = await server.records(args.pipeline, filters, args.limit)
-        return await server.replay(args.pipeline, version, records, concurrency=args.concurrency), skipped
+        return await server.replay(args.pipeline, version, records, candidate_text=text,
+                                   concurrency=args.concurrency), skipped
 
 
-def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any]], Counter[str]]:
-    """Up to *limit* matching records, newest first: those that can be replayed, and the others counted
-    by why not."""
-    from serving.evals.replay import replayable
+def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Up to *limit* matching records, newest first: those that can be replayed, and the others with why
+    not (``{"record_id", "why"}``)."""
+    from serving.evals.replay import sort_out
 
     engine = make_engine(url)
     try:
         create_schema(engine)
         reader = AuditReader(engine)
         records: list[dict[str, Any]] = []
-        skipped: Counter[str] = Counter()
+        skipped: list[dict[str, str]] = []
         cursor = None
-        while len(records) + sum(skipped.values()) < limit:
+        while len(records) + len(skipped) < limit:
             page = reader.query(filters, cursor=cursor, limit=min(MAX_LIMIT, limit))
-            for record in page.records[:limit - len(records) - sum(skipped.values())]:
-                why = replayable(record)
-                if why is None:
-                    records.append(record)
-                else:
-                    skipped[why] += 1
+            sort_out(page.records[:limit - len(records) - len(skipped)], records, skipped)
             cursor = page.next_cursor
             if cursor is None:
                 break
@@ -142,7 +143,8 @@ def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any
         engine.dispose()
 
 
-def show(results: list[dict[str, Any]], totals: dict[str, Any], fmt: str) -> None:
+def show(results: list[dict[str, Any]], skipped: list[dict[str, str]], totals: dict[str, Any], fmt: str) -> None:
+    """Each comparison (a table line, or a JSON line), each request skipped (table only), then the totals."""
     if fmt == "jsonl":
         for result in results:
             print(json.dumps(result, default=str))
@@ -150,15 +152,24 @@ def show(results: list[dict[str, Any]], totals: dict[str, Any], fmt: str) -> Non
         for r in results:
             old, new = r["old"], r["new"]
             mark = "same" if r["identical"] else "DIFF"
-            print(f"{mark}  {str(r['record_id'])[:12]:<12}  ms {old['duration_ms']} -> {new['duration_ms']}  "
+            missing = ", ".join(note["what"] for note in r["not_restored"])
+            print(f"{mark}  {str(r['record_id'])[:12]:<12}  ms {ms(old['duration_ms'])} -> {ms(new['duration_ms'])}  "
                   f"tokens {old['output_tokens']} -> {new['output_tokens']}  "
-                  f"policy {old['policy_action']} -> {new['policy_action']}")
+                  f"policy {old['policy_action']} -> {new['policy_action']}"
+                  + (f"  not restored: {missing}" if missing else ""))
+        for skip in skipped:
+            if skip["why"] != NOT_A_REQUEST:
+                print(f"skip  {skip['record_id'][:12]:<12}  {skip['why']}")
     err = sys.stderr
     print(f"replayed {totals['replayed']}: {totals['identical']} identical ({totals['normalized_identical']} after "
           f"normalizing), {totals['status_changed']} changed status, {totals['policy_changed']} changed policy "
-          f"decision; p50 ms {totals['duration_ms_p50']['old']} -> {totals['duration_ms_p50']['new']}; output tokens "
-          f"{totals['output_tokens']['old']} -> {totals['output_tokens']['new']}; cost USD "
+          f"decision; p50 ms {ms(totals['duration_ms_p50']['old'])} -> {ms(totals['duration_ms_p50']['new'])}; "
+          f"output tokens {totals['output_tokens']['old']} -> {totals['output_tokens']['new']}; cost USD "
           f"{totals['cost_usd']['old']} -> {totals['cost_usd']['new']}", file=err)
+    if totals["not_restored"]:
+        missing = ", ".join(f"{what} {n}" for what, n in totals["not_restored_by_what"].items())
+        print(f"not restored in {totals['not_restored']} request(s): {missing} (not in the audit record, or refused "
+              "by the candidate; each comparison's not_restored says what and why)", file=err)
     if totals["skipped"]:
         reasons = ", ".join(f"{n} {why}" for why, n in totals["skipped_by_reason"].items())
         print(f"skipped {totals['skipped']} record(s) that cannot be replayed ({reasons}): only records whose "

@@ -8,6 +8,7 @@ from typing import Any
 from litestar import Request
 from litestar.response import Response
 
+from serving.backends.audit_keys import anchor_folder
 from serving.console.metrics_sampler import MetricsSampler
 from serving.console.render import html, make_environment
 from serving.console.session import Session, SessionManager
@@ -38,16 +39,18 @@ class Console:
                       optional: bool = False) -> Session:
         """The request's session; 403 unless it holds one of *roles* (when given). Without a valid key
         (auth on): LoginRequired, or with *optional* a session without a principal."""
-        session = await self.sessions.session(request, optional=optional)
+        session = request.state.get(SESSION_KEY)  # resolved by the router's guard (plugin.early_session)
+        if session is None or (session.principal is None and session.auth_enabled and not optional):
+            session = await self.sessions.session(request, optional=optional)
         request.state[SESSION_KEY] = session  # for the error page, should this request fail later
         if roles:
             self.sessions.require(session, roles, what)
         return session
 
     def anchors_dir(self) -> Path | None:
-        """The folder of audit digests (``audit.anchors.dir``), when the server delivers them."""
-        anchors = self.state.workspace.server.audit.anchors
-        return None if anchors is None else self.state.workspace.root / Path(anchors.dir)
+        """The folder the server delivers audit digests to (``audit.anchors.dir``, or its own beside the database)."""
+        workspace = self.state.workspace
+        return anchor_folder(workspace.server, workspace.root, workspace.database_url)
 
     def page(self, request: Request, session: Session | None, template: str, status: int = 200,
              **values: Any) -> Response[str]:

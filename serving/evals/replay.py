@@ -1,21 +1,22 @@
 """Replay: audited requests run again through a candidate version, old answer against new.
 
     results = await replay(workspace, candidate, records, engines=None, concurrency=4)
-    totals = summarize_replay(results, skipped)
+    totals = summarize_replay(results, skipped)                       # skipped: [{"record_id", "why"}]
 
     server = ReplayServer("http://10.0.0.5:8000", key)                 # or against a running server
     records, skipped = await server.records("support", filters, 200)   # its audit log (auditor)
     sha = await server.keep("support", yaml_text)                        # the candidate, kept, not served (admin)
-    results = await server.replay("support", sha, records, concurrency=4)
+    results = await server.replay("support", sha, records, candidate_text=yaml_text, concurrency=4)
 
-A record can be replayed when its audit stage kept its content in full (``content: full``): its input
-is sent again as the one user message it was (the audit record keeps the last user message, not a
-whole chat), through the candidate pipeline in-process, over the config's real models. Records kept
-as a hash or redacted are skipped, and counted by why. The candidate's own audit stage runs, but its
+A record can be replayed when its audit stage kept its content in full (``content: full``): its request
+is rebuilt from the record (serving/evals/replay_request.py: its last user message, the sampling its
+caller set, its tags and end user) and run through the candidate pipeline in-process, over the config's
+real models; what the record does not keep is named per record (``not_restored``). Records kept as a
+hash or redacted are skipped, each with why. The candidate's own audit stage runs, but its
 records are not written: a replay is an experiment, not a request anyone made, and the log stays the
 record of what was served.
 
-Against a server (:class:`ReplayServer`), each input goes to ``POST /pipelines/NAME`` pinned to the
+Against a server (:class:`ReplayServer`), each request goes to ``POST /pipelines/NAME`` pinned to the
 candidate (``X-Pipeline-Version``), on the server's models, tagged ``replay_of: <record id>``. Those
 are requests the server really served, so they are audited there like any other; their records give
 the new side's policy decision.
@@ -24,7 +25,7 @@ the new side's policy decision.
 from __future__ import annotations
 
 import asyncio
-import html
+import json
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -33,29 +34,44 @@ from typing import Any
 
 import httpx
 
-from pipeline.context import RequestContext
+from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error
 from pipeline.loader import LoadedPipeline
 from pipeline.protocols import EngineProvider
+from serving.evals.replay_report import NOT_A_REQUEST
+from serving.evals.replay_request import ReplayRequest, generate_config, rebuild
 from serving.runtime.resources import Runtime, RuntimeOptions
 from serving.runtime.workspace import Workspace
-from stages.audit import strongest_action
+from stages.audit import output_content, strongest_action
 from stages.checks import normalize
+from stages.generate import GenerateConfig
 from store.audit_filters import AuditFilters
 from store.audit_query import MAX_LIMIT
+from store.pipeline_versions import PipelineVersions
 
 
 def replayable(record: dict[str, Any]) -> str | None:
     """None when *record* can be replayed, else why not."""
     if record.get("kind", "record") != "record" or any(
             entry.get("where") == "deploy" for entry in record.get("policy") or []):
-        return "not a request"  # a checkpoint, or a deploy action (serving/http/deploy_routes.py)
+        return NOT_A_REQUEST  # a checkpoint, or a deploy action (serving/http/deploy_routes.py)
     mode = record.get("content_mode")
     if mode != "full":
         return f"content kept as {mode or 'nothing'}"
     if not record.get("input_content"):
         return "no input kept"
     return None
+
+
+def sort_out(page: Sequence[dict[str, Any]], records: list[dict[str, Any]], skipped: list[dict[str, str]]) -> None:
+    """*page*'s records into those that can be replayed (*records*) and the others, ``{"record_id", "why"}``
+    (*skipped*)."""
+    for record in page:
+        why = replayable(record)
+        if why is None:
+            records.append(record)
+        else:
+            skipped.append({"record_id": str(record.get("id")), "why": why})
 
 
 async def replay(workspace: Workspace, candidate: LoadedPipeline, records: Sequence[dict[str, Any]], *,
@@ -65,14 +81,31 @@ async def replay(workspace: Workspace, candidate: LoadedPipeline, records: Seque
     async with Runtime(workspace, [candidate], RuntimeOptions(engines=engines)) as runtime:
         runtime.resources.audit = _NotWritten()
         pipeline = runtime.pipelines[candidate.spec.name]
+        served = {} if runtime.db is None else await asyncio.to_thread(_served_configs, PipelineVersions(runtime.db),
+                                                                       records)
+        ours = generate_config(candidate.text)
 
         async def one(record: dict[str, Any]) -> dict[str, Any]:
+            request = rebuild(record, served.get(record.get("spec_sha256") or ""), ours)
             async with gate:
-                ctx = RequestContext.from_text(candidate.spec.name, record["input_content"])
+                messages = [ChatMessage(m["role"], m["content"]) for m in request.messages] or \
+                    [ChatMessage("user", request.text)]
+                ctx = RequestContext(candidate.spec.name, messages, tags=request.tags, params=request.params)
                 final = await runtime.runner.run(pipeline, ctx)
-            return compare(record, final, ctx)
+            return compare(record, final, ctx, request)
 
         return list(await asyncio.gather(*(one(record) for record in records)))
+
+
+def _served_configs(versions: PipelineVersions, records: Sequence[dict[str, Any]]) -> dict[str, GenerateConfig]:
+    """The generate stage of each version that served one of *records*, by spec hash (those kept)."""
+    found: dict[str, GenerateConfig] = {}
+    for sha, name in {(r.get("spec_sha256") or "", r.get("pipeline")) for r in records}:
+        version = versions.by_sha256(sha, name) if sha else None
+        config = generate_config(version.text) if version is not None else None
+        if config is not None:
+            found[sha] = config
+    return found
 
 
 class _NotWritten:
@@ -82,17 +115,19 @@ class _NotWritten:
         return None
 
 
-def compare(record: dict[str, Any], final: Done | Error, ctx: RequestContext) -> dict[str, Any]:
-    """The old answer (the audit record) against the new one (the candidate's)."""
-    summary = final.summary
-    old_output, new_output = record.get("output_content") or "", summary.output_text
+def compare(record: dict[str, Any], final: Done | Error, ctx: RequestContext,
+            request: ReplayRequest) -> dict[str, Any]:
+    """The old answer (the audit record) against the new one (the candidate's), each as the record keeps an
+    answer (with ``n`` above 1, every answer's text as a JSON list)."""
+    summary, new_output = final.summary, output_content(ctx)
     return {
-        **_sides(record, old_output, new_output),
+        **_sides(record, request, new_output),
         "new": {"version": summary.pipeline_version, "status": "ok" if isinstance(final, Done) else final.status,
                 "finish_reason": summary.finish_reason, "duration_ms": round(summary.duration_s * 1e3, 3),
                 "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
                 "output_tokens": summary.usage.output_tokens, "cost_usd": summary.cost_usd,
-                "policy_action": strongest_action(list(ctx.facts.get("policy", []))), "output": new_output},
+                "policy_action": strongest_action(list(ctx.facts.get("policy", []))), "output": new_output,
+                **({"error": f"{final.kind}: {final.message}"} if isinstance(final, Error) else {})},
     }
 
 
@@ -117,22 +152,18 @@ class ReplayServer:
             raise ReplayError(f"{method} {path}: {response.status_code} {_detail(response)}")
         return response.json()
 
-    async def records(self, name: str, filters: AuditFilters, limit: int) -> tuple[list[dict[str, Any]], Counter[str]]:
+    async def records(self, name: str, filters: AuditFilters,
+                      limit: int) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
         """Up to *limit* of pipeline *name*'s records matching *filters*, newest first: those that can be
-        replayed, and the others counted by why not."""
+        replayed, and the others with why not (:func:`sort_out`)."""
         params: dict[str, Any] = {**filters.given(), "pipeline": name}
         records: list[dict[str, Any]] = []
-        skipped: Counter[str] = Counter()
+        skipped: list[dict[str, str]] = []
         cursor: str | None = None
-        while len(records) + sum(skipped.values()) < limit:
+        while len(records) + len(skipped) < limit:
             page = await self._json("GET", "/audit/records", params={
                 **params, "limit": min(MAX_LIMIT, limit), **({"cursor": cursor} if cursor else {})})
-            for record in page["records"][:limit - len(records) - sum(skipped.values())]:
-                why = replayable(record)
-                if why is None:
-                    records.append(record)
-                else:
-                    skipped[why] += 1
+            sort_out(page["records"][:limit - len(records) - len(skipped)], records, skipped)
             cursor = page.get("next_cursor")
             if cursor is None:
                 break
@@ -144,25 +175,50 @@ class ReplayServer:
                 )["spec_sha256"]
 
     async def replay(self, name: str, version: str, records: Sequence[dict[str, Any]], *,
-                     concurrency: int = 4) -> list[dict[str, Any]]:
-        """Each record's input sent to *name* pinned to *version*; one comparison per record, in order."""
+                     candidate_text: str | None = None, concurrency: int = 4) -> list[dict[str, Any]]:
+        """Each record's request sent to *name* pinned to *version* (whose YAML is *candidate_text*, when
+        known here); one comparison per record, in order."""
         gate = asyncio.Semaphore(max(1, concurrency))
         started = datetime.now(UTC) - timedelta(minutes=5)  # the server's clock may be a little behind
+        served = await self._served_configs(records)
+        ours = generate_config(candidate_text) if candidate_text is not None else None
 
-        async def one(record: dict[str, Any]) -> tuple[dict[str, Any], httpx.Response]:
+        async def one(record: dict[str, Any]) -> tuple[dict[str, Any], ReplayRequest, httpx.Response]:
+            request = rebuild(record, served.get(record.get("spec_sha256") or ""), ours, can_send_n=False)
+            body = request.body() | {"tags": {**request.tags, "replay_of": str(record.get("id"))}}
             async with gate:
-                return record, await self.client.post(
-                    f"/pipelines/{name}", headers={"X-Pipeline-Version": version},
-                    json={"input": record["input_content"], "tags": {"replay_of": str(record.get("id"))}})
+                return record, request, await self.client.post(
+                    f"/pipelines/{name}", headers={"X-Pipeline-Version": version}, json=body)
 
         answers = await asyncio.gather(*(one(record) for record in records))
-        refused = [response for _, response in answers if response.status_code in (401, 404)]
+        refused = [response for _, _, response in answers if response.status_code in (401, 404)]
         if refused:  # the pin or the key is wrong: no comparison to make
             response = refused[0]
             raise ReplayError(f"POST /pipelines/{name} ({version}): {response.status_code} {_detail(response)}")
-        audited = await self._audited(name, started, {_request_id(response) for _, response in answers})
-        return [compare_answer(record, response, audited.get(_request_id(response)))
-                for record, response in answers]
+        audited = await self._audited(name, started, {_request_id(response) for _, _, response in answers})
+        return [compare_answer(record, request, response, audited.get(_request_id(response)))
+                for record, request, response in answers]
+
+    async def _served_configs(self, records: Sequence[dict[str, Any]]) -> dict[str, GenerateConfig]:
+        """The generate stage of each version that served one of *records*, by spec hash: the server's
+        ``GET /audit/records/ID/spec``, once per version (a version it does not keep is left out)."""
+        found: dict[str, GenerateConfig] = {}
+        asked: set[str] = set()
+        for record in records:
+            sha = record.get("spec_sha256") or ""
+            if not sha or sha in asked:
+                continue
+            asked.add(sha)
+            response = await self.client.get(f"/audit/records/{record.get('id')}/spec")
+            if response.status_code == 404:
+                continue
+            if response.status_code >= 400:
+                raise ReplayError(f"GET /audit/records/{record.get('id')}/spec: {response.status_code} "
+                                  f"{_detail(response)}")
+            config = generate_config(str(response.json().get("text", "")))
+            if config is not None:
+                found[sha] = config
+        return found
 
     async def _audited(self, name: str, since: datetime, request_ids: set[str]) -> dict[str, dict[str, Any]]:
         """The server's audit records of the replayed requests, by request id (none when the candidate
@@ -198,39 +254,64 @@ def _request_id(response: httpx.Response) -> str:
     return response.headers.get("x-request-id", "")
 
 
-def compare_answer(record: dict[str, Any], response: httpx.Response, audited: dict[str, Any] | None) -> dict[str, Any]:
+def compare_answer(record: dict[str, Any], request: ReplayRequest, response: httpx.Response,
+                   audited: dict[str, Any] | None) -> dict[str, Any]:
     """The old answer (the audit record) against the server's new one (its JSON answer, and its audit
     record when there is one: the policy decision and the status as the server recorded them)."""
     body: dict[str, Any] = response.json() if response.headers.get("content-type", "").endswith("json") else {}
     ok = response.status_code == 200
     status = audited["status"] if audited else ("ok" if ok else "denied" if response.status_code in (403, 429)
                                                 else "failed")
-    old_output, new_output = record.get("output_content") or "", body.get("output", "") if ok else ""
+    choices = body.get("choices")
+    new_output = "" if not ok else json.dumps([c.get("output", "") for c in choices], ensure_ascii=False) \
+        if isinstance(choices, list) else body.get("output", "")
     return {
-        **_sides(record, old_output, new_output),
+        **_sides(record, request, new_output),
         "new": {"version": response.headers.get("x-pipeline-version"), "status": status,
                 "finish_reason": body.get("finish_reason"), "duration_ms": body.get("duration_ms"),
                 "ttft_ms": body.get("ttft_ms"), "output_tokens": (body.get("usage") or {}).get("output_tokens", 0),
                 "cost_usd": body.get("cost_usd", 0.0),
-                "policy_action": audited.get("policy_action") if audited else None, "output": new_output},
+                "policy_action": audited.get("policy_action") if audited else None, "output": new_output,
+                **({} if ok else {"error": f"{response.status_code} {_detail(response)}"})},
     }
 
 
-def _sides(record: dict[str, Any], old_output: str, new_output: str) -> dict[str, Any]:
+def _old_output(record: dict[str, Any], request: ReplayRequest) -> str:
+    """The recorded answer; its first only when the record's ``n`` answers were asked for one (a route
+    without ``n``)."""
+    output = record.get("output_content") or ""
+    if any(note["what"] == "n" for note in request.not_restored):
+        try:
+            answers = json.loads(output)
+        except ValueError:
+            return output
+        return str(answers[0]) if isinstance(answers, list) and answers else output
+    return output
+
+
+def _sides(record: dict[str, Any], request: ReplayRequest, new_output: str) -> dict[str, Any]:
+    old_output = _old_output(record, request)
     return {
         "record_id": record.get("id"), "request_id": record.get("request_id"),
+        "sent": {"params": request.params, "tags": sorted(request.tags)},
+        "not_restored": list(request.not_restored),
         "identical": old_output == new_output,
         "normalized_identical": normalize(old_output) == normalize(new_output),
         "old": {"version": record.get("pipeline_version"), "status": record.get("status"),
-                "finish_reason": record.get("finish_reason"), "duration_ms": record.get("duration_ms"),
-                "ttft_ms": record.get("ttft_ms"), "output_tokens": record.get("output_tokens"),
+                "finish_reason": record.get("finish_reason"), "duration_ms": _ms(record.get("duration_ms")),
+                "ttft_ms": _ms(record.get("ttft_ms")), "output_tokens": record.get("output_tokens"),
                 "cost_usd": record.get("cost_usd"), "policy_action": record.get("policy_action"),
                 "output": old_output},
     }
 
 
-def summarize_replay(results: Sequence[dict[str, Any]], skipped: Counter[str]) -> dict[str, Any]:
-    """Totals: how many answers stayed the same, and old against new latency, tokens, cost and policy."""
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def summarize_replay(results: Sequence[dict[str, Any]], skipped: Sequence[dict[str, str]]) -> dict[str, Any]:
+    """Totals: how many answers stayed the same, and old against new latency, tokens, cost and policy; the
+    records skipped, by why."""
     def median(side: str, key: str) -> float | None:
         values = [r[side][key] for r in results if r[side][key] is not None]
         return round(statistics.median(values), 3) if values else None
@@ -238,34 +319,16 @@ def summarize_replay(results: Sequence[dict[str, Any]], skipped: Counter[str]) -
     def total(side: str, key: str) -> float:
         return round(sum(r[side][key] or 0 for r in results), 6)
 
+    missing = Counter(note["what"] for r in results for note in r["not_restored"])
+    reasons = Counter(s["why"] for s in skipped)
     return {
         "replayed": len(results), "identical": sum(r["identical"] for r in results),
         "normalized_identical": sum(r["normalized_identical"] for r in results),
         "status_changed": sum(r["old"]["status"] != r["new"]["status"] for r in results),
         "policy_changed": sum(r["old"]["policy_action"] != r["new"]["policy_action"] for r in results),
-        "skipped": sum(skipped.values()), "skipped_by_reason": dict(skipped),
+        "skipped": len(skipped), "skipped_by_reason": dict(reasons),
+        "not_restored": sum(bool(r["not_restored"]) for r in results), "not_restored_by_what": dict(missing),
         "duration_ms_p50": {"old": median("old", "duration_ms"), "new": median("new", "duration_ms")},
         "output_tokens": {"old": total("old", "output_tokens"), "new": total("new", "output_tokens")},
         "cost_usd": {"old": total("old", "cost_usd"), "new": total("new", "cost_usd")},
     }
-
-
-def html_report(name: str, candidate: str, totals: dict[str, Any], results: Sequence[dict[str, Any]]) -> str:
-    """A self-contained HTML page (no outside assets): the totals, then each request old against new."""
-    e = html.escape
-    rows = "\n".join(
-        f"<tr class=\"{'same' if r['identical'] else 'diff'}\"><td><code>{e(str(r['record_id']))}</code></td>"
-        f"<td>{'yes' if r['identical'] else 'no'}</td><td>{e(r['old']['output'])}</td><td>{e(r['new']['output'])}</td>"
-        f"<td>{r['old']['duration_ms']} / {r['new']['duration_ms']}</td>"
-        f"<td>{r['old']['output_tokens']} / {r['new']['output_tokens']}</td>"
-        f"<td>{e(str(r['old']['policy_action']))} / {e(str(r['new']['policy_action']))}</td></tr>"
-        for r in results)
-    facts = "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in totals.items())
-    return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Replay of {e(name)}</title>"
-            "<style>body{font:14px system-ui,sans-serif;margin:2rem}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:.3rem;vertical-align:top}.diff{background:#fff3f0}"
-            "dt{font-weight:600}</style></head><body>"
-            f"<h1>Replay of {e(name)} through {e(candidate)}</h1><dl>{facts}</dl>"
-            "<table><thead><tr><th>record</th><th>identical</th><th>old output</th><th>new output</th>"
-            "<th>ms old / new</th><th>tokens old / new</th><th>policy old / new</th></tr></thead>"
-            f"<tbody>{rows}</tbody></table></body></html>\n")

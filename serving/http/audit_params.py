@@ -24,6 +24,7 @@ from store.audit_filters import FILTER_FIELDS, RANGE_FIELDS, TIME_HELP, AuditFil
 _Time = Annotated[str | None, Parameter(required=False, description=f"ISO 8601 or relative: {TIME_HELP}")]
 _Cost = Annotated[str | None, Parameter(required=False, description=FILTER_FIELDS["min_cost_usd"])]
 _Text = Annotated[str | None, Parameter(required=False)]
+_Subject = Annotated[str | None, Parameter(required=False, description=FILTER_FIELDS["subject"])]
 
 
 def _bad(exc: ValueError) -> Problem:
@@ -33,10 +34,10 @@ def _bad(exc: ValueError) -> Problem:
 async def _audit_filters(since: _Time = None, until: _Time = None, pipeline: _Text = None, spec_sha256: _Text = None,
                          key_id: _Text = None, model: _Text = None, policy_action: _Text = None,
                          policy_category: _Text = None, status: _Text = None, finish_reason: _Text = None,
-                         min_cost_usd: _Cost = None, text: _Text = None) -> AuditFilters:
+                         min_cost_usd: _Cost = None, text: _Text = None, subject: _Subject = None) -> AuditFilters:
     values = {"since": since, "until": until, "pipeline": pipeline, "spec_sha256": spec_sha256, "key_id": key_id,
               "model": model, "policy_action": policy_action, "policy_category": policy_category, "status": status,
-              "finish_reason": finish_reason, "min_cost_usd": min_cost_usd, "text": text}
+              "finish_reason": finish_reason, "min_cost_usd": min_cost_usd, "text": text, "subject": subject}
     try:
         return parse_filters(values)
     except ValueError as exc:

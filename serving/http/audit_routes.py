@@ -118,9 +118,12 @@ async def summary(request: Request, filters: NamedDependency[AuditFilters],
 async def verify(request: Request, filters: NamedDependency[AuditFilters]) -> dict[str, Any]:
     store, _ = await _reviewer(request, "verify", filters.given())
     report = await _call(store.verify, filters.since, filters.until)
+    tail = report.uncovered  # the newest records no signed checkpoint covers yet
     return {"ok": report.ok, "checked": report.checked, "head_seq": report.head_seq,
             "findings": [{"kind": f.kind, "seq": f.seq, "record_id": f.record_id, "detail": f.detail}
-                         for f in report.findings]}
+                         for f in report.findings],
+            "uncovered": None if tail is None else {"first_seq": tail.first_seq, "last_seq": tail.last_seq,
+                                                    "count": tail.count, "since": tail.since.isoformat()}}
 
 
 @get("/audit/export", summary="Export records as JSON Lines or CSV, streamed", **_ROUTE,
@@ -129,7 +132,7 @@ async def verify(request: Request, filters: NamedDependency[AuditFilters]) -> di
 async def export(request: Request, filters: NamedDependency[AuditFilters],
                  format: FromQuery[Literal["jsonl", "csv"]] = "jsonl") -> Response[Any]:
     store, _ = await _reviewer(request, "export", {"format": format, **filters.given()})
-    lines = store.export(filters, format)
+    lines = await _call(store.export, filters, format)  # a filter it cannot apply is a 400 before the stream
     media = "application/x-ndjson" if format == "jsonl" else "text/csv"
     return Stream(_async_lines(lines), media_type=media,
                   headers={"Content-Disposition": f'attachment; filename="audit.{format}"'})

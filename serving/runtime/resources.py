@@ -16,7 +16,6 @@ starts the models when asked. Everything opened is closed in reverse order on an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -35,7 +34,9 @@ from pipeline.refs import find_refs
 from pipeline.runner import Pipeline, Runner
 from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
-from serving.backends.audit_sink import StoreSink, anchor_delivery, open_sink, open_store
+from serving.backends.audit_keys import checkpoint_signer, serving_signer
+from serving.backends.audit_seal import audit_seal
+from serving.backends.audit_sink import StoreSink, open_sink, open_store
 from serving.backends.caches import StoreCaches
 from serving.backends.embedders import EmbedderPool
 from serving.backends.indexes import IndexRegistry
@@ -150,11 +151,14 @@ class Runtime:
             await self.refresh_traffic()
             for pipeline in self.pipelines.values():
                 await self.record_version(pipeline.loaded)
-        self.audit = open_store(server, root, db)
-        if options.journal and server.audit.anchors is not None:  # a serving process delivers the digests
-            delivery = anchor_delivery(server, root, db, options.metrics_registry)
-            deliverer = asyncio.create_task(delivery.run())
-            stack.push_async_callback(_cancelled, deliverer)
+        # A serving process signs with the config's key or, failing that, its own (made on first start); it
+        # seals the newest records with a checkpoint every few seconds and delivers their digests.
+        signer = await asyncio.to_thread(serving_signer, server, db.url) if options.journal \
+            else checkpoint_signer(server)
+        self.audit = open_store(server, root, db, signer)
+        seal = audit_seal(server, root, self.audit, signer, options.metrics_registry) if options.journal else None
+        if seal is not None:
+            stack.push_async_callback(seal.aclose)  # after the sink's close: what it chained last is sealed too
         if options.journal:
             replayed = await asyncio.to_thread(self.audit.replay_spool)
             if replayed:
@@ -163,6 +167,8 @@ class Runtime:
         else:
             self.audit_sink = StoreSink(self.audit)
         stack.push_async_callback(self.audit_sink.aclose)
+        if seal is not None:
+            await seal.start()
         self.resources.audit = self.audit_sink
         self.counters = await open_counters(server.limits, db)
         stack.push_async_callback(self.counters.close)
@@ -303,10 +309,3 @@ async def open_counters(spec: LimitsSpec, db: sa.Engine) -> SqlCounters | RedisC
         logger.error("limits: Redis is unreachable (%s); requests with limits get 503 until it is back",
                      type(exc).__name__)
     return counters
-
-
-async def _cancelled(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import textwrap
 
 import pytest
 
-from pipeline.context import Principal, RequestContext
+from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.events import TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
@@ -113,3 +114,60 @@ async def test_redacted_uses_policy_text_or_falls_back_to_hash(registry, mode):
     await Runner().run(build(registry, sink, mode), RequestContext.from_text("chat", "secret"))
     expected = {"full": "full", "redacted": "hash", "hash": "hash"}[mode]
     assert sink.records[0]["content_mode"] == expected
+
+
+GUARDED = """
+name: chat
+stages:
+  - {id: guard, type: policy, with: {pii: redact}}
+  - {id: prompt, type: prompt}
+  - {id: tok, type: tokenize}
+  - {id: gen, type: generate, with: {max_tokens: 64, temperature: 0, seed: 5}}
+  - {id: out, type: stream}
+  - {id: log, type: audit, always: true, with: {content: CONTENT, subject: tags.user}}
+"""
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("full", {"tier": "gold", "user": "alice@example.com"}),
+    ("redacted", {"tier": "gold", "user": "<EMAIL_1>"}),
+    ("hash", {"tier": hashlib.sha256(b"gold").hexdigest(), "user": hashlib.sha256(b"alice@example.com").hexdigest()}),
+    ("encrypted", {"tier": "gold", "user": "alice@example.com"}),  # in clear to the sink, which encrypts them
+])
+async def test_the_tags_are_kept_as_the_content_is_and_the_user_only_among_them(registry, mode, expected):
+    sink = ListSink()
+    loaded = load_pipeline_text(GUARDED.replace("CONTENT", mode), "p.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=FakeEngine("Paris.")), audit=sink))
+    ctx = RequestContext.from_text("chat", "Capital?", tags={"user": "alice@example.com", "tier": "gold"})
+    await Runner().run(pipeline, ctx)
+    (record,) = sink.records
+    assert record["content_mode"] == mode
+    assert json.loads(record["tags"]) == expected
+    assert "user" not in record["params"] and "alice" not in json.dumps(record["params"])
+    assert record.get("content_subject") == ("tags.user:alice@example.com" if mode == "encrypted" else None)
+
+
+async def test_a_request_without_tags_keeps_none(registry):
+    sink = ListSink()
+    await Runner().run(build(registry, sink, "full"), RequestContext.from_text("chat", "Capital?"))
+    assert sink.records[0]["tags"] is None
+
+
+@pytest.mark.parametrize("mode", ["full", "redacted", "hash"])
+async def test_a_chat_of_several_turns_is_kept_whole_as_the_content_is(registry, mode):
+    # Replay sends a chat again only if the record keeps its earlier turns, not only its last message.
+    sink = ListSink()
+    loaded = load_pipeline_text(GUARDED.replace("CONTENT", mode), "p.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=FakeEngine("Paris.")), audit=sink))
+    turns = [ChatMessage("user", "I am bob@example.com"), ChatMessage("assistant", "Hello."),
+             ChatMessage("user", "Capital?")]
+    await Runner().run(pipeline, RequestContext("chat", turns))
+    (record,) = sink.records
+    sent = [{"role": m.role, "content": m.content} for m in turns]
+    assert record["params"]["turns"] == 3
+    if mode == "full":  # as the client sent it, before the policy's redaction
+        assert json.loads(record["input_content"]) == sent
+    elif mode == "redacted":
+        assert json.loads(record["input_content"])[0] == {"role": "user", "content": "I am <EMAIL_1>"}
+    else:
+        assert record["input_content"] == hashlib.sha256(json.dumps(sent, ensure_ascii=False).encode()).hexdigest()

@@ -153,7 +153,9 @@ def test_rows_look_as_the_locking_append_writes_them(pg, tmp_path):
 
 
 def test_without_the_function_the_locking_append_writes(pg, tmp_path):
-    downgrade(pg, "0003")  # a database that has not had revision 0004
+    # A database without the function (as before revision 0004), its tables as the models have them.
+    with pg.begin() as conn:
+        conn.execute(sa.text("DROP FUNCTION audit_append(bigint, text, bigint, text, json, json, json)"))
     audit = AuditStore(pg, spool_path=tmp_path / "s")
     sent = calls_to_audit_append(pg)
     for i in range(3):

@@ -21,7 +21,7 @@ from store.migrate import create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys", "responses"}
-HEAD = "0011"
+HEAD = "0012"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
@@ -91,3 +91,18 @@ def test_keys_made_before_tenants_keep_their_name_as_tenant(bare_engine):
         assert conn.execute(sa.text("SELECT tenant FROM api_keys")).scalar_one() == "old bot"
     downgrade(bare_engine, "0004")
     assert "tenant" not in {c["name"] for c in sa.inspect(bare_engine).get_columns("api_keys")}
+
+
+def test_records_chained_before_0012_still_verify_across_it(bare_engine, tmp_path):
+    from store.audit import AuditStore
+    from tests.store.test_audit import make_record
+
+    upgrade(bare_engine)
+    AuditStore(bare_engine, spool_path=tmp_path / "spool").write_batch([make_record(i) for i in range(3)])
+    downgrade(bare_engine, "0011")  # the columns 0012 adds are gone, the records and their hashes stay
+    assert {"tags", "subject_hash"}.isdisjoint(c["name"] for c in sa.inspect(bare_engine).get_columns("audit_records"))
+    upgrade(bare_engine)
+    store = AuditStore(bare_engine, spool_path=tmp_path / "spool")
+    store.write(make_record(3, tags='{"user":"alice"}'))
+    report = store.verify()
+    assert report.ok and report.checked == 4

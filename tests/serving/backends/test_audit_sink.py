@@ -335,3 +335,31 @@ def test_an_append_can_empty_the_chained_journal_first(tmp_path):
     assert _journal_lines(journal.path) == [{"id": "b"}] and journal.size() == len('{"id": "b"}\n')
     journal.close()
     assert journal.path.exists()  # "b" is not chained: the next start replays it
+
+
+async def test_encrypted_records_keep_their_subject_as_a_keyed_hash_and_without_a_key_hashes(tmp_path):
+    import hashlib
+    import os
+
+    from store.audit_vault import ContentVault
+    from store.db import make_engine
+    from store.migrate import create_schema
+
+    database = make_engine(f"sqlite:///{tmp_path / 'audit.db'}")
+    create_schema(database)
+    vault = ContentVault(database, os.urandom(32))
+    record = {"pipeline": "chat", "status": "ok", "content_mode": "encrypted", "content_subject": "tags.user:alice",
+              "input_content": "alice's question", "output_content": "an answer",
+              "tags": json.dumps({"tier": "gold", "user": "alice"})}
+    for store in (AuditStore(database, spool_path=tmp_path / "a", vault=vault),
+                  AuditStore(database, spool_path=tmp_path / "b")):  # no audit.master_key
+        sink = StoreSink(store)
+        await sink.write(dict(record))
+        await sink.aclose()
+    sealed, hashed = AuditStore(database, spool_path=tmp_path / "c").query(AuditFilters(), sort="seq").records
+    assert sealed["content_mode"] == "encrypted" and sealed["subject_hash"] == vault.subject_hash("tags.user:alice")
+    assert vault.decrypt(sealed["tags"]) == record["tags"] and "alice" not in json.dumps(sealed)
+    assert hashed["content_mode"] == "hash" and hashed["subject_hash"] is None
+    assert hashed["tags"] == {name: hashlib.sha256(value.encode()).hexdigest()
+                              for name, value in (("tier", "gold"), ("user", "alice"))}
+    assert hashed["input_content"] == hashlib.sha256(b"alice's question").hexdigest()

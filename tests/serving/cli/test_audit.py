@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,6 +16,7 @@ import sqlalchemy as sa
 from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
 from store.audit import AuditStore
+from store.audit_filters import parse_filters
 from store.audit_query import EXPORT_COLUMNS
 from store.db import make_engine
 from store.keys import KeyStore
@@ -181,8 +183,8 @@ def test_the_access_log_on_the_cli(config, capsys):
     engine.dispose()
     assert main(["audit", "access", "--config", config, "--format", "jsonl"]) == 0
     entries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [e["action"] for e in entries] == ["verify", "export", "query"]
-    assert entries[1]["key_name"] == "reviewer" and entries[1]["query"] == {"format": "csv"}
+    assert [e["action"] for e in entries] == ["access", "verify", "export", "query"]  # this read is logged too
+    assert entries[2]["key_name"] == "reviewer" and entries[2]["query"] == {"format": "csv"}
     assert main(["audit", "access", "--config", config, "--key-id", info.id, "--action", "query",
                  "--since", "1h", "--format", "table"]) == 0
     header, row = capsys.readouterr().out.splitlines()
@@ -192,3 +194,39 @@ def test_the_access_log_on_the_cli(config, capsys):
     assert len(out.splitlines()) == 1 and "more: --cursor" in err
     assert main(["audit", "access", "--config", config, "--action", "prune", "--format", "jsonl"]) == 0
     assert capsys.readouterr().err.strip() == "no access-log entries match"
+
+
+def test_every_read_on_the_cli_is_in_the_access_log(config, capsys):
+    record_id = AuditStore(make_engine(open_workspace(config).database_url), spool_path=Path(config).parent / "s") \
+        .query(parse_filters({}), limit=1).records[0]["id"]
+    for argv in (["query", "--pipeline", "chat", "--since", "2026-01-01", "--limit", "2"], ["show", record_id],
+                 ["show", record_id, "--spec"], ["summary", "--group-by", "model"], ["export", "--format", "csv"],
+                 ["verify", "--until", "2099-01-01"], ["access", "--action", "query"]):
+        main(["audit", *argv, "--config", config])
+    capsys.readouterr()
+    engine = make_engine(open_workspace(config).database_url)
+    entries = AuditStore(engine, spool_path=Path(config).parent / "s").access_log(10)
+    assert [(e["action"], e["role"], e["key_id"]) for e in reversed(entries)] == [
+        (action, "cli", None) for action in ("query", "show", "show spec", "summary", "export", "verify", "access")]
+    logged = {e["action"]: e["query"] for e in entries}
+    assert logged["query"] == {"pipeline": "chat", "since": "2026-01-01T00:00:00+00:00", "sort": "-received_at",
+                               "limit": 2}
+    assert logged["show"] == {"record_id": record_id} and logged["summary"] == {"group_by": "model"}
+    assert logged["export"] == {"format": "csv"} and logged["verify"] == {"until": "2099-01-01T00:00:00+00:00"}
+    assert logged["access"] == {"action": "query", "limit": 50}
+
+
+def test_an_export_into_a_pipe_closed_early_ends_quietly(config, tmp_path):
+    engine = make_engine(open_workspace(config).database_url)
+    AuditStore(engine, spool_path=tmp_path / "spool").write_batch(
+        [{"pipeline": "chat", "input_content": f"question {i} " + "x" * 500} for i in range(400)])
+    engine.dispose()
+    # More than a pipe holds (64 KiB): the export is still writing when the reader goes, as with `| head -1`.
+    with subprocess.Popen([sys.executable, "-m", "serving.cli", "audit", "export", "--config", config],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[3]) as export:
+        assert export.stdout is not None
+        assert json.loads(export.stdout.readline())["pipeline"] == "chat"
+        export.stdout.close()
+        err = export.communicate(timeout=60)[1].decode()
+    assert export.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -217,3 +217,9 @@ def test_the_access_log_is_read_on_the_api(auth_client, keys):
 def _jsonl_ids(response) -> set[str]:
     assert response.status_code == 200, response.text
     return {json.loads(line)["id"] for line in response.text.splitlines()}
+
+
+@pytest.mark.parametrize("path", ["/audit/records", "/audit/summary", "/audit/export"])
+def test_a_subject_without_a_master_key_is_a_400(traffic, path):
+    answer = traffic.get(path, params={"subject": "tags.user:alice"})
+    assert answer.status_code == 400 and "audit.master_key" in answer.json()["detail"], answer.text
