@@ -4,7 +4,8 @@ Templates see the request context's flow fields by name (``{{ input }}``,
 ``{% for d in documents %}``) and nothing else: no attribute starting with an
 underscore, no callables beyond Jinja's safe filters. The names a template
 uses are known at load time, so the loader can check that each one exists and
-is written by an earlier stage.
+is written by an earlier stage; an attribute the sandbox would refuse at every
+request (``{{ cycler.__init__ }}``) is refused at load.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -63,4 +64,24 @@ def compile_template(source: str) -> Template:
         compiled = _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"template syntax error on its line {exc.lineno}: {exc.message}") from exc
+    refused = _refused_attributes(ast)
+    if refused:
+        line, name = refused[0]
+        names = ", ".join(dict.fromkeys(repr(n) for _, n in refused))
+        raise TemplateError(f"template line {line}: {names}: an attribute that starts with '_' is refused by the "
+                            f"sandbox at every request; to read a key of that name, write ['{name}'] instead of "
+                            f".{name}")
     return Template(source, frozenset(meta.find_undeclared_variables(ast)), compiled)
+
+
+def _refused_attributes(node: nodes.Node) -> list[tuple[int, str]]:
+    """The attributes under *node*, in the order they are written, that the sandbox refuses whatever they are
+    read on (a name starting with ``_``: ``cycler.__init__``, ``x|attr('__class__')``), with their lines."""
+    found = [item for child in node.iter_child_nodes() for item in _refused_attributes(child)]
+    if isinstance(node, nodes.Getattr):
+        name = node.attr
+    elif isinstance(node, nodes.Filter) and node.name == "attr" and node.args and isinstance(node.args[0], nodes.Const):
+        name = node.args[0].value
+    else:
+        return found
+    return [*found, (node.lineno, name)] if isinstance(name, str) and name.startswith("_") else found

@@ -54,7 +54,7 @@ class YamlSource:
         return ""
 
 
-#: Values an expanded document may hold: aliases of aliases ("billion laughs") stop here.
+#: Values that aliases may add to a document ("billion laughs": aliases of aliases) before it is refused.
 MAX_EXPANDED_NODES = 100_000
 
 
@@ -107,8 +107,10 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 
 def _structure_issue(file: str, root: yaml.Node) -> SpecIssue | None:
-    """An alias that contains itself, or aliases that expand to more than MAX_EXPANDED_NODES values:
-    what the later steps, which walk the document as a tree, would never finish."""
+    """An alias that contains itself, or aliases that add more than MAX_EXPANDED_NODES values to the
+    document: what the later steps, which walk the document as a tree, would never finish. A document
+    without aliases is walked in time linear in its text, however large."""
+    limit = _num_nodes(root) + MAX_EXPANDED_NODES  # past this many values, aliases added the rest
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
@@ -116,11 +118,12 @@ def _structure_issue(file: str, root: yaml.Node) -> SpecIssue | None:
         node, children_done = stack.pop()
         if children_done:
             on_path.discard(id(node))
-            sizes[id(node)] = min(MAX_EXPANDED_NODES + 1, 1 + sum(sizes[id(c)] for c in _children(node)))
-            if sizes[id(node)] > MAX_EXPANDED_NODES:
+            sizes[id(node)] = min(limit + 1, 1 + sum(sizes[id(c)] for c in _children(node)))
+            if sizes[id(node)] > limit:
                 mark = node.start_mark
                 return SpecIssue(file, mark.line + 1, mark.column + 1, "", "YAML aliases expand to more than "
-                                 f"{MAX_EXPANDED_NODES:,} values; write the values out or use fewer aliases")
+                                 f"{MAX_EXPANDED_NODES:,} values beyond the document's own; write the values out or "
+                                 "use fewer aliases")
             continue
         if id(node) in sizes:
             continue
@@ -132,6 +135,18 @@ def _structure_issue(file: str, root: yaml.Node) -> SpecIssue | None:
         stack.append((node, True))
         stack += [(child, False) for child in _children(node) if id(child) not in sizes]
     return None
+
+
+def _num_nodes(root: yaml.Node) -> int:
+    """How many distinct nodes the document has: its own values, each alias's target counted once."""
+    seen = {id(root)}
+    stack = [root]
+    while stack:
+        for child in _children(stack.pop()):
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return len(seen)
 
 
 def _unconstructible(loader: yaml.SafeLoader, root: yaml.Node) -> yaml.Node | None:

@@ -3,7 +3,7 @@
     inferline pipelines versions support                      # every version kept, which one serves
     inferline pipelines deploy support pipelines/support.yaml # a new version, served at once
     inferline pipelines deploy support v4.yaml --keep         # kept, not served: for a split, shadow or pin
-    inferline pipelines activate support 3f0c2a               # a kept version, by spec hash (prefix)
+    inferline pipelines activate support 3f0c2a               # a kept version, by spec hash (6+ characters)
     inferline pipelines rollback support                      # the version before the serving one
     inferline pipelines retire support                        # stop serving it (versions stay kept)
     inferline pipelines split support 3=95 4=5                # a canary: 5% of caller keys on version 4
@@ -55,7 +55,8 @@ def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                         help="check and keep the version without serving it (for split, shadow or a pin)")
     activate = actions.add_parser("activate", parents=[common], help="serve a kept version again")
     activate.add_argument("name")
-    activate.add_argument("spec_sha256", help="the version's spec hash, or a unique prefix of it")
+    activate.add_argument("spec_sha256", metavar="VERSION",
+                          help="the version's spec hash (six or more characters of it), or its version: label")
     rollback = actions.add_parser("rollback", parents=[common], help="serve the version before the serving one")
     rollback.add_argument("name")
     retire = actions.add_parser("retire", parents=[common], help="stop serving a pipeline")
@@ -130,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2))
     else:
         _print(args.pipelines_command, answer)
+        for warning in answer.get("warnings", []):
+            print(f"warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -313,6 +313,16 @@ BAD = {
             with: {user: "{% if input %}no end"}
         """,
         "p.yaml:5:11: stages[0].with: template syntax error on its line 1: Unexpected end of template."),
+    "a template attribute the sandbox refuses at every request": (
+        """\
+        name: x
+        stages:
+          - id: p
+            type: prompt
+            with: {system: "{{ cycler.__init__.__globals__ }}"}
+        """,
+        "p.yaml:5:11: stages[0].with: template line 1: '__init__', '__globals__': an attribute that starts with "
+        "'_' is refused by the sandbox at every request"),
 }
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from pipeline.errors import SpecError
 from pipeline.loader import LoadedPipeline, load_pipeline_text, load_server
+from pipeline.protocols import Catalog, ModelInfo
 
 EXAMPLES = int(os.environ.get("RELIABILITY_HYPOTHESIS_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -107,6 +108,17 @@ def test_alias_bombs_and_deep_documents_are_located_errors(text):
     with pytest.raises(SpecError) as raised:
         load_pipeline_text(text, "p.yaml", registry(), None)
     assert_located(raised.value, "p.yaml", text)
+
+
+def test_a_large_document_without_alias_bombs_loads():
+    """The alias limit counts what aliases add: a file that is large by itself (here 120,000 values, one
+    small alias among them) loads; it was refused as an alias bomb."""
+    ids = ", ".join(["7"] * 120_000)
+    text = ("name: big\ndescription: &d Stops on many tokens.\nversion: *d\nstages:\n  - {id: p, type: prompt}\n"
+            f"  - {{id: t, type: tokenize}}\n  - {{id: g, type: generate, with: {{stop_token_ids: [{ids}]}}}}\n"
+            "  - {id: s, type: stream}\n")
+    loaded = load_pipeline_text(text, "p.yaml", registry(), Catalog(models={"smol": ModelInfo("smol")}))
+    assert len(loaded.plans[2].config.stop_token_ids) == 120_000 and loaded.spec.version == "Stops on many tokens."
 
 
 @FUZZ

@@ -90,12 +90,18 @@ async def test_template_can_place_documents_itself(registry, catalog):
 
 
 async def test_sandbox_blocks_unsafe_attributes(registry):
+    with pytest.raises(SpecError, match="'__class__', '__mro__': an attribute that starts with '_' is refused"):
+        pipeline("""
+            name: p
+            stages:
+              - {id: p, type: prompt, with: {user: "{{ input.__class__.__mro__ }}"}}
+        """, registry)
     p = pipeline("""
         name: p
         stages:
-          - {id: p, type: prompt, with: {user: "{{ input.__class__.__mro__ }}"}}
-    """, registry)
-    final = await Runner().run(p, RequestContext.from_text("p", "x"))
+          - {id: p, type: prompt, with: {user: "{{ input|attr(tags.name) }}"}}
+    """, registry)  # an attribute named at the request: only the sandbox can refuse it
+    final = await Runner().run(p, RequestContext.from_text("p", "x", tags={"name": "__class__"}))
     assert final.status == "failed"
     assert final.kind == "template_error"
 

@@ -61,3 +61,34 @@ def test_deploy_versions_rollback_and_retire_from_the_command_line(tmp_path, mon
         assert main(["pipelines", "deploy", "chat", str(missing), *common]) == 2
     finally:
         server.stop()
+
+
+def test_a_short_hash_and_a_label_used_twice_are_explained(tmp_path, monkeypatch, capsys):
+    """activate with fewer than six characters of a hash says six are needed; a deploy whose version: label
+    another kept version has (here both files leave version: out) warns that pins by label are ambiguous."""
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE", "INFERLINE_URL", "INFERLINE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    workspace = open_workspace(str(write_workspace(tmp_path, auth=True)))
+    engine = make_engine(workspace.database_url)
+    create_schema(engine)
+    (_, admin) = KeyStore(engine).create("ops", "admin")
+    server = LiveServer(create_server(workspace, engines=FakeEngines(smol=FakeEngine("Paris."))))
+    try:
+        common = ["--url", server.url, "--key", admin]
+        assert main(["pipelines", "activate", "chat", "9a", *common]) == 1
+        assert "a spec hash prefix needs six or more characters ('9a' has 2)" in capsys.readouterr().err
+        edited = tmp_path / "chat-edited.yaml"
+        edited.write_text(CHAT.replace("Chat.", "Chat, edited."))  # no version: either: labelled 1 as well
+        assert main(["pipelines", "deploy", "chat", str(edited), "--keep", *common]) == 0
+        err = capsys.readouterr().err
+        assert "warning: version label '1' (the file has no version:, so its label is the default) also names 1 " \
+               "other kept version(s) of 'chat'" in err and "set a version: of its own" in err
+        edited.write_text(CHAT.replace("Chat.", "Chat, again.").replace("name: chat", "name: chat\nversion: '1'"))
+        assert main(["pipelines", "deploy", "chat", str(edited), *common]) == 0
+        err = capsys.readouterr().err
+        assert "version label '1' also names 2 other kept version(s)" in err and "no version:" not in err
+        edited.write_text(CHAT.replace("name: chat", "name: chat\nversion: '2'"))
+        assert main(["pipelines", "deploy", "chat", str(edited), *common]) == 0
+        assert "warning" not in capsys.readouterr().err
+    finally:
+        server.stop()
