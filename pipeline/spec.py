@@ -8,6 +8,7 @@ not a silently ignored key). Loading with located errors lives in
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,7 +31,17 @@ from pipeline.diagnostics import suggest
 _NAME = r"^[a-z][a-z0-9_-]*$"
 #: Names of pipelines, stages and indexes (an index name is also a folder name: never a path).
 NAME_PATTERN = _NAME
+#: The longest pipeline name: it is a file name (``<name>.yaml``, and the deploy's temporary file beside it)
+#: and the audit log's ``pipeline`` column (200 characters).
+MAX_PIPELINE_NAME = 128
 IndexName = Annotated[str, StringConstraints(pattern=_NAME)]
+#: What a pipeline name may be, for those that check one before it names a file (the deploy API).
+PIPELINE_NAME_RULE = f"lowercase letters, digits, '-' and '_', starting with a letter, at most {MAX_PIPELINE_NAME}"
+
+
+def is_pipeline_name(name: str) -> bool:
+    """Whether *name* may name a pipeline (``PipelineSpec.name``): never a path, a control or non-ASCII character."""
+    return len(name) <= MAX_PIPELINE_NAME and re.fullmatch(_NAME, name) is not None
 
 
 class Strict(BaseModel):
@@ -326,7 +337,7 @@ class AnchorsSpec(Strict):
     #: Also POST each digest, as JSON, to this URL (a log archive, a transparency service).
     url: str | None = None
     #: How often new checkpoints are looked for and delivered, in seconds; a failed delivery is retried then.
-    every_s: float = Field(5.0, gt=0, le=3600)
+    every_s: float = Field(2.0, gt=0, le=3600)
 
 
 class AuditSpec(Strict):
@@ -349,8 +360,17 @@ class AuditSpec(Strict):
     #: HMAC key for signed checkpoints (before Ed25519; still verifies old ones, signs when no
     #: signing_key is set); better set by INFERLINE_AUDIT__CHECKPOINT_KEY(_FILE).
     checkpoint_key: str | None = None
-    #: Records between signed checkpoints.
+    #: Records between signed checkpoints (at multiples of it, by a writer that holds the key).
     checkpoint_every: PositiveInt = 1000
+    #: Seconds between signed checkpoints at the chain head while records come in, whoever appended them (a
+    #: serving process that holds the key signs them): the newest records are anchored within
+    #: ``checkpoint_every_s + anchors.every_s``.
+    checkpoint_every_s: float = Field(2.0, gt=0, le=3600)
+    #: With no signing_key or checkpoint_key and a SQLite file database, a serving process signs with a key of its
+    #: own, made on first start beside the database (``<name>-audit-signing.pem``, mode 0600, and its ``.pub``),
+    #: and delivers digests to ``<name>-audit-digests/`` beside it unless ``anchors`` names a folder. false:
+    #: nothing is signed without a key.
+    local_key: bool = True
     #: 32 bytes (base64 or hex) that wrap the per-subject data keys of ``content: encrypted``; set it by
     #: INFERLINE_AUDIT__MASTER_KEY(_FILE). Losing it loses that content; a wrong one stops the server.
     master_key: str | None = None
@@ -536,8 +556,8 @@ class SLOSpec(Strict):
 class PipelineSpec(Strict):
     """One pipeline file: one endpoint."""
 
-    #: The pipeline's endpoint, /pipelines/<name>: lowercase letters, digits, '-' and '_'.
-    name: str = Field(pattern=_NAME)
+    #: The pipeline's endpoint, /pipelines/<name>: lowercase letters, digits, '-' and '_' (at most 128).
+    name: str = Field(pattern=_NAME, max_length=MAX_PIPELINE_NAME)
     #: What it does, for the console and the API's listing.
     description: str = ""
     #: A label recorded in traces and audit records.

@@ -15,7 +15,7 @@ from serving.runtime.workspace import Workspace
 
 
 def create_server(workspace: Workspace, *, engines: EngineProvider | None = None,
-                  freeze_heap: bool = False) -> Litestar:
+                  freeze_heap: bool = False, listen_while_starting: bool = False) -> Litestar:
     """The app for *workspace* with its web console; the arguments are :func:`create_app`'s."""
-    return create_app(workspace, engines=engines, freeze_heap=freeze_heap,
+    return create_app(workspace, engines=engines, freeze_heap=freeze_heap, listen_while_starting=listen_while_starting,
                       plugins=lambda state: [ConsolePlugin(state)])

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeline.errors import BackendError, InvalidInput
 from pipeline.protocols import Embeddings
 from pipeline.spec import EmbeddingModelSpec, ServerSpec
+from serving.backends.tokenizer import HFTokenizer
 from store.embeddings import DEFAULT_MODEL, Embedder
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class LocalEmbedder:
         self.embedder = embedder
         self.dimensions = embedder.dim
         self.max_input_tokens = embedder.max_tokens
+        #: Its own tokenizer (``POST /tokenize`` on an embeddings pipeline counts with it).
+        self.tokenizer = HFTokenizer(embedder.tokenizer)
 
     async def embed(self, texts: Sequence[str]) -> Embeddings:
         return await asyncio.to_thread(self._embed, list(texts))

@@ -130,12 +130,18 @@ def _serve(args: argparse.Namespace) -> int:
         if args.ray:
             logging.getLogger(__name__).info("Ray Serve engines: %s",
                                              ", ".join(run_engines(workspace.server, workspace.root)) or "none")
-        app = create_server(workspace, freeze_heap=True)
+        # Listens at once, /healthz 200 and /readyz 503 while the models load (a probe does not restart us).
+        app = create_server(workspace, freeze_heap=True, listen_while_starting=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=http.host, port=http.port, log_level=args.log_level,
+                                               access_log=False, timeout_graceful_shutdown=int(http.shutdown_grace_s)))
+        state = app.state.inferline
+        state.stop_serving = lambda: setattr(server, "should_exit", True)
         # uvicorn drains on SIGTERM, then re-raises the signal to the handler it
         # found at start; a no-op one here makes a drained shutdown exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
-        uvicorn.run(app, host=http.host, port=http.port, log_level=args.log_level, access_log=False,
-                    timeout_graceful_shutdown=int(http.shutdown_grace_s))
+        server.run()
+        if state.start_error:
+            return EXIT_FAILED
     finally:
         if local_ray is not None:
             from serving.backends.ray_process import stop_ray

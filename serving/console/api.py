@@ -21,10 +21,12 @@ from serving.console.session import CSRF_HEADER, LoginRequired
 from serving.console.state import Console
 from serving.http import pipeline_routes
 from serving.http.problems import Problem
+from serving.http.refusals import RUNS_PIPELINE, attempt_of
 from serving.http.schemas import PipelineRequest
+from serving.http.state import AppState
 
 
-@post("/pipelines/{name:str}/run", status_code=200, name="console-run")
+@post("/pipelines/{name:str}/run", status_code=200, name="console-run", opt={RUNS_PIPELINE: "name"})
 async def run(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request) -> Response[Any]:
     """Run pipeline *name* for the signed-in user: the API's JSON answer or event stream."""
     console = Console.of(request)
@@ -41,6 +43,7 @@ def as_bearer(request: Request, key: str) -> Request:
                if k.lower() not in (b"authorization", b"x-api-key", b"cookie")]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
+    attempt_of(request)  # made here, so that both requests share it: a refusal's record names the pipeline
     # A fresh connection state: Litestar caches parsed headers there.
     scope = {**request.scope, "headers": headers, "state": {}}
     return Request(scope, receive=request.receive, send=request.send)  # type: ignore[arg-type]
@@ -59,6 +62,9 @@ async def metrics(request: Request) -> dict[str, Any]:
 def _login_required(request: Request, exc: LoginRequired) -> Response[Any]:
     problem = Problem(401, "Unauthorized", exc.reason or "sign in to the console first (/ui/login)",
                       "unauthorized")
+    refusals = AppState.of(request).refusals
+    if refusals is not None:
+        refusals.note(request, problem)  # as the API's own 401s are (serving/http/refusals.py)
     return pipeline_routes.problem_response(problem, request.url.path)
 
 

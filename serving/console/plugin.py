@@ -20,15 +20,19 @@ from typing import Any
 
 from litestar import Litestar, Request, Router
 from litestar.config.app import AppConfig
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from litestar.plugins import InitPlugin
 from litestar.response import Response
 from litestar.static_files import create_static_files_router
 
 from serving.console import api, audit_pages, pages
 from serving.console.render import error_status, login_redirect
-from serving.console.session import LoginRequired
+from serving.console.session import COOKIE_PATH, KEY_COOKIE, LoginRequired
 from serving.console.state import SESSION_KEY, STATE_KEY, Console
 from serving.console.trace_ring import RecordingRunner
+from serving.http.ops_routes import WHILE_STARTING
+from serving.http.problems import Problem
 from serving.http.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -37,10 +41,14 @@ STATIC_DIR = Path(__file__).parent / "static"
 
 
 def page_errors(request: Request, exc: Exception) -> Response[Any]:
-    """Errors of console pages: a login redirect, or a friendly HTML page with the status."""
+    """Errors of console pages: a login redirect, or a friendly HTML page with the status. A refusal (a
+    role the page does not allow, a form's CSRF check) is audited as the API's are."""
     if isinstance(exc, LoginRequired):
         return login_redirect(request, exc.reason)
     status, title, detail, kind = error_status(exc)
+    refusals = AppState.of(request).refusals
+    if refusals is not None:
+        refusals.note(request, Problem(status, title, detail, kind))
     console = Console.of(request)
     # The session, when it was resolved before the error: the page keeps its nav and logout form.
     session = request.state.get(SESSION_KEY) if status != 401 else None
@@ -48,21 +56,32 @@ def page_errors(request: Request, exc: Exception) -> Response[Any]:
                         detail=detail, kind=kind)
 
 
+async def early_session(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Resolve the page's session before anything else may fail (a query parameter that does not parse, a
+    page that is not there), so that the error page shows who is signed in. Never refuses: the handler
+    resolves the session it needs itself, and says what is wrong."""
+    with contextlib.suppress(LoginRequired, Problem):
+        connection.state[SESSION_KEY] = await Console.of(connection).sessions.session(connection, optional=True)
+
+
 class ConsolePlugin(InitPlugin):
     """Mounts the web console on the app (see the module docstring)."""
 
     def __init__(self, state: AppState, **options: Any):
         self.console = Console(state, **options)
+        if state.refusals is not None:  # a refused console request names the key of its session cookie
+            state.refusals.key_cookie = (COOKIE_PATH, KEY_COOKIE)
         state.executor.runner = RecordingRunner(state.executor.runner, self.console.ring)  # type: ignore[assignment]
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         app_config.state[STATE_KEY] = self.console
         app_config.route_handlers += [
-            Router("/ui", route_handlers=[*pages.ROUTES, *audit_pages.ROUTES],
+            Router("/ui", route_handlers=[*pages.ROUTES, *audit_pages.ROUTES], guards=[early_session],
                    exception_handlers={Exception: page_errors}, include_in_schema=False),
             Router("/ui/api", route_handlers=api.ROUTES, exception_handlers=api.EXCEPTION_HANDLERS,
                    include_in_schema=False),
-            create_static_files_router("/ui/static", directories=[STATIC_DIR], name="console-static"),
+            create_static_files_router("/ui/static", directories=[STATIC_DIR], name="console-static",
+                                       opt=WHILE_STARTING),
         ]
         app_config.lifespan = [*app_config.lifespan, self._lifespan]
         return app_config

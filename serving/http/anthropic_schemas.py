@@ -19,7 +19,9 @@ Refused by name (400) rather than ignored: fields we do not know or do not do (`
 ``service_tier``, ``mcp_servers``...), image, document and every other block but ``text``,
 ``tool_use`` and ``tool_result``, server tools, and a last assistant turn (Anthropic continues it:
 prefill), which a pipeline's prompt cannot. ``cache_control`` is taken on blocks and tools and needs
-nothing: the engine's prefix cache keeps every prompt's prefix.
+nothing: the engine's prefix cache keeps every prompt's prefix. A reply resent as the ``anthropic``
+package dumps it (``model_dump()``: ``citations``, ``caller`` and ``toolset_name`` as ``None``, or the
+caller ``{"type": "direct"}``) is taken; citations, toolsets and server tools' calls set there are refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from pipeline.context import ChatMessage
 from serving.http.problems import bad_request, checked
@@ -42,20 +44,53 @@ class CacheControl(BaseModel):
     ttl: Literal["5m", "1h"] | None = None
 
 
+def _none_only(what: str) -> AfterValidator:
+    """Take a field of the SDK's own blocks when it is empty (``model_dump()`` sends it as ``None``); refuse
+    it, naming *what* this server does not do, when it is set."""
+    def check(value: Any) -> None:
+        if value is not None:
+            raise ValueError(f"{what} are not supported by this server; send the block without them")
+    return AfterValidator(check)
+
+
 class TextBlock(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str = Field(min_length=1)
     cache_control: CacheControl | None = None
+    #: An assistant reply's text block, resent as the SDK dumps it (``citations: None``).
+    citations: Annotated[Any, _none_only("citations")] = None
+
+
+class DirectCaller(BaseModel):
+    """A tool call the model made itself (the SDK's ``DirectCaller``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["direct"]
+
+
+def _caller(value: Any) -> Any:
+    """The SDK's ``caller``: the model's own call, or none; a server tool's (code execution) is refused by name."""
+    if value is None or (isinstance(value, dict) and value.get("type") == "direct"):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError('expected {"type": "direct"} or null')
+    raise ValueError(f"calls made by server tool {json.dumps(value.get('type'))[:60]} are not supported by this "
+                     'server; only the model\'s own ({"type": "direct"}) are')
 
 
 class ToolUseBlock(BaseModel):
+    """An assistant turn's tool call, as the client got it back: the SDK's ``ToolUseBlock`` resent with
+    ``model_dump()`` (``caller`` and ``toolset_name`` set to ``None``) is taken as it is."""
+
     model_config = ConfigDict(extra="forbid")
     type: Literal["tool_use"]
     id: str = Field(pattern=r"^[a-zA-Z0-9_-]+$")
     name: str = Field(min_length=1, max_length=200)
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: Annotated[DirectCaller | None, BeforeValidator(_caller)] = None
+    toolset_name: Annotated[Any, _none_only("toolsets")] = None
 
 
 class ToolResultBlock(BaseModel):

@@ -14,7 +14,7 @@ import ipaddress
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any
 
 from litestar import Litestar, Request
@@ -28,7 +28,8 @@ from prometheus_client import CollectorRegistry
 from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
-from serving.backends.audit_sink import checkpoint_signer, content_vault, public_keys
+from serving.backends.audit_keys import can_sign, checkpoint_signer, public_keys
+from serving.backends.audit_sink import content_vault
 from serving.engine.heap import freeze_startup_heap, thaw
 from serving.http import (
     anthropic_routes,
@@ -63,11 +64,21 @@ from store.notify import listen
 from store.responses import ResponseStore
 
 logger = logging.getLogger(__name__)
+#: ``Retry-After`` of the 503 ``starting`` answers while models load.
+STARTING_RETRY_AFTER_S = 5
 
 
 def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, freeze_heap: bool = False,
+               listen_while_starting: bool = False,
                plugins: Callable[[AppState], Sequence[PluginProtocol]] = lambda state: ()) -> Litestar:
     """The app for *workspace*; *engines* replaces the local model pool (tests pass fakes).
+
+    *listen_while_starting* (``inferline serve``): the lifespan returns at once and opens the database,
+    the models and the rest in the background, so that the server listens while models load:
+    ``/healthz`` answers 200, ``/readyz`` and ``/health`` 503 until ready, every other route 503
+    ``starting`` (:func:`_while_starting`). A failure to start is logged, turns ``/healthz`` to 503 and
+    calls ``AppState.stop_serving``. Without it the lifespan waits until everything is open (an
+    in-process client, the Ray ingress, whose replica takes traffic once its constructor returns).
 
     *plugins* builds the plugins that extend it from its state (:func:`serving.server.create_server`
     adds the web console this way).
@@ -94,41 +105,43 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
     state.reloader = reloader = PipelineReloader(
         runtime, registry=registry, on_swap=lambda name, new: metrics.set_slo(name, new.spec.slo if new else None))
 
+    async def start(stack: AsyncExitStack) -> None:
+        """Open every resource onto *stack* (closed newest first), then mark the app ready."""
+        await stack.enter_async_context(runtime)
+        assert runtime.db is not None and runtime.audit_sink is not None  # opened by the runtime
+        state.auth.keys = KeyStore(runtime.db)
+        state.responses = ResponseStore(runtime.db)
+        state.audit = runtime.audit
+        state.audit_sink = refusals.sink = runtime.audit_sink
+        stack.push_async_callback(refusals.settled, server.http.shutdown_grace_s)
+        stack.push_async_callback(reloader.aclose)
+        if executor.shadows is not None:
+            stack.push_async_callback(executor.shadows.aclose, server.http.shutdown_grace_s)
+        stack.push_async_callback(_drain, executor, server.http.shutdown_grace_s)
+        for task in (asyncio.create_task(reloader.watch(server.reload.poll_s if server.reload.watch else None)),
+                     asyncio.create_task(listen(runtime.db, reloader.trigger)),  # PostgreSQL: NOTIFY
+                     asyncio.create_task(responses_routes.prune_expired(state.responses))):
+            stack.push_async_callback(_cancelled, task)
+        stack.callback(_reload_on_sighup(reloader.trigger))
+        if freeze_heap:
+            freeze_startup_heap()
+            stack.callback(thaw)
+        state.ready = True
+        _log_start(workspace)
+
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with runtime:
-            assert runtime.db is not None and runtime.audit_sink is not None  # opened by the runtime
-            state.auth.keys = KeyStore(runtime.db)
-            state.responses = ResponseStore(runtime.db)
-            state.audit = runtime.audit
-            state.audit_sink = refusals.sink = runtime.audit_sink
-            frozen = False
-            watcher = asyncio.create_task(reloader.watch(server.reload.poll_s if server.reload.watch else None))
-            notices = asyncio.create_task(listen(runtime.db, reloader.trigger))  # PostgreSQL: NOTIFY
-            pruner = asyncio.create_task(responses_routes.prune_expired(state.responses))
-            on_sighup = _reload_on_sighup(reloader.trigger)
+        async with AsyncExitStack() as stack:
+            starting = asyncio.create_task(start(stack))
+            if listen_while_starting:
+                starting.add_done_callback(lambda task: _start_ended(task, state))
+            else:
+                await starting  # a failure fails the lifespan: the server never listens
             try:
-                if freeze_heap:
-                    freeze_startup_heap()
-                    frozen = True
-                state.ready = True
-                _log_start(workspace)
                 yield
             finally:
                 state.ready = False
-                watcher.cancel()
-                notices.cancel()
-                pruner.cancel()
-                on_sighup()
-                if not await executor.drain(server.http.shutdown_grace_s):
-                    logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight,
-                                   server.http.shutdown_grace_s)
-                if executor.shadows is not None:
-                    await executor.shadows.aclose(server.http.shutdown_grace_s)
-                await reloader.aclose()
-                await refusals.settled(server.http.shutdown_grace_s)
-                if frozen:
-                    thaw()
+                await _cancelled(starting)
 
     app = Litestar(
         route_handlers=[*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *openai_routes.ROUTES,
@@ -137,6 +150,7 @@ def create_app(workspace: Workspace, *, engines: EngineProvider | None = None, f
                         *ops_routes.ROUTES, *tokenize_routes.ROUTES,
                         openapi.viewer_asset],
         lifespan=[lifespan],
+        before_request=_while_starting,
         state=State({"inferline": state}),
         exception_handlers={Exception: _handle},
         # Logging is the process's: `inferline serve --log-level` configures it. Litestar's default
@@ -180,9 +194,10 @@ def check_audit_keys(workspace: Workspace) -> None:
             content_vault(workspace.server, engine)
         finally:
             engine.dispose()
-    if workspace.server.audit.anchors is not None and checkpoint_signer(workspace.server) is None:
+    if workspace.server.audit.anchors is not None and not can_sign(workspace.server, workspace.database_url):
         raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
-                                   "audit.signing_key (inferline audit keygen) or audit.checkpoint_key")])
+                                   "audit.signing_key (inferline audit keygen) or audit.checkpoint_key (the "
+                                   "server makes a key of its own only for a SQLite file, with audit.local_key)")])
 
 
 def is_loopback(host: str) -> bool:
@@ -205,6 +220,43 @@ def _reload_on_sighup(reload: Callable[[], None]) -> Callable[[], None]:
     return lambda: loop.remove_signal_handler(signal.SIGHUP)
 
 
+async def _while_starting(request: Request) -> None:
+    """Until the app is ready only the routes marked ``opt={"while_starting": True}`` (liveness,
+    readiness, the version, the OpenAPI document, static files) answer; the others get 503 ``starting``."""
+    state = AppState.of(request)
+    if state.ready or request.route_handler.opt.get("while_starting") or \
+            request.url.path.startswith(request.app.openapi_config.path):  # type: ignore[union-attr]
+        return
+    if state.start_error:
+        raise Problem(503, "Not ready", "the server failed to start; its log says why", "start_failed")
+    raise Problem(503, "Starting", "the server is starting: models are loading; retry shortly", "starting",
+                  {"Retry-After": str(STARTING_RETRY_AFTER_S)})
+
+
+def _start_ended(task: asyncio.Task[None], state: AppState) -> None:
+    """A background start that failed: logged with its cause, /healthz turns 503, the server stops."""
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    logger.error("the server failed to start: %s", exc if isinstance(exc, InferlineError) else
+                 f"{type(exc).__name__}: {exc}", exc_info=None if isinstance(exc, InferlineError) else exc)
+    state.start_error = str(exc) or type(exc).__name__
+    if state.stop_serving is not None:
+        state.stop_serving()
+
+
+async def _drain(executor: Executor, grace_s: float) -> None:
+    if not await executor.drain(grace_s):
+        logger.warning("shutdown: %d request(s) still in flight after %.0f s", executor.in_flight, grace_s)
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    """Cancel *task* and wait for it; what it raised is its own (a failed start was logged)."""
+    task.cancel()
+    with suppress(BaseException):
+        await task
+
+
 def _log_start(workspace: Workspace) -> None:
     server = workspace.server
     if not server.auth.enabled:
@@ -220,7 +272,7 @@ def _handle(request: Request, exc: Exception) -> Response[Any]:
     problem = _problem(exc)
     refusals = AppState.of(request).refusals
     if refusals is not None:
-        refusals.note(request, problem)  # a refused pipeline call is audited (off the answer's path)
+        refusals.note(request, problem)  # a refusal, of any route, is audited (off the answer's path)
     if request.url.path.startswith(anthropic_routes.PATH_PREFIX):
         return anthropic_routes.error_response(problem)
     if request.url.path.startswith("/v1/") or request.url.path in tokenize_routes.PATHS:

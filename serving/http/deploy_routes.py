@@ -32,6 +32,8 @@ from litestar.params import FromPath, JSONBody
 
 from pipeline.context import Principal
 from pipeline.errors import SpecError
+from pipeline.loader import LoadedPipeline
+from pipeline.spec import PIPELINE_NAME_RULE, is_pipeline_name
 from serving.http.openapi import problems
 from serving.http.problems import Problem
 from serving.http.schemas import ActivateRequest, DeployRequest, ShadowRequest, TrafficRequest
@@ -43,8 +45,14 @@ ADMIN = ("admin",)
 
 
 async def _admin(request: Request, what: str) -> tuple[AppState, PipelineReloader, PipelineVersions, Principal | None]:
+    """The admin's state, reloader, kept versions and principal, once the path's pipeline name is one a
+    pipeline may have: a name that is not (a NUL, ``..``, a path, 5,000 characters) never reaches a file."""
     state = AppState.of(request)
     principal = await state.auth.authorize(request, ADMIN, what)
+    name = str(request.path_params.get("name", ""))
+    if not is_pipeline_name(name):
+        raise Problem(400, "Bad request", f"{name[:60]!r} cannot name a pipeline: use {PIPELINE_NAME_RULE} "
+                      "characters", "invalid_pipeline_name", extra={"param": "name"})
     reloader, versions = state.reloader, state.reloader.runtime.versions if state.reloader else None
     if reloader is None or versions is None:
         raise Problem(503, "Backend unavailable", "pipeline versions are not kept by this server", "backend_error")
@@ -68,7 +76,7 @@ def _serving(state: AppState, name: str) -> str | None:
 
 
 @get("/pipelines/{name:str}/versions", summary="List a pipeline's versions (admin)", tags=["deploy"],
-     responses=problems(401, 403, 404, 503))
+     responses=problems(400, 401, 403, 404, 503))
 async def list_versions(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, _, versions, _ = await _admin(request, "list pipeline versions")
     found = await asyncio.to_thread(versions.list, name)
@@ -103,14 +111,23 @@ async def activate(name: FromPath[str], data: JSONBody[ActivateRequest], request
     matches = [v for v in kept if len(wanted) >= 6 and v.spec_sha256.startswith(wanted)] or \
         [v for v in kept if v.label == wanted][:1]  # a label names its newest version
     if len(matches) != 1:
-        what = "no version" if not matches else f"{len(matches)} versions"
         raise Problem(404 if not matches else 400, "Not found" if not matches else "Bad request",
-                      f"{what} of {name!r} with spec_sha256 {data.spec_sha256!r}", "version_not_found")
+                      _not_one(name, wanted, len(matches)), "version_not_found")
     return await _install(state, reloader, versions, principal, name, matches[0].text, "activate")
 
 
+def _not_one(name: str, wanted: str, found: int) -> str:
+    """Why *wanted* does not name one kept version of *name* (*found* of them match it)."""
+    if found:
+        return f"{found} versions of {name!r} have a spec hash starting {wanted!r}: give more of it"
+    if len(wanted) < 6:
+        return (f"no version of {name!r} is labelled {wanted!r}, and a spec hash prefix needs six or more characters "
+                f"({wanted!r} has {len(wanted)}): `inferline pipelines versions {name}` lists them")
+    return f"no version of {name!r} with spec_sha256 {wanted!r} or labelled so"
+
+
 @post("/pipelines/{name:str}/rollback", summary="Serve the version kept before the one serving now (admin)",
-      tags=["deploy"], status_code=200, responses=problems(401, 403, 404, 409, 503))
+      tags=["deploy"], status_code=200, responses=problems(400, 401, 403, 404, 409, 503))
 async def rollback(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, reloader, versions, principal = await _admin(request, "roll back pipelines")
     kept = await asyncio.to_thread(versions.list, name)
@@ -125,7 +142,7 @@ async def rollback(name: FromPath[str], request: Request) -> dict[str, Any]:
 
 
 @delete("/pipelines/{name:str}", summary="Retire a pipeline (admin); its versions stay kept", tags=["deploy"],
-        status_code=200, responses=problems(401, 403, 404, 503))
+        status_code=200, responses=problems(400, 401, 403, 404, 503))
 async def retire(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, reloader, _, principal = await _admin(request, "retire pipelines")
     before = state.executor.pipelines.get(name)
@@ -160,7 +177,7 @@ async def set_traffic(name: FromPath[str], data: JSONBody[TrafficRequest], reque
 
 
 @delete("/pipelines/{name:str}/traffic", summary="All of a pipeline's traffic to its active version (admin)",
-        tags=["deploy"], status_code=200, responses=problems(401, 403, 503))
+        tags=["deploy"], status_code=200, responses=problems(400, 401, 403, 503))
 async def clear_traffic(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, reloader, _, principal = await _admin(request, "split pipeline traffic")
     await reloader.runtime.set_traffic(name, None, principal.key_id if principal else "anonymous")
@@ -169,7 +186,7 @@ async def clear_traffic(name: FromPath[str], request: Request) -> dict[str, Any]
 
 
 @post("/pipelines/{name:str}/promote", summary="Make the canary the active version, for all traffic (admin)",
-      tags=["deploy"], status_code=200, responses=problems(401, 403, 404, 409, 503))
+      tags=["deploy"], status_code=200, responses=problems(400, 401, 403, 404, 409, 503))
 async def promote(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, reloader, versions, principal = await _admin(request, "promote pipeline versions")
     serving = _serving(state, name)
@@ -208,7 +225,7 @@ async def set_shadow(name: FromPath[str], data: JSONBody[ShadowRequest], request
 
 
 @delete("/pipelines/{name:str}/shadow", summary="Stop mirroring a pipeline's requests (admin)", tags=["deploy"],
-        status_code=200, responses=problems(401, 403, 503))
+        status_code=200, responses=problems(400, 401, 403, 503))
 async def clear_shadow(name: FromPath[str], request: Request) -> dict[str, Any]:
     state, reloader, _, principal = await _admin(request, "shadow pipeline traffic")
     await reloader.runtime.set_shadow(name, None, principal.key_id if principal else "anonymous")
@@ -230,7 +247,23 @@ async def _keep(state: AppState, reloader: PipelineReloader, versions: PipelineV
                       "backend_error")
     await _audit(state, principal, "keep", name, loaded.spec.version, loaded.sha256, "", "",
                  detail=f"keep {name}: version {loaded.spec.version} ({loaded.sha256[:12]}), not served")
-    return _version_json(version, _serving(state, name))
+    return {**_version_json(version, _serving(state, name)), **await _label_warnings(versions, loaded)}
+
+
+async def _label_warnings(versions: PipelineVersions, loaded: LoadedPipeline) -> dict[str, list[str]]:
+    """``{"warnings": [...]}`` when *loaded*'s ``version:`` label also names other kept versions (a pin, split
+    or shadow by that label is then ambiguous); nothing otherwise."""
+    name, label = loaded.spec.name, loaded.spec.version
+    others = [v.spec_sha256[:12] for v in await asyncio.to_thread(versions.labelled, name, label)
+              if v.spec_sha256 != loaded.sha256]
+    if not others:
+        return {}
+    unset = "" if "version" in loaded.spec.model_fields_set else \
+        " (the file has no version:, so its label is the default)"
+    return {"warnings": [
+        f"version label {label!r}{unset} also names {len(others)} other kept version(s) of {name!r} "
+        f"({', '.join(others)}): a pin by that label now takes the newest, and a split or shadow by it is refused; "
+        "set a version: of its own in the file, or name versions by spec hash"]}
 
 
 def _invalid(exc: SpecError) -> Problem:
@@ -258,7 +291,9 @@ async def _install(state: AppState, reloader: PipelineReloader, versions: Pipeli
                  before.spec.version if before else "", before.loaded.sha256 if before else "")
     version = await asyncio.to_thread(versions.by_sha256, loaded.sha256, name)
     assert version is not None  # recorded by install
-    return {**_version_json(version, serving), "previous_spec_sha256": before.loaded.sha256 if before else None}
+    warnings = await _label_warnings(versions, loaded) if action == "deploy" else {}
+    return {**_version_json(version, serving), "previous_spec_sha256": before.loaded.sha256 if before else None,
+            **warnings}
 
 
 async def _audit(state: AppState, principal: Principal | None, action: str, name: str, version: str, sha256: str,

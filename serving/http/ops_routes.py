@@ -19,32 +19,40 @@ from serving.http.openapi import Public, problems
 from serving.http.problems import Problem
 from serving.http.state import AppState
 
+#: Routes that answer while the server starts (app.py's ``_while_starting``).
+WHILE_STARTING = {"while_starting": True}
 
-@get("/healthz", summary="Liveness: the process answers", tags=["operations"], operation_class=Public)
-async def healthz() -> dict[str, str]:
+
+@get("/healthz", summary="Liveness: the process answers (503 only once a start has failed)", tags=["operations"],
+     responses=problems(503), operation_class=Public, opt=WHILE_STARTING)
+async def healthz(request: Request) -> dict[str, str]:
+    error = AppState.of(request).start_error
+    if error:
+        raise Problem(503, "Start failed", "the server failed to start; its log says why", "start_failed")
     return {"status": "ok"}
 
 
 @get("/readyz", summary="Readiness: models loaded, ready for traffic", tags=["operations"],
-     responses=problems(503), operation_class=Public)
+     responses=problems(503), operation_class=Public, opt=WHILE_STARTING)
 async def readyz(request: Request) -> Response[dict[str, Any]]:
     state = AppState.of(request)
     body = {"status": "ready" if state.ready else "starting", "models": _models(state),
             "pipelines": sorted(state.executor.pipelines)}
     if not state.ready:
-        raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"}, body)
+        raise Problem(503, "Not ready", _not_ready(state), "not_ready", {"Retry-After": "1"}, body)
     return Response(body)
 
 
 @get("/health", summary="Health, as vLLM answers it: 200 once ready, 503 while starting", tags=["operations"],
-     responses=problems(503), operation_class=Public)
+     responses=problems(503), operation_class=Public, opt=WHILE_STARTING)
 async def health(request: Request) -> Response[dict[str, Any]]:
-    if not AppState.of(request).ready:
-        raise Problem(503, "Not ready", "models are still loading", "not_ready", {"Retry-After": "1"})
+    state = AppState.of(request)
+    if not state.ready:
+        raise Problem(503, "Not ready", _not_ready(state), "not_ready", {"Retry-After": "1"})
     return Response({})
 
 
-@get("/version", summary="The server's version", tags=["operations"], operation_class=Public)
+@get("/version", summary="The server's version", tags=["operations"], operation_class=Public, opt=WHILE_STARTING)
 async def version() -> dict[str, str]:
     return {"version": __version__}
 
@@ -58,6 +66,10 @@ async def metrics(request: Request) -> Response[bytes]:
     if state.workspace.server.telemetry.vllm_metric_names:
         exposition = with_vllm_names(exposition.decode()).encode()
     return Response(exposition, media_type=CONTENT_TYPE_LATEST)
+
+
+def _not_ready(state: AppState) -> str:
+    return "the server failed to start; its log says why" if state.start_error else "models are still loading"
 
 
 def _models(state: AppState) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,7 @@ from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Sum
 from pipeline.runner import Pipeline
 from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, bad_request, from_final, limit_headers
-from serving.http.refusals import attempt_of
+from serving.http.refusals import RUNS_PIPELINE, attempt_of
 from serving.http.schemas import PipelineRequest
 from serving.http.served import event_stream, head_of_stream, sse_event, with_head
 from serving.http.state import AppState
@@ -114,7 +114,7 @@ def embeds(pipeline: Pipeline) -> bool:
 
 
 @post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200, operation_class=JsonOrEventStream,
-      responses=problems(400, 401, 403, 404, 413, 422, 429, 503, 504),
+      responses=problems(400, 401, 403, 404, 413, 422, 429, 503, 504), opt={RUNS_PIPELINE: "name"},
       description="JSON answer, or Server-Sent Events with `\"stream\": true` or `Accept: text/event-stream`.")
 async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request) -> Response[Any]:
     state = AppState.of(request)

@@ -1,12 +1,16 @@
-"""Refused pipeline calls in the audit log: 401, 403, 413 and 429, recorded by the server, within a bound.
+"""Refused calls in the audit log: 401, 403, 413 and 429 on every route, recorded by the server, within a bound.
 
 A refusal that a pipeline's ``audit`` stage recorded (a policy's 403 or 429) is that stage's record. Every
-other refusal of a pipeline call (``POST /pipelines/{name}``, ``/v1/chat/completions``, ``/v1/completions``)
-is recorded here, once, in the same log and hash chain: no key or a bad one (401), a role the pipeline does
-not allow (403), a body over ``http.max_body_bytes`` (413), a limit or a full queue in a pipeline without an
-audit stage (429). The record has status ``denied`` (or the run's own status), the HTTP status, the reason's
-code as ``error_type``, and one ``policy`` entry from stage ``server`` with its rule, category and message;
-the key's id and role when it verified, never the key, and no content.
+other refusal, of any route the app serves, is recorded here, once, in the same log and hash chain: no key
+or a bad one (401), a role the route or the pipeline does not allow (403), a body over
+``http.max_body_bytes`` (413), a limit or a full queue in a pipeline without an audit stage (429). Which
+routes are covered is not a list: the app's exception handler hands every answer here (the console's
+handlers too), and the status decides. The record has status ``denied`` (or the run's own status), the
+HTTP status, the reason's code as ``error_type``, and one ``policy`` entry from stage ``server`` with its
+rule, category, message and route; the key's id and role when it verified, never the key, and no content.
+It names a pipeline only where the refused request called one (its handler had resolved it, or the
+route's ``opt`` names the path parameter of the pipeline it runs: :data:`RUNS_PIPELINE`); a refused
+read of the audit log or a refused deploy names none.
 
 A flood must not fill the database: each refusal takes a token from a bucket per client address and reason
 and from one shared by all (``audit.refusals``); without one it is counted in
@@ -31,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pipeline.context import Principal, RequestContext
 from pipeline.errors import Overloaded, PolicyDenied, RateLimited
 from pipeline.runner import Pipeline
-from pipeline.spec import RefusalsSpec
+from pipeline.spec import RefusalsSpec, is_pipeline_name
 from serving.backends.audit_sink import StoreSink
 from serving.http.auth import Authenticator, api_key
 from serving.http.problems import Problem
@@ -39,10 +43,11 @@ from store.keys import public_id
 
 logger = logging.getLogger(__name__)
 
-#: The statuses recorded as refusals.
+#: The statuses recorded as refusals, whichever route answered them.
 REFUSED_STATUSES = frozenset({401, 403, 413, 429})
-#: The routes that call a pipeline (POST); the pipeline route is ``/pipelines/{name}``.
-OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+#: A route handler's ``opt`` key: the path parameter that names the pipeline the route runs (``POST
+#: /pipelines/{name}``), so that a refusal before its handler resolved the pipeline (a 413) names it.
+RUNS_PIPELINE = "runs_pipeline"
 #: At most this many client buckets are kept (the least recently used go first; a client forgotten
 #: starts full again, and the shared bucket still bounds the total).
 MAX_CLIENTS = 10_000
@@ -51,6 +56,8 @@ _SCOPE_KEY = "inferline.attempt"
 _STATUS = {"denied": "denied", "failed": "failed", "cancelled": "disconnected"}
 #: Column widths of audit_records (store/audit_models.py) that a caller's own text could exceed.
 _MAX_PIPELINE = 200
+#: The longest route kept in a refusal's policy entry (a path is the caller's own text).
+_MAX_ROUTE = 512
 
 
 @dataclass(slots=True)
@@ -101,7 +108,7 @@ class TokenBucket:
 
 
 class RefusalRecorder:
-    """Writes an audit record for each refused pipeline call, within ``audit.refusals``' buckets."""
+    """Writes an audit record for each refused request, within ``audit.refusals``' buckets."""
 
     def __init__(self, spec: RefusalsSpec, auth: Authenticator, pipelines: Mapping[str, Pipeline],
                  registry: CollectorRegistry):
@@ -111,6 +118,9 @@ class RefusalRecorder:
         self.clock = time.monotonic
         #: The server's audit sink, once the app's lifespan has opened it.
         self.sink: StoreSink | None = None
+        #: (path prefix, cookie name): where a key comes as a cookie rather than a header (the web console's
+        #: session, which its plugin sets), so that a refusal there names the key that was tried.
+        self.key_cookie: tuple[str, str] | None = None
         self.dropped = Counter("inferline_audit_refusals_dropped", "Refused requests (401, 403, 413, 429) not "
                                "recorded in the audit log because audit.refusals' bound was reached, by reason.",
                                ["reason"], registry=registry)
@@ -119,37 +129,48 @@ class RefusalRecorder:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def note(self, request: Request, problem: Problem) -> None:
-        """Record *problem*, the answer to *request*, if it refuses a pipeline call. Never raises, never
-        waits: the record is written by a task of its own."""
+        """Record *problem*, the answer to *request*, if it is a refusal (:data:`REFUSED_STATUSES`). Never
+        raises, never waits: the record is written by a task of its own."""
         try:
             self._note(request, problem)
         except Exception:  # the refusal's own answer matters more than its record
             logger.exception("audit: the refusal of %s %s could not be recorded", request.method, request.url.path)
 
     def _note(self, request: Request, problem: Problem) -> None:
-        if problem.status not in REFUSED_STATUSES or self.sink is None or not _calls_pipeline(request):
+        if problem.status not in REFUSED_STATUSES or self.sink is None:
             return
         attempt: Attempt = request.scope.get(_SCOPE_KEY) or Attempt()  # type: ignore[misc,assignment]
         ctx = attempt.ctx
         if ctx is not None and ctx.facts.get("audited"):
             return  # the pipeline's audit stage recorded it
-        token = api_key(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
+        token = self._key(request)
         reason = _reason(problem, token, ctx)
         client = request.client.host if request.client else ""
         if not self._admit(client, reason.code):
             self.dropped.labels(reason.code).inc()
             return
-        if attempt.pipeline is None:  # refused before the handler ran (413): the pipeline the path names
-            attempt.pipeline = self.pipelines.get(str(request.path_params.get("name", "")))
-        record = _record(request, problem, reason, attempt, client)
+        named = _named_pipeline(request) if attempt.pipeline is None else ""
+        if named:  # refused before the handler resolved it (413): the pipeline the path names
+            attempt.pipeline = self.pipelines.get(named)
+        record = _record(request, problem, reason, attempt, client, named)
         claimed = public_id(token) if reason.code == "invalid_key" and token else None
         if claimed is not None:  # a well-formed key's public part: which key was tried, not who holds it
             record["policy"][0]["claimed_key_id"] = claimed
-        # A 413 is refused before the handler checks the key: who sent it is looked up off the answer's path.
-        identify = token if attempt.principal is None and problem.status == 413 and self.auth.enabled else None
+        # A 413 is refused before the handler checks the key, and a route's own role check (403) keeps no
+        # attempt: who sent it is looked up off the answer's path.
+        principal = attempt.principal or (ctx.principal if ctx is not None else None)
+        identify = token if principal is None and problem.status in (403, 413) and self.auth.enabled else None
         task = asyncio.get_running_loop().create_task(self._write(self.sink, record, identify))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _key(self, request: Request) -> str | None:
+        """The key *request* presented: its headers', else the console's session cookie where it has one."""
+        headers = request.headers
+        token = api_key(headers.get("authorization", ""), headers.get("x-api-key", ""))
+        if token is None and self.key_cookie is not None and request.url.path.startswith(self.key_cookie[0]):
+            token = request.cookies.get(self.key_cookie[1], "").strip() or None
+        return token
 
     def _admit(self, client: str, code: str) -> bool:
         now = self.clock()
@@ -186,11 +207,13 @@ class RefusalRecorder:
         return not late
 
 
-def _calls_pipeline(request: Request) -> bool:
-    if request.method != "POST":
-        return False
-    path = request.url.path
-    return path in OPENAI_ROUTES or (path.startswith("/pipelines/") and "/" not in path[len("/pipelines/"):])
+def _named_pipeline(request: Request) -> str:
+    """The pipeline the route runs, by its path (:data:`RUNS_PIPELINE`); '' for a route that runs none by
+    its path, or a name no pipeline may have (kept out of the log: a NUL, a path, 5,000 characters)."""
+    handler = request.scope.get("route_handler")
+    param = handler.opt.get(RUNS_PIPELINE) if handler is not None else None
+    name = str(request.path_params.get(param, "")) if param else ""
+    return name if is_pipeline_name(name) else ""
 
 
 def _reason(problem: Problem, token: str | None, ctx: RequestContext | None) -> Reason:
@@ -207,34 +230,42 @@ def _reason(problem: Problem, token: str | None, ctx: RequestContext | None) -> 
         return Reason("overloaded", "engine.max_waiting", "limits")
     if isinstance(error, PolicyDenied):
         return Reason("policy_denied", error.rule, error.category)
-    if problem.status == 403:
-        return Reason("role_not_allowed", "auth.role", "auth")
+    if problem.status == 403:  # a role the route or the pipeline does not allow; the console's CSRF check
+        return Reason("role_not_allowed", "auth.role", "auth") if problem.kind == "forbidden" else Reason(
+            problem.kind, f"auth.{problem.kind}", "auth")
     return Reason(problem.kind, problem.kind, "limits")
 
 
-def _record(request: Request, problem: Problem, reason: Reason, attempt: Attempt, client: str) -> dict[str, Any]:
+def _record(request: Request, problem: Problem, reason: Reason, attempt: Attempt, client: str,
+            named: str) -> dict[str, Any]:
     ctx, pipeline = attempt.ctx, attempt.pipeline
     now = datetime.now(UTC)
     received = ctx.received_at if ctx is not None else now
     principal = attempt.principal or (ctx.principal if ctx is not None else None)
-    name = pipeline.spec.name if pipeline is not None else str(request.path_params.get("name", ""))
+    name = pipeline.spec.name if pipeline is not None else named
     return {
         "request_id": ctx.request_id if ctx is not None else uuid.uuid4().hex,
         "trace_id": (ctx.trace_id or None) if ctx is not None else None,
         "received_at": received, "completed_at": now, "duration_ms": (now - received).total_seconds() * 1e3,
         "key_id": principal.key_id if principal else None, "role": principal.role if principal else None,
         "client_addr": client[:64] or None,
-        # A pipeline that is not served (a 413 before the 404) is recorded by the name asked for.
+        # A pipeline that is not served (a 413 before the 404) is recorded by the name asked for; a request
+        # that called no pipeline (an audit read, a deploy) names none.
         "pipeline": name[:_MAX_PIPELINE],
         "pipeline_version": pipeline.spec.version if pipeline is not None else "",
         "spec_sha256": pipeline.loaded.sha256 if pipeline is not None else "",
         "model": (ctx.model or None) if ctx is not None else None,
         "policy": [{"stage": "server", "where": "request", "rule": reason.rule, "category": reason.category,
-                    "action": "block", "score": 1.0, "span": [], "message": problem.detail,
-                    "route": request.url.path}],
+                    "action": "block", "score": 1.0, "span": [], "message": _printable(problem.detail),
+                    "route": _printable(request.url.path)[:_MAX_ROUTE]}],
         "policy_action": "block", "policy_categories": reason.category,
         "status": _STATUS.get(ctx.status, "denied") if ctx is not None else "denied",
         "http_status": problem.status, "error_type": reason.code,
         # Nothing of what a refused caller sent is kept, not even its hash.
         "content_mode": "hash", "input_content": "", "output_content": "",
     }
+
+
+def _printable(text: str) -> str:
+    """*text* with its control characters escaped (a NUL is refused by PostgreSQL's text and JSON types)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from litestar import Request
@@ -34,13 +35,17 @@ class AppState:
     audit: AuditStore | None = None
     #: The pipelines' writer to ``audit``; reads wait on its ``flushed()`` for the records not yet chained.
     audit_sink: StoreSink | None = None
-    #: Records the refused pipeline calls that no audit stage recorded (401, 403, 413, 429).
+    #: Records the refusals (401, 403, 413, 429), of every route, that no audit stage recorded.
     refusals: RefusalRecorder | None = None
     #: Follows the pipelines folder (hot reload); its failed edits are shown with the pipelines.
     reloader: PipelineReloader | None = None
     #: The Responses API's stored responses (``store: true``).
     responses: ResponseStore | None = None
     ready: bool = False
+    #: Why a start in the background failed ('' while it has not): /healthz then answers 503.
+    start_error: str = ""
+    #: Stops the HTTP server (``inferline serve`` sets it): called when a background start fails.
+    stop_serving: Callable[[], None] | None = None
     notes: list[str] = field(default_factory=list)
 
     async def audit_read_barrier(self) -> None:

@@ -4,13 +4,15 @@
     POST /tokenize   {"model": "chat", "messages": [...], "add_generation_prompt": true}
     POST /detokenize {"model": "chat", "tokens": [9906, 28]}  -> {"prompt": "Hello!"}
 
-``model`` names a pipeline (its ``tokenize`` stage's model, else the server's first) or a model of
-``inferline.yaml``; the caller needs the pipeline's roles, or ``caller`` for a model. Errors come in
+``model`` names a pipeline (its ``tokenize`` stage's model, else the server's first; an embeddings
+pipeline's ``embed`` stage's model, which takes a ``prompt`` only: each text is embedded alone) or a model
+of ``inferline.yaml``; the caller needs the pipeline's roles, or ``caller`` for a model. Errors come in
 the OpenAI shape, as vLLM answers them. A model served remotely has no tokenizer here: a 400.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request, post
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.runner import Pipeline
 from serving.http.openapi import openai_errors
+from serving.http.pipeline_routes import embeds
 from serving.http.problems import Problem
 from serving.http.schemas import ChatMessageIn
 from serving.http.state import AppState
@@ -54,20 +57,48 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=MAX_TOKENS)
 
 
-async def _tokenizer(state: AppState, request: Request, name: str) -> tuple[Any, str]:
+@dataclass(slots=True)
+class _Tokenizer:
+    """What a /tokenize names: the tokenizer, its model and the most tokens that model reads."""
+
+    tokenizer: Any
+    model: str
+    max_model_len: int
+    #: An embedding model's: it reads texts, never a chat.
+    texts_only: bool = False
+
+
+async def _tokenizer(state: AppState, request: Request, name: str) -> _Tokenizer:
     """The tokenizer *name* means (a pipeline's model, or a model), after checking the caller may use it."""
     server = state.workspace.server
     pipeline = state.executor.pipelines.get(name)
     principal = await state.auth.principal(request)
     if pipeline is not None:
         state.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
-        return await _model_tokenizer(state, _model_of(state, pipeline))
+        if embeds(pipeline):
+            return await _embedder_tokenizer(state, pipeline)
+        model = _model_of(state, pipeline)
+        tokenizer, _ = await _model_tokenizer(state, model)
+        return _Tokenizer(tokenizer, model, server.models[model].context_window)
     if name not in server.models:
         raise Problem(404, "Not found", f"no pipeline or model {name!r}; pipelines: "
                       f"{', '.join(sorted(state.executor.pipelines))}; models: {', '.join(server.models)}",
                       "model_not_found")
     state.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
-    return await _model_tokenizer(state, name)
+    tokenizer, _ = await _model_tokenizer(state, name)
+    return _Tokenizer(tokenizer, name, server.models[name].context_window)
+
+
+async def _embedder_tokenizer(state: AppState, pipeline: Pipeline) -> _Tokenizer:
+    """The tokenizer of the embedding model *pipeline*'s ``embed`` stage names: what counts its texts."""
+    stage = next(s for s in pipeline.spec.stages if s.type == "embed")
+    model = str((stage.with_ or {}).get("model") or "")
+    embedders = state.reloader.runtime.resources.embedders if state.reloader is not None else None
+    backend = await embedders.get(model) if embedders is not None else None  # BackendError: a 503
+    tokenizer = getattr(backend, "tokenizer", None)
+    if backend is None or tokenizer is None:
+        raise Problem(400, "Bad request", f"embedding model {model!r} has no tokenizer here", "invalid_request")
+    return _Tokenizer(tokenizer, model, backend.max_input_tokens, texts_only=True)
 
 
 async def tokenizer_of(state: AppState, pipeline: Pipeline) -> tuple[Any, str]:
@@ -97,12 +128,17 @@ async def _model_tokenizer(state: AppState, model: str, needs: str = "tokenize")
       responses=openai_errors(400, 401, 403, 404, 422, 503))
 async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[str, Any]:
     state = AppState.of(request)
-    tokenizer, model = await _tokenizer(state, request, data.model)
+    found = await _tokenizer(state, request, data.model)
+    tokenizer = found.tokenizer
+    if found.texts_only and data.messages is not None:
+        raise Problem(400, "Bad request", f"messages: pipeline {data.model!r} makes embeddings of texts, each "
+                      "read alone (no chat template): send the text as prompt", "invalid_request",
+                      extra={"param": "messages"})
     chat = [{"role": m.role, "content": m.text()} for m in data.messages] if data.messages is not None else None
     special = data.add_special_tokens if data.add_special_tokens is not None else chat is None
     ids = tokenizer.tokenize(text=data.prompt, messages=chat, add_special_tokens=special,
                              add_generation_prompt=data.add_generation_prompt)
-    return {"count": len(ids), "max_model_len": state.workspace.server.models[model].context_window,
+    return {"count": len(ids), "max_model_len": found.max_model_len,
             "tokens": ids, "token_strs": tokenizer.token_strings(ids) if data.return_token_strs else None}
 
 
@@ -110,13 +146,13 @@ async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[st
       responses=openai_errors(400, 401, 403, 404, 422, 503))
 async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dict[str, Any]:
     state = AppState.of(request)
-    tokenizer, model = await _tokenizer(state, request, data.model)
-    size = tokenizer.vocab_size()
+    found = await _tokenizer(state, request, data.model)
+    size = found.tokenizer.vocab_size()
     bad = [token for token in data.tokens if not 0 <= token < size]
     if bad:
-        raise Problem(400, "Bad request", f"tokens: {bad[:5]} are not ids of model {model!r} (0 to {size - 1})",
-                      "invalid_request")
-    return {"prompt": tokenizer.decode(data.tokens)}
+        raise Problem(400, "Bad request", f"tokens: {bad[:5]} are not ids of model {found.model!r} (0 to "
+                      f"{size - 1})", "invalid_request")
+    return {"prompt": found.tokenizer.decode(data.tokens)}
 
 
 ROUTES = [tokenize, detokenize]

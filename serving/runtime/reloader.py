@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pipeline.errors import SpecError, SpecIssue
 from pipeline.loader import LoadedPipeline, name_clash
 from pipeline.runner import Pipeline
+from pipeline.spec import PIPELINE_NAME_RULE, is_pipeline_name
 from serving.runtime.calls import check_calls
 from serving.runtime.resources import Runtime
 
@@ -136,7 +137,10 @@ class PipelineReloader:
 
     async def check(self, name: str, text: str) -> LoadedPipeline:
         """*text* loaded as a version of pipeline *name*, checked as a file edit is, without serving it;
-        :class:`SpecError` if it does not load."""
+        :class:`SpecError` if it does not load, or if *name* could not name a pipeline (it would name the file)."""
+        if not is_pipeline_name(name):
+            raise SpecError([SpecIssue(str(self.folder), 1, 1, "name", f"{name[:60]!r} cannot name a pipeline: "
+                                       f"use {PIPELINE_NAME_RULE} characters")])
         path = self.file_of(name) or (self.folder / f"{name}.yaml").resolve()
         loaded = await asyncio.to_thread(self.runtime.workspace.load_pipeline_text, text, str(path))
         if loaded.spec.name != name:

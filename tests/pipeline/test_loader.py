@@ -98,6 +98,9 @@ BAD = {
         "name: My Pipeline\nstages: [{id: a, type: record}]\n",
         "p.yaml:1:7: name: 'My Pipeline' is not a valid name: use lowercase letters, digits, '-' "
         "and '_', starting with a letter"),
+    # A pipeline's name is its file's name and the audit log's pipeline column: at most 128 characters.
+    "name too long": ("name: " + "a" * 129 + "\nstages: [{id: a, type: record}]\n",
+                      "p.yaml:1:7: name: string should have at most 128 characters"),
     "unknown stage type with suggestion": (
         """\
         name: x

@@ -5,14 +5,19 @@
 The first test compares the declaration with ``app.routes``, so a new route fails until its access
 is declared here; then, route by route: no key -> 401 (the console's pages: a redirect to its login
 page; the OpenAI routes: OpenAI's error shape), a key of a role not declared -> 403, a key of each
-declared role -> neither 401 nor 403.
+declared role -> neither 401 nor 403. Every one of those refusals leaves one audit record (the
+console's pages, which send a caller without a key to the login page, excepted).
 The API takes the key as ``Authorization: Bearer``; the console (``/ui``) as its session cookie, and
 its form posts with their CSRF token.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +25,7 @@ import pytest
 from pipeline.context import Principal
 from serving.console.session import CSRF_COOKIE, CSRF_FIELD, CSRF_HEADER, KEY_COOKIE, Session
 from serving.console.state import STATE_KEY
-from store.keys import ROLES
+from store.keys import ROLES, public_id
 from tests.security.secured_app import App
 
 PUBLIC = "public"
@@ -39,6 +44,7 @@ class Call:
     form: dict[str, str] = field(default_factory=dict)
     console: bool = False
     csrf: str = ""  # "form" or "header": where the console wants its token
+    pipeline: str = ""  # the pipeline the call runs: what the audit record of its refusal names
 
 
 CHAT = {"input": "hello"}
@@ -55,7 +61,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/metrics"): (REVIEWERS, Call("/metrics")),
     ("GET", "/pipelines"): (("caller", "auditor"), Call("/pipelines")),
     ("GET", "/pipelines/{name:str}"): (("caller", "auditor"), Call("/pipelines/chat")),
-    ("POST", "/pipelines/{name:str}"): (CALLERS, Call("/pipelines/chat", json=CHAT)),
+    ("POST", "/pipelines/{name:str}"): (CALLERS, Call("/pipelines/chat", json=CHAT, pipeline="chat")),
     # Deploy routes, called so that an admin's call changes nothing (the pipeline does not exist).
     ("GET", "/pipelines/{name:str}/versions"): (ADMINS, Call("/pipelines/nope/versions")),
     ("POST", "/pipelines/{name:str}/versions"): (ADMINS, Call("/pipelines/nope/versions", json={"yaml": "x: ["})),
@@ -69,16 +75,19 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("PUT", "/pipelines/{name:str}/shadow"): (ADMINS, Call("/pipelines/nope/shadow",
                                                            json={"version": "9", "percent": 5})),
     ("DELETE", "/pipelines/{name:str}/shadow"): (ADMINS, Call("/pipelines/nope/shadow")),
-    ("POST", "/v1/chat/completions"): (CALLERS, Call("/v1/chat/completions", json=OPENAI_CHAT)),
-    ("POST", "/v1/completions"): (CALLERS, Call("/v1/completions", json={"model": "chat", "prompt": "hello"})),
+    ("POST", "/v1/chat/completions"): (CALLERS, Call("/v1/chat/completions", json=OPENAI_CHAT, pipeline="chat")),
+    ("POST", "/v1/completions"): (CALLERS, Call("/v1/completions", json={"model": "chat", "prompt": "hello"},
+                                                pipeline="chat")),
     ("GET", "/v1/models"): (("caller", "auditor"), Call("/v1/models")),
-    ("POST", "/v1/responses"): (CALLERS, Call("/v1/responses", json={"model": "chat", "input": "hello"})),
+    ("POST", "/v1/responses"): (CALLERS, Call("/v1/responses", json={"model": "chat", "input": "hello"},
+                                              pipeline="chat")),
     ("GET", "/v1/responses/{response_id:str}"): (CALLERS, Call("/v1/responses/resp_none")),
     ("DELETE", "/v1/responses/{response_id:str}"): (CALLERS, Call("/v1/responses/resp_none")),
-    ("POST", "/v1/messages"): (CALLERS, Call("/v1/messages", json={**OPENAI_CHAT, "max_tokens": 8})),
+    ("POST", "/v1/messages"): (CALLERS, Call("/v1/messages", json={**OPENAI_CHAT, "max_tokens": 8}, pipeline="chat")),
     ("POST", "/v1/messages/count_tokens"): (CALLERS, Call("/v1/messages/count_tokens", json=OPENAI_CHAT)),
     # `chat` makes no embeddings: a caller's call is a 400 naming `model` (the real model: test_embeddings_routes.py).
-    ("POST", "/v1/embeddings"): (CALLERS, Call("/v1/embeddings", json={"model": "chat", "input": "hello"})),
+    ("POST", "/v1/embeddings"): (CALLERS, Call("/v1/embeddings", json={"model": "chat", "input": "hello"},
+                                               pipeline="chat")),
     ("GET", "/audit/records"): (REVIEWERS, Call("/audit/records")),
     ("GET", "/audit/records/{record_id:str}"): (REVIEWERS, Call("/audit/records/no-such-record")),
     ("GET", "/audit/records/{record_id:str}/spec"): (REVIEWERS, Call("/audit/records/no-such-record/spec")),
@@ -109,7 +118,7 @@ ACCESS: dict[tuple[str, str], tuple[str | tuple[str, ...], Call]] = {
     ("GET", "/ui/audit/export"): (REVIEWERS, Call("/ui/audit/export", console=True)),
     ("GET", "/ui/audit/access"): (REVIEWERS, Call("/ui/audit/access", console=True)),
     ("POST", "/ui/api/pipelines/{name:str}/run"): (CALLERS, Call("/ui/api/pipelines/chat/run", json=CHAT,
-                                                                 console=True, csrf="header")),
+                                                                 console=True, csrf="header", pipeline="chat")),
     ("GET", "/ui/audit/report"): (REVIEWERS, Call("/ui/audit/report", console=True)),
     ("GET", "/ui/api/metrics"): (REVIEWERS, Call("/ui/api/metrics", console=True)),
     ("GET", "/ui/static/{file_path:path}"): (PUBLIC, Call("/ui/static/console.css", console=True)),
@@ -221,3 +230,61 @@ def test_a_key_may_come_as_x_api_key(secured):
                 assert response.status_code not in (401, 403), (path, role, response.status_code)
             else:
                 assert response.status_code == 403, (path, role, response.status_code)
+
+
+def denied_after(secured: App, seq: int) -> list[dict[str, Any]]:
+    """The refusals' records (status ``denied``) chained after record *seq*, oldest first."""
+    response = secured.client.get("/audit/records", params={"status": "denied", "sort": "-seq", "limit": "20"},
+                                  headers=secured.auth("auditor"))
+    assert response.status_code == 200, response.text
+    return sorted((r for r in response.json()["records"] if r["seq"] > seq), key=lambda r: r["seq"])
+
+
+def test_every_refusal_leaves_one_audit_record(secured, monkeypatch):
+    """A 401 (no key) and a 403 (each role not declared) on every route of ``app.routes``: one record each,
+    naming the route, the reason, the key refused, and a pipeline only where the call runs one. The
+    console's pages send a caller without a key to the login page: that is no refusal, and no record."""
+    refusals = secured.app.state.inferline.refusals
+    ticks = itertools.count(time.monotonic() + 60.0, 60.0)  # a minute before each refusal: its buckets are full
+    monkeypatch.setattr(refusals, "clock", lambda: next(ticks))
+    seq = max([r["seq"] for r in denied_after(secured, -1)], default=-1)
+    for method, path in sorted(served_routes(secured)):
+        allowed, call = ACCESS[(method, path)]
+        if allowed == PUBLIC:
+            continue
+        roles = ROLES if allowed == SIGNED_IN else (*allowed, "admin")
+        for role in (None, *(role for role in ROLES if role not in roles)):
+            response = send(secured, method, call, role)
+            records = denied_after(secured, seq)
+            if role is None and call.console and not path.startswith("/ui/api/"):
+                assert is_login_redirect(response) and not records, (path, records)
+                continue
+            status = 401 if role is None else 403
+            assert response.status_code == status, (method, path, role, response.status_code)
+            assert len(records) == 1, (method, path, role, records)
+            record = records[0]
+            seq = record["seq"]
+            reason = record["policy"][0]
+            assert (record["http_status"], record["error_type"], reason["route"]) == (
+                status, "missing_key" if role is None else "role_not_allowed", call.path), (method, path, role)
+            assert record["pipeline"] == call.pipeline, (method, path, record["pipeline"])
+            key_id = public_id(secured.keys[role]) if role else None
+            assert (record["key_id"], record["role"]) == (key_id, role), (method, path)
+
+
+def test_the_api_doc_says_which_routes_are_open(secured):
+    """docs/api.md names the routes anyone may call twice, in its routes table and in "Keys and roles":
+    both say what ACCESS (checked against the app above) says, the OpenAPI document's routes as ``/schema``."""
+    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    text = re.split(r"\sneeds\s", doc.split("## Keys and roles", 1)[1], maxsplit=1)[0]
+    in_text = set(re.findall(r"`(/[\w./{}-]*)`", text))
+    rows = [line.split("|") for line in doc.splitlines() if line.startswith("| `")]
+    in_table = {path for row in rows if row[-2].strip() == "anyone"
+                for path in re.findall(r"`(?:[A-Z|]+ )?(/[\w./{}-]*)`", row[1])}
+    in_code = {path for (method, path), (allowed, _) in ACCESS.items() if allowed == PUBLIC
+               and not path.startswith("/ui")}
+
+    def api(paths: set[str]) -> set[str]:
+        return {"/schema" if path.startswith("/schema") else path for path in paths}
+
+    assert api(in_text) == api(in_table) == api(in_code), (in_text, in_table, in_code)

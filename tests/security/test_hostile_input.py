@@ -1,7 +1,8 @@
 """Hostile requests get a 4xx with a problem-details body: never a 500, never a hang.
 
 Oversized and endless bodies, deeply nested JSON, invalid UTF-8, numbers out of range (huge, negative,
-NaN, infinite), and pipeline names with path traversal, control and odd Unicode characters. (Prompts
+NaN, infinite), and pipeline names with path traversal, control and odd Unicode characters (on the
+deploy routes, refused by the pipeline name grammar before they name a file). (Prompts
 past the context window need the real engine: tests/faults/test_server_faults.py.) The
 OpenAI-compatible routes answer the same requests in OpenAI's error shape (``{"error": {...}}``)
 with the same statuses, as OpenAI clients expect; Anthropic's Messages API in Anthropic's (a 400
@@ -12,9 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipeline.spec import is_pipeline_name
 from tests.security.secured_app import App
 
 MAX_BODY = 65536  # http.max_body_bytes of the app under test (conftest.SERVER)
@@ -200,3 +206,64 @@ def test_audit_time_filters_out_of_range_are_4xx(secured, path, instant, statuse
                    else secured.auth("auditor"))
         response = secured.client.get(path, params={name: instant}, headers=headers)
         assert response.status_code in statuses, (path, name, instant, response.status_code, response.text[:300])
+
+
+#: Names no pipeline may have: NUL and other control characters, dot segments, slashes, past the 128
+#: characters of the grammar, non-ASCII, upper case, a file's own name.
+HOSTILE_NAMES = ["support\x00", "chat\x00.yaml", "..", ".", "...", "../chat", "..\\..\\x", "a/b", "/etc/passwd",
+                 "a" * 129, "a" * 5000, "chàt", "\u202etahc", "💥", "\udcff", "CHAT", "chat.yaml", "chat\n",
+                 " chat", "-chat", "1chat", "chat;rm", "$(id)", "%2e%2e", "~root", "\\\\?\\c:"]
+#: A body each pipeline route takes, so that the name is what decides (the deploy's names its pipeline).
+BODIES = {("POST", "/pipelines/{name:str}"): {"input": "x"},
+          ("POST", "/pipelines/{name:str}/activate"): {"spec_sha256": "ffffff"},
+          ("PUT", "/pipelines/{name:str}/traffic"): {"weights": {"1": 1}},
+          ("PUT", "/pipelines/{name:str}/shadow"): {"version": "1", "percent": 5}}
+
+
+def pipeline_routes(secured: App) -> list[tuple[str, str]]:
+    """Every route that takes a pipeline's name in its path (the deploy routes among them), from app.routes."""
+    return sorted((method, route.path) for route in secured.app.routes for method in route.methods
+                  if route.path.startswith("/pipelines/{name:str}") and method not in ("HEAD", "OPTIONS"))
+
+
+def pipeline_files(root: Path) -> set[Path]:
+    """The files a deploy writes (``<name>.yaml`` and its temporary ``.<name>.yaml.<pid>.tmp``), anywhere below
+    *root*: the folder above the workspace, so that a name that climbed out of it is seen too."""
+    return {path for path in root.rglob("*") if ".yaml" in path.name or ".yml" in path.name or path.suffix == ".tmp"}
+
+
+def call_with_name(secured: App, method: str, path: str, name: str):
+    body = BODIES.get((method, path), {"yaml": f"name: {json.dumps(name)}\nstages: [{{id: p, type: prompt}}]\n"}
+                      if path.endswith("/versions") and method == "POST" else None)
+    # Dots percent-encoded too: a client resolves a literal "/../" before sending, and "%2e%2e" is what reaches us.
+    url = path.replace("{name:str}", quote(name, safe="", errors="surrogatepass").replace(".", "%2E"))
+    return secured.client.request(method, url, json=body, headers=secured.auth("admin"))
+
+
+def assert_refused_before_any_file(secured: App, name: str) -> None:
+    """*name* on every pipeline route: a 4xx; a deploy route says what a name may be, unless the name
+    changed the route itself (a '/' in it: the router's 404); no file is written anywhere."""
+    root = Path(secured.db_url.removeprefix("sqlite:///")).parent.parent
+    before = pipeline_files(root)
+    for method, path in pipeline_routes(secured):
+        response = call_with_name(secured, method, path, name)
+        assert 400 <= response.status_code < 500, (method, path, name[:40], response.status_code, response.text[:300])
+        assert response.headers["content-type"].startswith("application/problem+json")
+        is_deploy = path != "/pipelines/{name:str}" or method == "DELETE"
+        if is_deploy and "/" not in name and name:
+            assert response.json()["type"].endswith("/invalid_pipeline_name"), (method, path, response.text[:300])
+    assert pipeline_files(root) == before, name[:40]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=lambda name: ascii(name)[:30])
+def test_hostile_names_on_the_deploy_routes_are_4xx_and_write_nothing(secured, name):
+    assert not is_pipeline_name(name)
+    assert_refused_before_any_file(secured, name)
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+# Without '/': a name with one is another path, which may be a route of its own (the fixed list has some).
+@given(st.text(st.characters(exclude_characters="/"), min_size=1, max_size=200).filter(
+    lambda name: not is_pipeline_name(name)))
+def test_any_name_no_pipeline_may_have_is_4xx_on_the_deploy_routes(secured, name):
+    assert_refused_before_any_file(secured, name)

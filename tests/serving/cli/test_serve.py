@@ -237,3 +237,22 @@ def test_an_edit_under_load_reloads_on_sighup_without_failing_a_stream(tmp_path)
         assert server.stop() == 0
     log = (tmp_path / "server.log").read_text()
     assert "did not load; 'chat' keeps serving its running version" in log and "chat.yaml:14:" in log
+
+
+def test_a_model_that_fails_to_load_fails_liveness_and_the_process_exits_1(tmp_path):
+    # The server listens before its models load (a liveness probe sees it alive meanwhile); a model that
+    # cannot load turns /healthz to 503 and the process exits 1 with the cause in its log.
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "chat.yaml").write_text((ROOT / "pipelines" / "chat.yaml").read_text())
+    config = tmp_path / "inferline.yaml"
+    config.write_text(f"models:\n  smol: {{source: {tmp_path}/missing.gguf}}\ndatabase: sqlite:///{tmp_path}/s.db\n"
+                      "pipelines: pipelines/\n")
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.run([EXE, "serve", "--config", config, "--port", str(free_port())], stdout=out,
+                              stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 1, text
+    assert "Uvicorn running on" in text and "the server failed to start: model 'smol' failed to start" in text
+    assert text.index("Uvicorn running on") < text.index("the server failed to start")

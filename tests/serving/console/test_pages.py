@@ -279,6 +279,27 @@ def test_roles_for_the_playground_and_traces(auth_client, keys):
     assert ("query", "console") in actions  # the console's reads are in the access log
 
 
+SIGN_IN_LINK = '<a href="/ui/login">Sign in</a>'
+
+
+@pytest.mark.parametrize("path", ["/ui/no/such/page", "/ui/audit?since=not-a-date", "/ui/audit?limit=0",
+                                  "/ui/pipelines/nope"])
+def test_error_pages_show_who_is_signed_in(auth_client, keys, path):
+    """Whatever failed (no such page, a query that does not parse before the page ran, a role), the error
+    page knows the session: it offers to sign out, never to sign in."""
+    info, auditor = keys.create("reviewer", "auditor")
+    sign_in(auth_client, auditor)
+    response = auth_client.get(path)
+    assert response.status_code in (400, 404), (path, response.status_code)
+    assert f"<code>{info.id}</code>" in response.text and "Sign out" in response.text, path
+    assert SIGN_IN_LINK not in response.text, path
+
+
+def test_error_pages_offer_to_sign_in_without_a_session(auth_client):
+    response = auth_client.get("/ui/no/such/page")
+    assert response.status_code == 404 and SIGN_IN_LINK in response.text and "Sign out" not in response.text
+
+
 def test_a_revoked_key_is_signed_out(auth_client, keys):
     info, caller = keys.create("app", "caller")
     sign_in(auth_client, caller)

@@ -177,6 +177,41 @@ def test_tool_results_in_the_history(client, fake_engines):
     assert '<tool_response>\n{"temp_c": 21}\n</tool_response>\nAnd so?' in prompt
 
 
+def sdk_reply(caller: dict | None = None) -> list[dict]:
+    """An assistant reply as the ``anthropic`` package gives it back: its own blocks' ``model_dump()``."""
+    from anthropic.types import TextBlock, ToolUseBlock
+
+    call = ToolUseBlock.model_validate({"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                        "input": {"city": "Paris"}, "caller": caller})
+    return [TextBlock(type="text", text="Let me look.").model_dump(), call.model_dump()]
+
+
+@pytest.mark.parametrize("caller", [None, {"type": "direct"}])
+def test_a_reply_resent_as_the_sdk_dumps_it_is_taken(client, fake_engines, caller):
+    reply_blocks = sdk_reply(caller)
+    assert {"caller", "toolset_name"} <= set(reply_blocks[1]) and "citations" in reply_blocks[0]  # what it dumps
+    messages = [*ASK, {"role": "assistant", "content": reply_blocks},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}]
+    response = create(client, messages=messages, tools=[WEATHER])
+    assert response.status_code == 200, response.text
+    prompt, _ = submitted(fake_engines)
+    assert 'Let me look.\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"caller": {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}}, 'server tool "code_execution_20250825"'),
+    ({"toolset_name": "mcp"}, "toolset_name: Value error, toolsets are not supported"),
+])
+def test_what_the_sdk_dumps_but_we_do_not_do_is_refused_by_name(client, fake_engines, change, needle):
+    text, call = sdk_reply()
+    messages = [*ASK, {"role": "assistant", "content": [text, {**call, **change}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}]
+    assert_anthropic_error(create(client, messages=messages, tools=[WEATHER]), 400, "invalid_request_error", needle)
+    cited = [*ASK, {"role": "assistant", "content": [{**text, "citations": [{"type": "char_location"}]}]}, *ASK]
+    assert_anthropic_error(create(client, messages=cited), 400, "invalid_request_error", "citations are not supported")
+    assert not fake_engines.engines["smol"].submitted
+
+
 # -- streaming --------------------------------------------------------------------------------------
 
 

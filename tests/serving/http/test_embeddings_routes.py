@@ -124,6 +124,24 @@ def test_usage_counts_the_tokens_the_model_reads(client, keys):
     assert body["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
 
 
+def test_tokenize_on_an_embeddings_pipeline_counts_with_its_embedding_model(client, keys):
+    """/tokenize names the pipeline: its count is what /v1/embeddings bills, the embedding model's tokens."""
+    tokenizer = shared_embedder("all-MiniLM-L6-v2", "cpu").tokenizer
+    text = "A somewhat longer sentence, with punctuation!"
+    counted = client.post("/tokenize", json={"model": "embed", "prompt": text, "return_token_strs": True},
+                          headers=auth(keys))
+    assert counted.status_code == 200, counted.text
+    body = counted.json()
+    assert body["tokens"] == tokenizer(text)["input_ids"] and body["token_strs"][0] == "[CLS]"
+    assert body["count"] == embed(client, keys, input=text).json()["usage"]["prompt_tokens"]
+    assert body["max_model_len"] == shared_embedder("all-MiniLM-L6-v2", "cpu").max_tokens
+    back = client.post("/detokenize", json={"model": "embed", "tokens": body["tokens"]}, headers=auth(keys))
+    assert back.json() == {"prompt": tokenizer.decode(body["tokens"], skip_special_tokens=True)}
+    chat = client.post("/tokenize", json={"model": "embed", "messages": [{"role": "user", "content": text}]},
+                       headers=auth(keys))
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+
+
 def test_dimensions_must_be_the_models_own(client, keys):
     assert embed(client, keys, input="x y", dimensions=384).status_code == 200
     response = embed(client, keys, input="x y", dimensions=128)

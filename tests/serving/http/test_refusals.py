@@ -1,4 +1,5 @@
-"""Refused pipeline calls in the audit log (serving/http/refusals.py): the real app, auth on, a real SQLite store."""
+"""Refused calls in the audit log (serving/http/refusals.py): the real app, auth on, a real SQLite store.
+(Every route's 401 and 403: tests/security/test_auth_matrix.py.)"""
 
 from __future__ import annotations
 
@@ -82,9 +83,15 @@ def only(records: list[dict]) -> dict:
 
 CHAT_BODY = {"input": "hi"}
 OPENAI_BODY = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+#: Every route that calls a pipeline, with a body that names `chat`.
+PIPELINE_CALLS = [("/pipelines/chat", CHAT_BODY), ("/v1/chat/completions", OPENAI_BODY),
+                  ("/v1/completions", {"model": "chat", "prompt": "hi"}),
+                  ("/v1/responses", {"model": "chat", "input": "hi"}),
+                  ("/v1/messages", {**OPENAI_BODY, "max_tokens": 8}),
+                  ("/v1/embeddings", {"model": "chat", "input": "hi"})]
 
 
-@pytest.mark.parametrize("path, body", [("/pipelines/chat", CHAT_BODY), ("/v1/chat/completions", OPENAI_BODY)])
+@pytest.mark.parametrize("path, body", PIPELINE_CALLS)
 @pytest.mark.parametrize("headers, code", [
     ({}, "missing_key"),
     ({"Authorization": "Bearer not-a-key"}, "invalid_key"),
@@ -107,7 +114,7 @@ def test_a_401_leaves_one_record(server, path, body, headers, code):
     assert only(server.records(policy_category="auth"))["id"] == record["id"]
 
 
-@pytest.mark.parametrize("path, body", [("/pipelines/chat", CHAT_BODY), ("/v1/chat/completions", OPENAI_BODY)])
+@pytest.mark.parametrize("path, body", PIPELINE_CALLS)
 def test_an_auditors_403_on_a_caller_pipeline_leaves_one_record(server, path, body):
     response = server.client.post(path, json=body, headers=server.auth("auditor"))
     assert response.status_code == 403
@@ -163,7 +170,46 @@ def test_a_429_that_the_audit_stage_recorded_is_not_recorded_twice(server, fresh
     assert only(denied["policy"])["stage"] == "guard"  # the stage's record, not the server's
 
 
-def test_a_flood_is_recorded_up_to_the_bound_and_counted_beyond_it(tmp_path, monkeypatch, fake_engines):
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/audit/records", None),
+    ("DELETE", "/pipelines/chat", None),  # a deploy route that names a pipeline: still no pipeline call
+    ("POST", "/pipelines/chat/versions", {"yaml": "name: chat"}),
+    ("GET", "/metrics", None),
+])
+def test_a_refusal_of_a_route_that_calls_no_pipeline_names_none(server, method, path, body):
+    assert server.client.request(method, path, json=body).status_code == 401
+    assert server.client.request(method, path, json=body, headers=server.auth("caller")).status_code == 403
+    missing, forbidden = sorted(server.records(status="denied"), key=lambda r: r["seq"])
+    assert (missing["http_status"], missing["error_type"], missing["key_id"]) == (401, "missing_key", None)
+    assert (forbidden["http_status"], forbidden["error_type"]) == (403, "role_not_allowed")
+    assert (forbidden["key_id"], forbidden["role"]) == (server.ids["caller"], "caller")  # identified off the path
+    for record in (missing, forbidden):
+        assert (record["pipeline"], record["spec_sha256"], record["pipeline_version"]) == ("", "", "")
+        assert only(record["policy"])["route"] == path
+    assert not server.records(pipeline="chat")
+
+
+def test_a_hostile_path_is_recorded_printable(server):
+    response = server.client.get("/pipelines/ch%00at/versions", headers={"Authorization": "Bearer nope"})
+    assert response.status_code == 401
+    record = only(server.records(status="denied"))
+    assert only(record["policy"])["route"] == "/pipelines/ch\\x00at/versions" and record["pipeline"] == ""
+
+
+def test_the_consoles_refusals_name_the_key_of_its_cookie(server):
+    stale = {"cookie": f"inferline_console_key={A_KEY_THAT_DOES_NOT_EXIST}"}
+    assert server.client.get("/ui/api/metrics", headers=stale).status_code == 401
+    assert server.client.get("/ui/audit", headers={"cookie": f"inferline_console_key={server.keys['caller']}"}
+                             ).status_code == 403
+    invalid, forbidden = sorted(server.records(status="denied"), key=lambda r: r["seq"])
+    assert (invalid["error_type"], only(invalid["policy"])["claimed_key_id"]) == ("invalid_key", "AAAAAAAAAAAA")
+    assert (forbidden["error_type"], forbidden["key_id"], only(forbidden["policy"])["route"]) == (
+        "role_not_allowed", server.ids["caller"], "/ui/audit")
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/pipelines/chat"), ("GET", "/audit/records"),
+                                          ("GET", "/pipelines/chat/versions")])
+def test_a_flood_is_recorded_up_to_the_bound_and_counted_beyond_it(tmp_path, monkeypatch, fake_engines, method, path):
     monkeypatch.setenv("INFERLINE_AUDIT__REFUSALS__PER_CLIENT_PER_MINUTE", "3")
     monkeypatch.setenv("INFERLINE_AUDIT__REFUSALS__PER_MINUTE", "5")
     for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
@@ -173,11 +219,12 @@ def test_a_flood_is_recorded_up_to_the_bound_and_counted_beyond_it(tmp_path, mon
         client.app.state.inferline.refusals.clock = lambda: 1000.0
         _, auditor = KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}")).create("reviewer", "auditor")
         server = Server(client, {"auditor": auditor}, {})
+        body = CHAT_BODY if method == "POST" else None
         for _ in range(8):  # one client, one reason: 3 recorded (its own bucket), 5 counted
-            response = client.post("/pipelines/chat", json=CHAT_BODY)
+            response = client.request(method, path, json=body)
             assert response.status_code == 401 and response.json()["status"] == 401
         for _ in range(4):  # another reason has a bucket of its own, but only 2 tokens are left of 5 in all
-            assert client.post("/pipelines/chat", json=CHAT_BODY, headers={
+            assert client.request(method, path, json=body, headers={
                 "Authorization": "Bearer nope"}).status_code == 401
         records = server.records(status="denied")
         assert sorted(r["error_type"] for r in records) == ["invalid_key"] * 2 + ["missing_key"] * 3

@@ -328,9 +328,11 @@ def test_another_key_cannot_read_continue_or_delete(tmp_path, monkeypatch, fake_
         assert client.post("/v1/responses", headers=owner, json={
             "model": "chat", "input": "Hi", "previous_response_id": body["id"]}).status_code == 200
         assert client.delete(path, headers=owner).status_code == 200
-        audited = client.get("/audit/records", headers=auditor).json()["records"]  # the pipeline's audit stage
+        audited = client.get("/audit/records", params={"pipeline": "chat"}, headers=auditor).json()["records"]
         assert body["id"].removeprefix("resp_") in {record["request_id"] for record in audited}
-        assert len(audited) == 2  # the two that ran: the other key's continuation did not
+        assert len(audited) == 2  # the two that ran (the pipeline's audit stage): the other key's continuation did not
+        refused = client.get("/audit/records", params={"status": "denied"}, headers=auditor).json()["records"]
+        assert sorted(r["http_status"] for r in refused) == [401, 403]  # the reads refused, which name no pipeline
 
 
 # -- refused -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pipeline.context import RequestContext
+from pipeline.errors import SpecError
 from pipeline.events import Done
 from serving.runtime.reloader import PipelineReloader
 from serving.runtime.resources import Runtime, RuntimeOptions
@@ -125,3 +126,15 @@ async def test_a_name_taken_by_another_file_is_refused(runtime):
     error = reloader.errors[str((runtime.workspace.pipelines_dir / "copy.yaml").resolve())]
     assert error.pipeline == "" and "already used by" in error.issues[0].message
     assert runtime.pipelines["chat"].loaded.file.endswith("chat.yaml")
+
+
+@pytest.mark.parametrize("name", ["support\x00", "..", "../chat", "a" * 129, "chàt", "Chat"])
+async def test_a_name_no_pipeline_may_have_never_names_a_file(runtime, name):
+    reloader = PipelineReloader(runtime, registry=CollectorRegistry())
+    folder = runtime.workspace.pipelines_dir
+    before = sorted(folder.parent.rglob("*.y*ml"))
+    for attempt in (reloader.check, lambda n, text: reloader.install(n, text, "test")):
+        with pytest.raises(SpecError) as refused:
+            await attempt(name, CHAT.replace("name: chat", f"name: {name!r}"))
+        assert "cannot name a pipeline" in str(refused.value), refused.value
+    assert sorted(folder.parent.rglob("*.y*ml")) == before
