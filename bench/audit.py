@@ -15,7 +15,7 @@ added latency's p50/p95; target p50 ≤ 1 ms), then N more from 16 concurrent
 requests (p50/p95 per request, and records per commit: what group commit does).
 On PostgreSQL, N/2 more from two stores taking turns, as two server processes
 would at worst: each finds the chain head moved by the other
-(store/audit_append.py).
+(store/audit/append.py).
 
 Baseline on PostgreSQL, in the same run and interleaved with the sequential
 writes: the commit floor, a one-row INSERT committed by one round trip on its
@@ -70,15 +70,21 @@ from sqlalchemy.engine import make_url
 
 from pipeline.context import ChatMessage, Principal, RequestContext, StageRecord, Usage
 from pipeline.protocols import Resources
-from pipeline.spec import AuditSpec
 from serving.backends.audit_sink import StoreSink
+from serving.config.audit import AuditSpec
 from stages.audit import AuditConfig, AuditStage, build_record
-from store.audit import AuditStore
-from store.audit_anchors import Anchors, verify_anchors
-from store.audit_journal import Journal
-from store.audit_signing import Ed25519Signer, Signer, Verifier, generate_pem
-from store.audit_vault import ContentVault
-from store.db import make_engine
+from store.audit import (
+    Anchors,
+    AuditStore,
+    ContentVault,
+    Ed25519Signer,
+    Journal,
+    Signer,
+    Verifier,
+    generate_pem,
+    verify_anchors,
+)
+from store.engine import make_engine
 from store.migrate import create_schema
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -58,7 +58,7 @@ import sqlalchemy as sa
 
 from bench.server_process import ServerProcess
 from store.audit import AuditStore
-from store.db import make_engine
+from store.engine import make_engine
 
 PIPELINE = "chat"
 REQUEST_TIMEOUT_S = 600.0

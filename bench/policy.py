@@ -40,9 +40,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.context import RequestContext
 from pipeline.events import Done, TextDelta
-from pipeline.loader import catalog_of, load_pipeline_text
+from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
+from serving.config.loader import catalog_of
 from serving.runtime.workspace import open_workspace
 
 POLICY = """

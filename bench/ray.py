@@ -232,7 +232,8 @@ async def rounds(local: Any, ray: Any, requests: list[tuple[list[int], int]], re
 
 
 def ray_server(num_replicas: int) -> Any:
-    from pipeline.spec import ModelSpec, ServerSpec
+    from serving.config.models import ModelSpec
+    from serving.config.server import ServerSpec
 
     return ServerSpec(models={"smol": ModelSpec.model_validate(
         {**MODEL, "backend": "ray",
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--repeat must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     os.chdir(ROOT)
-    from pipeline.spec import ModelSpec, ServerSpec
+    from serving.config.models import ModelSpec
+    from serving.config.server import ServerSpec
 
     requests = mixed_requests(args.quick, args.seed)
     local = ServerSpec(models={"smol": ModelSpec.model_validate(MODEL)})

@@ -269,7 +269,7 @@ FINDINGS = [
     "(deep nesting, recursive aliases) and UnicodeDecodeError, and hung on alias bombs: now located "
     "SpecErrors (pipeline/yamlsrc.py, pipeline/loader.py). Found by hypothesis.",
     "Index names were not checked: `inferline index build --name ../../x` wrote outside indexes/, and "
-    "`indexes: {'../x': {}}` loaded: now refused (pipeline/spec.py, serving/cli/index.py).",
+    "`indexes: {'../x': {}}` loaded: now refused (serving/config/server.py, serving/cli/index.py).",
     "With auth on, a database outage took the whole API down (every key check failed) although audit "
     "records spool: keys verified in the last 10 minutes now keep working meanwhile (serving/http/auth.py).",
     "After clients disconnected, `/metrics` kept the aborted requests in `inferline_num_requests_running` and "

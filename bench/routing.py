@@ -61,20 +61,22 @@ import textwrap
 import time
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 # Must precede the torch import: OpenMP reads it once, when it loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.context import Principal, RequestContext
-from pipeline.loader import catalog_of, load_pipeline_text
+from pipeline.loader import load_pipeline_text
 from pipeline.protocols import ModelOccupancy, Resources, SamplingParams
 from pipeline.runner import Pipeline, Runner
-from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
 from serving.backends.caches import StoreCaches
 from serving.backends.local_engine import LocalEngine
 from serving.backends.model_pool import ModelPool
 from serving.backends.tokenizer import HFTokenizer
+from serving.config.loader import catalog_of
+from serving.config.models import KVCacheSpec, ModelSpec
+from serving.config.server import ServerSpec
 from serving.engine.sampling_params import SamplingParams as EngineSampling
 from serving.runtime.workspace import open_workspace
 
@@ -149,7 +151,7 @@ async def run_policy(name: str, spec: ModelSpec, root: Path, placement: str, pro
     spec = spec.model_copy(update={"replicas": REPLICAS, "placement": placement, "device": "cpu", "kv_cache": kv})
     pool = ModelPool(ServerSpec(models={name: spec}), root)
     try:
-        local: LocalEngine = await pool.get(name)
+        local = cast(LocalEngine, await pool.get(name))  # a local model's spec: the pool started LocalEngine
         await warm_up(local)
         gate = asyncio.Semaphore(CONCURRENCY)
         sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

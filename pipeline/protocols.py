@@ -125,13 +125,8 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A batched token generator for one model.
-
-    A remote backend (an OpenAI-compatible server) applies its own chat template: it also has
-    ``accepts_messages = True`` and ``async submit_messages(messages, sampling, cache_salt)``, which
-    ``generate`` calls with the chat messages instead of ``submit`` with token ids. Its ``tokenizer``
-    may then only estimate counts.
-    """
+    """A batched token generator for one model: it takes prompt token ids (a :class:`ChatEngine` takes
+    chat messages instead)."""
 
     tokenizer: Tokenizer
     #: SHA-256 of the weights it serves (for audit records); for a remote backend, its URL and model.
@@ -144,6 +139,24 @@ class Engine(Protocol):
         *hints* place it in the queue (None: interactive, no tenant, no deadline); its stream raises
         DeadlineExceeded if it is still queued at ``hints.deadline_s``.
         """
+        ...
+
+
+@runtime_checkable
+class ChatEngine(Engine, Protocol):
+    """An engine that applies its own chat template: a remote OpenAI-compatible server.
+
+    Stages hand it the chat messages through :meth:`submit_messages`; its ``submit`` refuses token ids
+    with InvalidInput, and its ``tokenizer`` may only estimate counts. Stages tell it apart with
+    ``isinstance(engine, ChatEngine)``, which also gives a type checker the method, rather than probing
+    an attribute: an engine is one by having the method, and cannot claim it without.
+    """
+
+    async def submit_messages(self, messages: Sequence[Mapping[str, str]], sampling: SamplingParams,
+                              cache_salt: str = "") -> TokenStream:
+        """Queue a request of chat *messages*; raises Overloaded, BackendError or InvalidInput before any
+        text, so that the caller can still fall back to another model. *cache_salt* may only pick among the
+        engine's servers: it cannot partition a remote server's own prefix cache."""
         ...
 
 

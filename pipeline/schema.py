@@ -1,4 +1,5 @@
-"""JSON Schemas of the two YAML files, for editors: ``inferline schema pipeline|server`` and ``schemas/``.
+"""JSON Schemas for editors: the pipeline file's (``inferline schema pipeline``, ``schemas/``), and
+:func:`model_schema`, which makes one of any spec model the same way.
 
 Generated from the models that validate the files (:mod:`pipeline.spec` and each registered stage type's
 ``Config``), so an editor checks what the loader checks: unknown keys, types, ranges. A stage's ``with:``
@@ -27,7 +28,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_jso
 from pydantic_core import core_schema
 
 from pipeline.registry import StageRegistry
-from pipeline.spec import PipelineSpec, ServerSpec
+from pipeline.spec import PipelineSpec
 
 DIALECT = "http://json-schema.org/draft-07/schema#"
 _DEFINITIONS = "definitions"
@@ -51,10 +52,10 @@ def pipeline_schema(registry: StageRegistry) -> dict[str, Any]:
     return _finish(_root(document, refs[PipelineSpec], "Inferline pipeline file"))
 
 
-def server_schema() -> dict[str, Any]:
-    """The schema of the server file, ``inferline.yaml``."""
-    refs, document = _generate([ServerSpec])
-    return _finish(_root(document, refs[ServerSpec], "Inferline server file (inferline.yaml)"))
+def model_schema(model: type[BaseModel], title: str) -> dict[str, Any]:
+    """The schema of a file that *model* validates whole, titled *title* (the server file's, say)."""
+    refs, document = _generate([model])
+    return _finish(_root(document, refs[model], title))
 
 
 def dumps(schema: dict[str, Any]) -> str:

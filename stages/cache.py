@@ -53,7 +53,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError
-from pipeline.protocols import CacheProvider, Catalog
+from pipeline.protocols import CacheProvider, Catalog, ChatEngine
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from stages.engines import engine_for
 from stages.generate import Sampling
@@ -201,7 +201,7 @@ class CacheStage(Stage):
         params, skipped = _cacheable(ctx.params)
         if self.resources.caches is None:
             skipped = "no_cache_provider"
-        if getattr(engine, "accepts_messages", False):
+        if isinstance(engine, ChatEngine):  # it streams text: no faithful token ids to replay
             skipped = "remote_backend"
         if ctx.shadow_of:  # a shadow measures the candidate's own answer, and keeps none
             skipped = "shadow"

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.protocols import Resources, SamplingParams
+from pipeline.protocols import ChatEngine, Resources, SamplingParams
 from pipeline.refs import ModelRef
 from pipeline.stage import NoConfig
 from stages.engines import engine_for
@@ -70,8 +70,8 @@ class GuardClassifier:
                     {"role": "user", "content": f"Message:\n{text}\n\nIs this message safe or unsafe? One word."}]
         prompt_ids = engine.tokenizer.encode_chat(messages)
         sampling = SamplingParams(max_tokens=10, temperature=0.0, logprobs=20)
-        if getattr(engine, "accepts_messages", False):  # a remote guard model: it applies its own template
-            stream = await engine.submit_messages(messages, sampling, cache_salt=cache_salt)  # type: ignore[attr-defined]
+        if isinstance(engine, ChatEngine):  # a remote guard model: it applies its own template
+            stream = await engine.submit_messages(messages, sampling, cache_salt=cache_salt)
         else:
             stream = await engine.submit(prompt_ids, sampling, cache_salt=cache_salt)
         ids: list[int] = []

@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.context import RequestContext, RoutePlan, chat_turns
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import Engine, Resources, SamplingParams, SchedulingHints, TokenEvent, TokenStream
+from pipeline.protocols import ChatEngine, Engine, Resources, SamplingParams, SchedulingHints, TokenEvent, TokenStream
 from stages.engines import engine_for
 
 #: Errors that move on to the next model; anything else (a bad request) ends the request.
@@ -76,8 +76,8 @@ async def _submit(resources: Resources, ctx: RequestContext, name: str, sampling
 
 async def _open(engine: Engine, ctx: RequestContext, name: str, sampling: SamplingParams, salt: str,
                 hints: SchedulingHints | None) -> TokenStream:
-    if getattr(engine, "accepts_messages", False):
-        return await engine.submit_messages(chat_turns(ctx.messages), sampling, cache_salt=salt)  # type: ignore[attr-defined]
+    if isinstance(engine, ChatEngine):
+        return await engine.submit_messages(chat_turns(ctx.messages), sampling, cache_salt=salt)
     if name != ctx.facts.get("prompt_model", ctx.model):  # another tokenizer than the prompt's: encode again
         ctx.prompt_ids = engine.tokenizer.encode_chat(chat_turns(ctx.messages))
         ctx.prompt_tokens = len(ctx.prompt_ids)

@@ -59,7 +59,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.context import RequestContext
 from pipeline.errors import InvalidInput
-from pipeline.protocols import Catalog, SamplingParams, SchedulingHints, TokenStream
+from pipeline.protocols import Catalog, ChatEngine, Engine, SamplingParams, SchedulingHints, TokenStream
 from pipeline.stage import CheckIssue, NoConfig, Stage, StageScope
 from pipeline.tracing import (
     GEN_AI_OPERATION_NAME,
@@ -209,7 +209,7 @@ class GenerateStage(Stage):
             scope.add_event("inferline.route.fallback", {"models_tried": [t["model"] for t in tried],
                                                          "served_by": ctx.model})
 
-    def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, engine: Any) -> None:
+    def _record(self, ctx: RequestContext, scope: StageScope, sampling: SamplingParams, engine: Engine) -> None:
         ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "max_tokens": sampling.max_tokens, "seed": sampling.seed}
         if sampling.n > 1:
@@ -220,8 +220,7 @@ class GenerateStage(Stage):
         ctx.facts["weights_hash"] = engine.weights_hash
         scope.set_attribute(GEN_AI_OPERATION_NAME, ctx.operation)
         # A remote backend speaks OpenAI's API (serving/backends/remote.py); every other engine is ours.
-        scope.set_attribute(GEN_AI_PROVIDER_NAME, "openai" if getattr(engine, "accepts_messages", False)
-                            else "inferline")
+        scope.set_attribute(GEN_AI_PROVIDER_NAME, "openai" if isinstance(engine, ChatEngine) else "inferline")
         asked = ctx.facts.get("route", {}).get("model") or ctx.facts.get("prompt_model") or ctx.model
         scope.set_attribute(GEN_AI_REQUEST_MODEL, asked)  # what the route asked for; a fallback may answer
         scope.set_attribute(GEN_AI_RESPONSE_MODEL, ctx.model)

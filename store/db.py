@@ -1,22 +1,17 @@
-"""SQL plumbing shared by every store: the declarative base, engines and the schema.
-
-    engine = make_engine("sqlite:///var/inferline.db")   # or postgresql://user@host/db
-    create_schema(engine)                                  # Alembic: upgrade to head
+"""SQL plumbing shared by every store: the declarative base and its column types.
 
 Models of all stores (API keys, audit records...) subclass :class:`Base`, so one
 ``MetaData`` holds the whole schema. Nothing here knows about any one table.
+Engines are made in store/engine.py, the schema in store/migrate.py.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Dialect, make_url
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase
-from sqlalchemy.pool import StaticPool
 
 # Deterministic constraint names, so that Alembic revisions can name (and drop)
 # constraints identically on SQLite and PostgreSQL.
@@ -27,9 +22,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-# Drivers we rewrite: a bare ``postgresql://`` would pick psycopg2, which is not installed.
-_POSTGRES_DRIVERS = {"postgresql", "postgres"}
 
 
 class Base(DeclarativeBase):
@@ -66,46 +58,3 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
 def utcnow() -> datetime:
     """Now, timezone-aware, in UTC."""
     return datetime.now(UTC)
-
-
-def make_engine(url: str) -> sa.Engine:
-    """An engine for *url*: ``sqlite:///path.db`` or ``postgresql[+psycopg]://...``.
-
-    SQLite: the file's folder is created if missing, connections may cross
-    threads (a threadpool serves requests) and the journal is WAL, so readers
-    do not block the writer. PostgreSQL always goes through psycopg 3.
-    """
-    parsed = make_url(url)
-    if parsed.drivername in _POSTGRES_DRIVERS:
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() == "sqlite":
-        return _sqlite_engine(parsed)
-    # pre_ping: a server restart or idle timeout must not fail the next request.
-    return sa.create_engine(parsed, pool_pre_ping=True)
-
-
-def _sqlite_engine(url: URL) -> sa.Engine:
-    database = url.database or ""
-    in_memory = database in ("", ":memory:") or url.query.get("mode") == "memory"
-    options: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
-    if in_memory:
-        # Every new connection to ":memory:" is a new, empty database: share one.
-        options["poolclass"] = StaticPool
-    elif not database.startswith("file:"):
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, **options)
-
-    @sa.event.listens_for(engine, "connect")
-    def _configure(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        try:
-            if not in_memory:
-                cursor.execute("PRAGMA journal_mode=WAL")
-                # Safe with WAL (no corruption on power loss, only the last commits may roll back)
-                # and it drops the fsync per commit that the audit log's per-request write can't afford.
-                cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-        finally:
-            cursor.close()
-
-    return engine

@@ -20,7 +20,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
-from store.db import make_engine
+from store.engine import make_engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from pipeline.context import Document, RequestContext
-from pipeline.errors import BackendError, PolicyDenied
+from pipeline.errors import BackendError, InvalidInput, PolicyDenied
 from pipeline.protocols import ModelOccupancy
 from pipeline.refs import IndexRef, ModelRef
 from pipeline.stage import NoConfig, Stage, StageScope
@@ -194,6 +194,26 @@ class FakeEngine:
         self.submitted.append((list(prompt_ids), sampling, cache_salt))
         self.hints.append(hints)
         stream = FakeStream(self.reply, len(prompt_ids), sampling.max_tokens)
+        self.streams.append(stream)
+        return stream
+
+
+class FakeChatEngine(FakeEngine):
+    """A ChatEngine like serving.backends.remote.RemoteEngine: takes chat messages, refuses token ids."""
+
+    def __init__(self, reply: str = "From afar."):
+        super().__init__(reply)
+        #: The messages of each submission, in order.
+        self.messages: list[list[dict[str, str]]] = []
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        raise InvalidInput("this engine takes chat messages (submit_messages), not token ids")
+
+    async def submit_messages(self, messages, sampling, cache_salt=""):
+        self.messages.append([dict(message) for message in messages])
+        prompt = self.tokenizer.encode_chat(messages)
+        self.submitted.append((prompt, sampling, cache_salt))
+        stream = FakeStream(self.reply, len(prompt), sampling.max_tokens)
         self.streams.append(stream)
         return stream
 

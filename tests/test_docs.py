@@ -7,7 +7,7 @@ Each fenced ``yaml`` block is recognised by its top-level keys and goes through 
   inferline.yaml and stage registry, as ``inferline validate`` loads it (judges included);
 - a list of stages (``- {id: …, type: …}``): the same, once the stages a pipeline needs around them
   (prompt, tokenize, generate, stream) are added where they are missing;
-- a server file (``models:``, ``database:``…): ``pipeline.loader.load_server``;
+- a server file (``models:``, ``database:``…): ``serving.config.loader.load_server``;
 - one model's settings (``source:``, ``kv_cache:``…): the same, as ``models: {example: …}``;
 - a workload (``pipeline:``, ``rates:``…): ``serving.capacity.workload.load_workload``.
 
@@ -33,10 +33,12 @@ import yaml
 from pydantic import BaseModel
 
 from pipeline.errors import SpecError, SpecIssue
-from pipeline.loader import load_server
 from pipeline.registry import StageRegistry
-from pipeline.spec import ModelSpec, PipelineSpec, ServerSpec
+from pipeline.spec import PipelineSpec
 from serving.capacity.workload import WorkloadSpec, load_workload
+from serving.config.loader import load_server
+from serving.config.models import ModelSpec
+from serving.config.server import ServerSpec
 from serving.evals.dataset import EvalCase, load_dataset
 from serving.runtime.calls import check_calls
 from serving.runtime.workspace import Workspace, open_workspace

@@ -1,7 +1,7 @@
 """Delivering the audit log's digests outside the database, off every request's path.
 
 Every ``audit.anchors.every_s`` seconds the server's seal (serving/backends/audit_seal.py) has a digest
-file written for each new checkpoint (store/audit_anchors.py) and, with ``audit.anchors.url``, each digest
+file written for each new checkpoint (store/audit/anchors.py) and, with ``audit.anchors.url``, each digest
 POSTed there as JSON. A failure is logged, counted and retried on the next round; a request never waits
 for any of it. A digest POST that
 keeps failing waits in memory (the newest 10,000) until the endpoint is back; the files are the record.
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from store.audit_anchors import Anchors
+from store.audit import Anchors
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from pipeline.errors import SpecError, SpecIssue
-from pipeline.spec import AnchorsSpec, ServerSpec
-from store.audit_signing import Ed25519Signer, HmacSigner, Signer, load_or_create, load_public_key
+from serving.config.audit import AnchorsSpec
+from serving.config.server import ServerSpec
+from store.audit import Ed25519Signer, HmacSigner, Signer, load_or_create, load_public_key
 
 logger = logging.getLogger(__name__)
 #: ``anchors.every_s`` where the config names no anchors (the folder beside the database).

@@ -27,12 +27,10 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from pipeline.spec import ServerSpec
 from serving.backends.anchor_delivery import AnchorDelivery
 from serving.backends.audit_keys import DEFAULT_ANCHOR_EVERY_S, anchor_folder
-from store.audit import AuditStore
-from store.audit_anchors import Anchors
-from store.audit_signing import Signer
+from serving.config.server import ServerSpec
+from store.audit import Anchors, AuditStore, Signer
 
 logger = logging.getLogger(__name__)
 #: At shutdown, how long the last round may take before it is abandoned.

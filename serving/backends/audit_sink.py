@@ -13,14 +13,22 @@ from typing import Any
 import sqlalchemy as sa
 
 from pipeline.errors import BackendError, SpecError, SpecIssue, status_of
-from pipeline.spec import ServerSpec
 from serving.backends.audit_keys import exposure_window_s, public_keys
-from store.audit import AuditStore, AuditUnavailable, Item
-from store.audit_chain import json_line, normalize
-from store.audit_journal import Journal, leftover_journals
-from store.audit_signing import Signer
-from store.audit_spool import Spool
-from store.audit_vault import ContentVault, VaultError, parse_master_key
+from serving.config.server import ServerSpec
+from store.audit import (
+    AuditStore,
+    AuditUnavailable,
+    ContentVault,
+    Item,
+    Journal,
+    Signer,
+    Spool,
+    VaultError,
+    json_line,
+    leftover_journals,
+    normalize,
+    parse_master_key,
+)
 from store.db import utcnow
 
 logger = logging.getLogger(__name__)
@@ -48,7 +56,7 @@ class StoreSink:
     so a burst of requests costs a few commits, not one each.
 
     With a *journal* (the server's default, ``audit.journal``), durable means
-    in this process's write-ahead journal (store/audit_journal.py): one write
+    in this process's write-ahead journal (store/audit/journal.py): one write
     and one fdatasync a batch. The records are chained into the store right
     after, in order, off the response's path; :meth:`flushed` waits for that
     (the audit API calls it before each read, so that a reviewer sees every

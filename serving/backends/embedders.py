@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pipeline.errors import BackendError, InvalidInput
 from pipeline.protocols import Embeddings
-from pipeline.spec import EmbeddingModelSpec, ServerSpec
 from serving.backends.tokenizer import HFTokenizer
+from serving.config.models import EmbeddingModelSpec
+from serving.config.server import ServerSpec
 from store.embeddings import DEFAULT_MODEL, Embedder
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from pipeline.errors import BackendError
-from pipeline.spec import ModelSpec
+from serving.config.models import ModelSpec
 from serving.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)

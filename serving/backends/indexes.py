@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
 
-from pipeline.spec import IndexSpec, ServerSpec
+from serving.config.server import IndexSpec, ServerSpec
 from store.embeddings import shared_embedder
 from store.vector_index import IndexSettings, VectorStore
 

@@ -134,7 +134,8 @@ class LocalEngine:
         """Replicas by metrics name: the model's name for replica 0, ``name#i`` for replica i."""
         return {replica_name(self.name, i): replica for i, replica in enumerate(self.replicas)}
 
-    async def shutdown(self) -> None:
+    async def aclose(self) -> None:
+        """Shut every replica down (the model pool's close)."""
         for replica in self.replicas:
             await replica.shutdown()
 

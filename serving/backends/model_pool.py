@@ -11,22 +11,32 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
 from pipeline.errors import BackendError
-from pipeline.protocols import ModelOccupancy
-from pipeline.spec import ModelSpec, ServerSpec
+from pipeline.protocols import Engine, ModelOccupancy
 from serving.backends.engine_config import engine_config
 from serving.backends.local_engine import LocalEngine, replica_name
 from serving.backends.placement import Placement
 from serving.backends.weights import weights_sha256
+from serving.config.models import ModelSpec
+from serving.config.server import ServerSpec
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.errors import EngineError
 from serving.engine.models import load_model
 
 logger = logging.getLogger(__name__)
+
+
+class PooledEngine(Engine, Protocol):
+    """A started model as the pool keeps it: a :class:`LocalEngine`, a remote engine (a ChatEngine) or a Ray
+    engine. Beyond the pipeline's Engine, the pool reads how busy it is and closes it."""
+
+    def occupancy(self) -> ModelOccupancy: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ModelPool:
@@ -38,12 +48,14 @@ class ModelPool:
         #: Where the server listens: what a remote model with ``base_url: self`` calls.
         self._http = server.http
         self._registry = registry
-        #: Started models: LocalEngine, or a remote engine (from serving.backends.remote) for other backends.
-        self._engines: dict[str, Any] = {}
+        #: Started models by name.
+        self._engines: dict[str, PooledEngine] = {}
         self._lock = asyncio.Lock()
         self.default_model = next(iter(server.models), "")
 
-    async def get(self, name: str) -> Any:
+    async def get(self, name: str) -> Engine:
+        """Model *name*'s engine, started on first use (a ChatEngine for ``backend: openai``); raises
+        BackendError for a name inferline.yaml does not have or a model that fails to start."""
         if name in self._engines:
             return self._engines[name]
         async with self._lock:
@@ -56,7 +68,7 @@ class ModelPool:
         engine = self._engines.get(name)
         return ModelOccupancy() if engine is None else engine.occupancy()
 
-    async def _start(self, name: str) -> Any:
+    async def _start(self, name: str) -> PooledEngine:
         spec = self._specs.get(name)
         if spec is None:
             raise BackendError(f"no model {name!r} in inferline.yaml (models: {', '.join(self._specs) or 'none'})")
@@ -66,14 +78,14 @@ class ModelPool:
             return await self._open_ray(name, spec)
         return await self._start_local(name, spec)
 
-    def _open_remote(self, name: str, spec: ModelSpec) -> Any:
+    def _open_remote(self, name: str, spec: ModelSpec) -> PooledEngine:
         from serving.backends.remote import open_remote  # httpx's client: only remote models need it
 
         engine = open_remote(name, spec, self._root, served=self._http)
         logger.info("model %s: remote backend %s", name, engine.base_url)
         return engine
 
-    async def _open_ray(self, name: str, spec: ModelSpec) -> Any:
+    async def _open_ray(self, name: str, spec: ModelSpec) -> PooledEngine:
         try:
             from serving.backends.ray_engine import open_ray_engine  # Ray: only ray models need it
         except ImportError as exc:
@@ -119,7 +131,4 @@ class ModelPool:
     async def close(self) -> None:
         engines, self._engines = list(self._engines.values()), {}
         for engine in engines:
-            if isinstance(engine, LocalEngine):
-                await engine.shutdown()
-            else:
-                await engine.aclose()
+            await engine.aclose()

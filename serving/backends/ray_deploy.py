@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import InferlineError
-from pipeline.spec import ModelSpec, RaySpec, ServerSpec
+from serving.config.models import ModelSpec, RaySpec
+from serving.config.server import ServerSpec
 
 #: The Ray Serve application name; the ingress finds the engines by it.
 APP_NAME = "inferline"

@@ -17,12 +17,12 @@ from typing import Any
 
 from pipeline.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded
 from pipeline.protocols import PRIORITY_CLASSES, ModelOccupancy, SamplingParams, SchedulingHints
-from pipeline.spec import ModelSpec
 from serving.backends.placement import ewma
 from serving.backends.ray_deploy import APP_NAME, deployment_name
 from serving.backends.ray_serve import serve
 from serving.backends.tokenizer import HFTokenizer
 from serving.backends.weights import weights_sha256
+from serving.config.models import ModelSpec
 from serving.engine.async_engine import TokenEvent
 
 logger = logging.getLogger(__name__)

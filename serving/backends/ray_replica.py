@@ -16,10 +16,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.spec import ModelSpec, ServerSpec
 from serving.backends.engine_config import engine_config
 from serving.backends.ray_deploy import APP_NAME, deployment_name, deployment_options, ray_models
 from serving.backends.ray_serve import serve
+from serving.config.models import ModelSpec
+from serving.config.server import ServerSpec
 from serving.engine.async_engine import AsyncEngine, TokenEvent
 from serving.engine.errors import EngineDeadlineExceeded, EngineError, EngineOverloaded, InvalidRequest
 from serving.engine.sampling_params import SamplingParams as EngineSampling

@@ -38,9 +38,10 @@ import httpx
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
 from pipeline.protocols import ModelOccupancy, SamplingParams, SchedulingHints, TokenEvent, Tokenizer
-from pipeline.spec import SELF_URL, HttpSpec, ModelSpec
 from serving.backends.placement import Placement, ReplicaOccupancy, ewma
 from serving.backends.tokenizer import HFTokenizer
+from serving.config.models import SELF_URL, ModelSpec
+from serving.config.server import HttpSpec
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +121,12 @@ class RemoteTokenizer:
 
 
 class RemoteEngine:
-    """The pipeline's Engine protocol over an OpenAI-compatible ``/chat/completions`` endpoint.
+    """The pipeline's ChatEngine protocol over an OpenAI-compatible ``/chat/completions`` endpoint: the server
+    applies its own chat template, so stages hand it messages (``submit_messages``), never token ids.
 
     ``weights_hash`` identifies the endpoint and model id (sha256 of ``remote:<base_url>#<model>``),
     not weights: we cannot see what the server actually runs.
     """
-
-    accepts_messages = True
 
     def __init__(self, name: str, spec: ModelSpec, root: Path, *,
                  transport: httpx.AsyncBaseTransport | None = None):

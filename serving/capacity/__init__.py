@@ -1,5 +1,6 @@
 """Capacity: workloads, the load generator (``inferline load``), engine step profiles (``inferline profile``)
 and the planner (``inferline plan``).
 
-May import ``serving.http`` and below; not the console, evals or the CLI.
+May import ``serving.runtime`` and below; not the HTTP app (import-linter's capacity contract), the console,
+evals or the CLI.
 """

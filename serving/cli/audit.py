@@ -13,7 +13,7 @@
     inferline audit prune                                           past each pipeline's retention, not on hold
     inferline audit hold (--pipeline P | --record ID...) [--release]
 
-The filters are the API's (store/audit_filters.py), so one filter selects the same records on both.
+The filters are the API's (store/audit/filters.py), so one filter selects the same records on both.
 A time T is ISO 8601 (without an offset: UTC) or relative: 30m, 24h, 7d, 2w, today, yesterday.
 The database is ``--database URL``, else ``$INFERLINE_DATABASE``, else the server config's, as for
 ``inferline keys``. Listings print a table on a terminal and JSON lines otherwise (``--format``).
@@ -40,23 +40,27 @@ import sqlalchemy as sa
 from serving.backends.audit_keys import anchor_folder, checkpoint_signer, exposure_window_s, local_key, public_keys
 from serving.backends.audit_sink import content_vault
 from serving.cli.keys import ENV_DATABASE, database_url
+from serving.runtime.database import open_engine
 from serving.runtime.workspace import Workspace, open_workspace
-from store.audit import AuditMaintenance, AuditReader
-from store.audit_access import ACCESS_FIELDS, parse_access_filters
-from store.audit_anchors import verify_anchors
-from store.audit_filters import (
+from store.audit import (
+    ACCESS_FIELDS,
     FILTER_FIELDS,
     RANGE_FIELDS,
     TIME_HELP,
     AuditFilters,
+    AuditMaintenance,
+    AuditReader,
+    Ed25519Signer,
+    Tail,
+    Verifier,
+    age_text,
+    generate_pem,
+    parse_access_filters,
     parse_cost,
     parse_filters,
     parse_time,
+    verify_anchors,
 )
-from store.audit_signing import Ed25519Signer, Verifier, generate_pem
-from store.audit_verify import Tail, age_text
-from store.db import make_engine
-from store.migrate import create_schema
 from store.pipeline_versions import PipelineVersions
 
 FORMATS = ("table", "jsonl", "csv")
@@ -291,9 +295,8 @@ def _maintenance(args: argparse.Namespace) -> AuditMaintenance:
 
 def _open(args: argparse.Namespace) -> tuple[Workspace, sa.Engine]:
     workspace = open_workspace(args.config)
-    engine = make_engine(database_url(args))
+    engine = open_engine(database_url(args))
     args.engines = [*getattr(args, "engines", []), engine]  # closed by _reporting once the action is done
-    create_schema(engine)
     return workspace, engine
 
 

@@ -154,12 +154,9 @@ def _load_judges(workspace: Workspace, loaded: LoadedPipeline, names: set[str]) 
 
 
 def _store(workspace: Workspace) -> EvalRunStore:
-    from store.db import make_engine
-    from store.migrate import create_schema
+    from serving.runtime.database import open_engine
 
-    db = make_engine(workspace.database_url)
-    create_schema(db)
-    return EvalRunStore(db)
+    return EvalRunStore(open_engine(workspace.database_url))
 
 
 def _list(workspace: Workspace, args: argparse.Namespace) -> int:

@@ -21,10 +21,9 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from serving.runtime.database import open_database
 from serving.runtime.workspace import open_workspace
-from store.db import make_engine
 from store.keys import ROLES, KeyInfo, KeyStore
-from store.migrate import create_schema
 
 EXIT_OK, EXIT_FAILED = 0, 1
 ENV_DATABASE = "INFERLINE_DATABASE"
@@ -134,12 +133,8 @@ def _with_store(args: argparse.Namespace, run: Callable[[KeyStore], int]) -> int
 
 @contextmanager
 def _open_store(url: str) -> Iterator[KeyStore]:
-    engine = make_engine(url)
-    try:
-        create_schema(engine)
+    with open_database(url) as engine:
         yield KeyStore(engine)
-    finally:
-        engine.dispose()
 
 
 def _masked(url: str) -> str:

@@ -32,12 +32,9 @@ import httpx
 
 from pipeline.errors import SpecError
 from serving.evals.replay_report import NOT_A_REQUEST, html_report, ms
+from serving.runtime.database import open_database
 from serving.runtime.workspace import open_workspace
-from store.audit_filters import parse_filters
-from store.audit_query import MAX_LIMIT
-from store.audit_reader import AuditReader
-from store.db import make_engine
-from store.migrate import create_schema
+from store.audit import MAX_LIMIT, AuditReader, parse_filters
 
 EXIT_OK, EXIT_CHANGED, EXIT_USAGE = 0, 1, 2
 
@@ -125,9 +122,7 @@ def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any
     not (``{"record_id", "why"}``)."""
     from serving.evals.replay import sort_out
 
-    engine = make_engine(url)
-    try:
-        create_schema(engine)
+    with open_database(url) as engine:
         reader = AuditReader(engine)
         records: list[dict[str, Any]] = []
         skipped: list[dict[str, str]] = []
@@ -139,8 +134,6 @@ def read_records(url: str, filters: Any, limit: int) -> tuple[list[dict[str, Any
             if cursor is None:
                 break
         return records, skipped
-    finally:
-        engine.dispose()
 
 
 def show(results: list[dict[str, Any]], skipped: list[dict[str, str]], totals: dict[str, Any], fmt: str) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.registry import StageRegistry
-from pipeline.schema import dumps, pipeline_schema, server_schema
+from pipeline.schema import dumps, pipeline_schema
+from serving.config.schema import server_schema
 from serving.runtime.workspace import open_workspace
 from stages import register_builtins
 

@@ -9,13 +9,11 @@ table is a link a reviewer can share; verification is a POST with the form's CSR
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-import sqlalchemy as sa
 from litestar import Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
@@ -27,19 +25,23 @@ from serving.console.state import Console
 from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query
 from serving.http.audit_routes import spec_of
 from serving.http.problems import Problem
-from store.audit import AccessFilters, AuditFilters, AuditReader
-from store.audit_access import ACCESS_FIELDS
-from store.audit_filters import FILTER_FIELDS
-from store.audit_filters import parse_time as store_parse_time
-from store.audit_models import STATUSES, AuditRecord
-from store.audit_query import MAX_LIMIT, SORT_FIELDS
+from store.audit import (
+    ACCESS_FIELDS,
+    FILTER_FIELDS,
+    MAX_LIMIT,
+    SORT_FIELDS,
+    STATUSES,
+    AccessFilters,
+    AuditFilters,
+    AuditReader,
+)
+from store.audit import parse_time as store_parse_time
 
 _ROLES = ("auditor",)
 _WHAT = "read the audit log"
 FILTER_NAMES = tuple(FILTER_FIELDS)
 SORTS = tuple(s for name in SORT_FIELDS for s in (f"-{name}", name))
 POLICY_ACTIONS = ("allow", "flag", "redact", "block")
-_TRACE_ID = re.compile(r"[0-9a-f]{32}")
 #: The pages' filters are the API's (serving/http/audit_params.py): the same dependency parses them, and the
 #: same guard refuses a query parameter a page does not take.
 _GUARDED = {"guards": [refuse_unknown_query]}
@@ -194,19 +196,8 @@ async def find_record(console: Console, request: Request, session: Session, iden
     store, _ = await reviewer(console, request, "show", {"trace": ident}, session)
     found = await call(store.get, ident)
     if found is None:
-        record_id = await asyncio.to_thread(_record_id_of, store, ident)
+        record_id = await asyncio.to_thread(store.find_id, ident)
         found = await call(store.get, record_id) if record_id else None
-    return found
-
-
-def _record_id_of(store: AuditReader, ident: str) -> str | None:
-    # The audit API filters neither by request id nor by trace id; request_id is indexed, and trace ids
-    # (32 hex digits) are looked up only when the request id finds nothing.
-    table = AuditRecord.__table__
-    with store.engine.connect() as conn:
-        found = conn.scalar(sa.select(table.c.id).where(table.c.request_id == ident).limit(1))
-        if found is None and _TRACE_ID.fullmatch(ident):
-            found = conn.scalar(sa.select(table.c.id).where(table.c.trace_id == ident).limit(1))
     return found
 
 

@@ -68,7 +68,7 @@ def make_environment() -> Environment:
 
 
 def report_file(report: dict[str, Any]) -> str:
-    """The audit report (store/audit_report.py) as one self-contained HTML page: inline style and SVG
+    """The audit report (store/audit/report.py) as one self-contained HTML page: inline style and SVG
     charts, nothing fetched from anywhere."""
     return make_environment().get_template("report_file.html").render(report=report)
 

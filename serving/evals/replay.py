@@ -45,8 +45,7 @@ from serving.runtime.workspace import Workspace
 from stages.audit import output_content, strongest_action
 from stages.checks import normalize
 from stages.generate import GenerateConfig
-from store.audit_filters import AuditFilters
-from store.audit_query import MAX_LIMIT
+from store.audit import MAX_LIMIT, AuditFilters
 from store.pipeline_versions import PipelineVersions
 
 

@@ -53,13 +53,12 @@ from serving.http.refusals import RefusalRecorder
 from serving.http.served import Executor
 from serving.http.state import AppState
 from serving.runtime.calls import check_calls
+from serving.runtime.database import open_database
 from serving.runtime.reloader import PipelineReloader
 from serving.runtime.resources import Runtime, RuntimeOptions
 from serving.runtime.shadow import Shadows
 from serving.runtime.workspace import DEFAULT_CONFIG, Workspace
-from store.db import make_engine
 from store.keys import KeyStore
-from store.migrate import create_schema
 from store.notify import listen
 from store.responses import ResponseStore
 
@@ -188,12 +187,8 @@ def check_audit_keys(workspace: Workspace) -> None:
     checkpoint_signer(workspace.server)
     public_keys(workspace.server, workspace.root)
     if workspace.server.audit.master_key:
-        engine = make_engine(workspace.database_url)
-        try:
-            create_schema(engine)
+        with open_database(workspace.database_url) as engine:
             content_vault(workspace.server, engine)
-        finally:
-            engine.dispose()
     if workspace.server.audit.anchors is not None and not can_sign(workspace.server, workspace.database_url):
         raise SpecError([SpecIssue("inferline.yaml", 1, 1, "audit.anchors", "digests are signed: set "
                                    "audit.signing_key (inferline audit keygen) or audit.checkpoint_key (the "

@@ -4,7 +4,7 @@
 query parameter the route does not take (:func:`refuse_unknown_query`), so a typo is a 400, not a
 silently wider answer.
 
-The values are parsed by ``store.audit_filters`` / ``store.audit_access``, as the CLI's are.
+The values are parsed by ``store.audit``'s filter parsers, as the CLI's are.
 """
 
 from __future__ import annotations
@@ -17,8 +17,15 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Parameter
 
 from serving.http.problems import Problem
-from store.audit_access import AccessFilters, parse_access_filters
-from store.audit_filters import FILTER_FIELDS, RANGE_FIELDS, TIME_HELP, AuditFilters, parse_filters
+from store.audit import (
+    FILTER_FIELDS,
+    RANGE_FIELDS,
+    TIME_HELP,
+    AccessFilters,
+    AuditFilters,
+    parse_access_filters,
+    parse_filters,
+)
 
 # A parameter's type, its documentation: all are text, parsed by the store's one parser.
 _Time = Annotated[str | None, Parameter(required=False, description=f"ISO 8601 or relative: {TIME_HELP}")]

@@ -23,8 +23,7 @@ from serving.http.audit_params import access_filters, audit_filters, refuse_unkn
 from serving.http.openapi import JsonLinesOrCsv, problems
 from serving.http.problems import Problem
 from serving.http.state import AppState
-from store.audit import AccessFilters, AuditFilters, AuditReader
-from store.audit_query import MAX_LIMIT, SORT_FIELDS
+from store.audit import MAX_LIMIT, SORT_FIELDS, AccessFilters, AuditFilters, AuditReader
 from store.pipeline_versions import PipelineVersion, PipelineVersions
 
 _ROLES = ("auditor",)

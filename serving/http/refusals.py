@@ -35,8 +35,9 @@ from prometheus_client import CollectorRegistry, Counter
 from pipeline.context import Principal, RequestContext
 from pipeline.errors import Overloaded, PolicyDenied, RateLimited
 from pipeline.runner import Pipeline
-from pipeline.spec import RefusalsSpec, is_pipeline_name
+from pipeline.spec import is_pipeline_name
 from serving.backends.audit_sink import StoreSink
+from serving.config.audit import RefusalsSpec
 from serving.http.auth import Authenticator, api_key
 from serving.http.problems import Problem
 from store.keys import public_id
@@ -54,7 +55,7 @@ MAX_CLIENTS = 10_000
 _SCOPE_KEY = "inferline.attempt"
 #: ctx.status -> the record's status, as the audit stage writes it.
 _STATUS = {"denied": "denied", "failed": "failed", "cancelled": "disconnected"}
-#: Column widths of audit_records (store/audit_models.py) that a caller's own text could exceed.
+#: Column widths of audit_records (store/audit/models.py) that a caller's own text could exceed.
 _MAX_PIPELINE = 200
 #: The longest route kept in a refusal's policy entry (a path is the caller's own text).
 _MAX_ROUTE = 512

@@ -28,11 +28,10 @@ from types import TracebackType
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
-from pipeline.loader import LoadedPipeline, catalog_of
+from pipeline.loader import LoadedPipeline
 from pipeline.protocols import EngineProvider, Resources
 from pipeline.refs import find_refs
 from pipeline.runner import Pipeline, Runner
-from pipeline.spec import LimitsSpec
 from pipeline.tracing import make_tracer_provider
 from serving.backends.audit_keys import checkpoint_signer, serving_signer
 from serving.backends.audit_seal import audit_seal
@@ -41,12 +40,13 @@ from serving.backends.caches import StoreCaches
 from serving.backends.embedders import EmbedderPool
 from serving.backends.indexes import IndexRegistry
 from serving.backends.model_pool import ModelPool
+from serving.config.loader import catalog_of
+from serving.config.server import LimitsSpec
 from serving.runtime.calls import LocalPipelines
+from serving.runtime.database import open_engine
 from serving.runtime.workspace import Workspace
 from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
-from store.db import make_engine
-from store.migrate import create_schema
 from store.notify import announce
 from store.pipeline_versions import PipelineShadows, PipelineTraffic, PipelineVersions, Shadow, version_matches
 
@@ -141,9 +141,8 @@ class Runtime:
     async def _open(self, stack: AsyncExitStack) -> None:
         server, root, options = self.workspace.server, self.workspace.root, self.options
         stack.callback(self.tracer_provider.shutdown)
-        self.db = db = make_engine(self.workspace.database_url)
+        self.db = db = open_engine(self.workspace.database_url)
         stack.callback(db.dispose)
-        create_schema(db)
         if options.record_versions:
             self.versions = PipelineVersions(db)
             self._traffic_table = PipelineTraffic(db)

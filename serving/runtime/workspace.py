@@ -9,10 +9,11 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import InvalidInput, SpecError, SpecIssue
-from pipeline.loader import LoadedPipeline, catalog_of, load_pipeline, load_pipeline_text, load_server, name_clash
+from pipeline.loader import LoadedPipeline, load_pipeline, load_pipeline_text, name_clash
 from pipeline.registry import StageRegistry
-from pipeline.spec import ServerSpec
-from serving.runtime.settings import apply_environment
+from serving.config.environment import apply_environment
+from serving.config.loader import catalog_of, load_server
+from serving.config.server import ServerSpec
 from stages import register_builtins
 
 DEFAULT_CONFIG = "inferline.yaml"

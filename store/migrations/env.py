@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from store.db import Base, make_engine
+from store.db import Base
+from store.engine import make_engine
 
 target_metadata = Base.metadata
 _OPTIONS = {"target_metadata": target_metadata, "compare_type": True, "render_as_batch": True}

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from store.db import make_engine
+from store.engine import make_engine
 
 
 @dataclass

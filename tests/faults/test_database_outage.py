@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 
 from bench.server_process import ServerProcess
 from store.audit import AuditStore
-from store.db import make_engine
+from store.engine import make_engine
 from tests.faults.netfaults import TcpProxy
 from tests.faults.replies import Reply, audit_rows, post_stream, records_by_input, sha256
 

@@ -1,4 +1,5 @@
-"""The JSON Schemas editors check the two YAML files against: shipped, fresh, and as strict as the loader."""
+"""The JSON Schema editors check pipeline files against: shipped, fresh, and as strict as the loader
+(the server file's: tests/serving/config/test_schema.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ from pydantic import Field
 
 from pipeline.loader import load_pipeline_text
 from pipeline.registry import StageRegistry
-from pipeline.schema import DIALECT, dumps, field_notes, pipeline_schema, server_schema
+from pipeline.schema import DIALECT, dumps, field_notes, pipeline_schema
 from pipeline.stage import NoConfig, Stage
 from stages import register_builtins
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "pipelines").glob("*.yaml"))
 PIPELINE_HEADER = "# yaml-language-server: $schema=../schemas/pipeline.schema.json"
-SERVER_HEADER = "# yaml-language-server: $schema=schemas/server.schema.json"
 
 
 def shipped(name: str) -> dict[str, Any]:
@@ -42,20 +42,17 @@ def builtin_schema() -> dict[str, Any]:
     return pipeline_schema(register_builtins(StageRegistry()))
 
 
-@pytest.mark.parametrize(("name", "command"), [("pipeline", "schema pipeline --builtin"), ("server", "schema server")])
-def test_the_shipped_schemas_are_fresh(builtin_schema, name, command):
-    generated = builtin_schema if name == "pipeline" else server_schema()
-    path = ROOT / "schemas" / f"{name}.schema.json"
-    assert path.read_text(encoding="utf-8") == dumps(generated), (
-        f"schemas/{name}.schema.json is stale (a spec model or a stage's Config changed): run `make schemas` "
-        f"(or `inferline {command} --output schemas/{name}.schema.json`) and commit it")
+def test_the_shipped_schema_is_fresh(builtin_schema):
+    path = ROOT / "schemas" / "pipeline.schema.json"
+    assert path.read_text(encoding="utf-8") == dumps(builtin_schema), (
+        "schemas/pipeline.schema.json is stale (a spec model or a stage's Config changed): run `make schemas` "
+        "(or `inferline schema pipeline --builtin --output schemas/pipeline.schema.json`) and commit it")
 
 
-def test_the_shipped_schemas_are_draft_07():
-    for name in ("pipeline", "server"):
-        schema = shipped(name)
-        assert schema["$schema"] == DIALECT
-        jsonschema.Draft7Validator.check_schema(schema)
+def test_the_shipped_schema_is_draft_07():
+    schema = shipped("pipeline")
+    assert schema["$schema"] == DIALECT
+    jsonschema.Draft7Validator.check_schema(schema)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -63,12 +60,6 @@ def test_every_example_pipeline_points_at_and_validates_against_the_shipped_sche
     text = path.read_text(encoding="utf-8")
     assert text.splitlines()[0] == PIPELINE_HEADER
     assert problems(shipped("pipeline"), yaml.safe_load(text)) == []
-
-
-def test_the_server_file_points_at_and_validates_against_the_shipped_schema():
-    text = (ROOT / "inferline.yaml").read_text(encoding="utf-8")
-    assert text.splitlines()[0] == SERVER_HEADER
-    assert problems(shipped("server"), yaml.safe_load(text)) == []
 
 
 @pytest.mark.parametrize(("data", "where"), [
@@ -98,17 +89,6 @@ def test_shorthands_the_loader_accepts_are_in_the_schema(builtin_schema, registr
     load_pipeline_text(yaml.safe_dump(data), "p.yaml", registry)
 
 
-@pytest.mark.parametrize(("data", "where"), [
-    ({"databse": "sqlite:///x.db"}, ": Additional properties are not allowed ('databse'"),
-    ({"models": {"smol": {"source": "m", "kv_cache": {"blok_size": 8}}}}, "models.smol.kv_cache: Additional"),
-    ({"models": {"smol": {"source": "m", "device": "gpu"}}}, "models.smol.device: 'gpu' is not one of"),
-    ({"http": {"port": 70000}}, "http.port: 70000 is greater than"),
-])
-def test_a_mistake_fails_the_server_schema(data, where):
-    found = problems(server_schema(), data)
-    assert any(where in p for p in found), found
-
-
 def described(schema: dict[str, Any]) -> list[str]:
     """Where a property of *schema* has no description ('if' clauses only select, they describe nothing)."""
     missing = []
@@ -131,9 +111,8 @@ def described(schema: dict[str, Any]) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("name", ["pipeline", "server"])
-def test_every_option_has_a_description(name):
-    assert described(shipped(name)) == [], "add a #: comment above each of these fields"
+def test_every_option_has_a_description():
+    assert described(shipped("pipeline")) == [], "add a #: comment above each of these fields"
 
 
 class SlugConfig(NoConfig):

@@ -12,7 +12,7 @@ from litestar.testing import TestClient
 
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import ROLES, KeyStore
 from tests.fakes import FakeEngine, FakeEngines
 from tests.security.secured_app import ANSWER, App, make_workspace

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import SpecError
-from pipeline.loader import LoadedPipeline, load_pipeline_text, load_server
+from pipeline.loader import LoadedPipeline, load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo
+from serving.config.loader import load_server
 
 EXAMPLES = int(os.environ.get("RELIABILITY_HYPOTHESIS_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,

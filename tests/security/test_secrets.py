@@ -19,7 +19,7 @@ from pipeline import tracing
 from serving.console.state import STATE_KEY
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import KeyStore
 from tests.fakes import FakeEngine, FakeEngines
 from tests.security.secured_app import ANSWER, App, make_workspace

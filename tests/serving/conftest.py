@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import KeyStore
 from tests.fakes import FakeEngine, FakeEngines
 from tests.serving.workspaces import client_for

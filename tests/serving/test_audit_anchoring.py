@@ -18,10 +18,10 @@ from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.audit import AuditStore
-from store.db import make_engine
+from store.engine import make_engine
 from tests.fakes import FakeEngine, FakeEngines
 from tests.serving.workspaces import write_workspace
-from tests.store.test_audit_anchors import cut_tail
+from tests.store.audit.test_anchors import cut_tail
 
 
 def test_keygen_writes_a_key_pair_once(tmp_path, capsys):

@@ -11,17 +11,15 @@ from litestar.testing import TestClient
 from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.audit import AuditStore
-from store.audit_anchors import Anchors
-from store.audit_signing import Ed25519Signer, generate_pem
-from store.db import make_engine
+from store.audit import Anchors, AuditStore, Ed25519Signer, generate_pem
+from store.engine import make_engine
 from store.keys import KeyStore
 from store.migrate import create_schema
 from tests.fakes import FakeEngine, FakeEngines
 from tests.serving.console.signin import sign_in
 from tests.serving.workspaces import write_workspace
-from tests.store.test_audit import make_record
-from tests.store.test_audit_anchors import cut_tail
+from tests.store.audit.test_anchors import cut_tail
+from tests.store.audit.test_store import make_record
 
 BLOCK = [{"rule": "injection", "category": "injection", "action": "block", "score": 0.97, "where": "input"}]
 

@@ -61,7 +61,7 @@ def postgres_url():
     import sqlalchemy as sa
     from sqlalchemy.engine import make_url
 
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.migrate import create_schema
 
     schema = f"inferline_ray_{uuid.uuid4().hex[:12]}"
@@ -225,7 +225,7 @@ def _audit_cli(config: Path, *argv: str) -> subprocess.CompletedProcess:
 def _records(database: str) -> list[dict]:
     """Every record of the chain (kind record), oldest first."""
     from store.audit import AuditFilters, AuditStore
-    from store.db import make_engine
+    from store.engine import make_engine
 
     engine = make_engine(database)
     try:

@@ -149,14 +149,15 @@ async def test_a_replica_that_dies_mid_stream_ends_it_with_a_backend_error(local
     from pipeline.events import Done, Error, TextDelta
     from pipeline.protocols import SamplingParams
     from pipeline.runner import Runner
-    from pipeline.spec import ModelSpec, ServerSpec
     from serving.backends.audit_sink import StoreSink
     from serving.backends.model_pool import ModelPool
     from serving.backends.ray_deploy import APP_NAME, deployment_name
     from serving.backends.ray_engine import RayEngine
     from serving.backends.ray_replica import run_engines
+    from serving.config.models import ModelSpec
+    from serving.config.server import ServerSpec
     from store.audit import AuditStore
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.migrate import create_schema
 
     monkeypatch.chdir(ROOT)

@@ -20,7 +20,7 @@ from pipeline.runner import Pipeline, Runner
 from serving.backends.caches import StoreCaches
 from stages.cache import CacheStage, ReplayStream
 from store.response_cache import MemoryCache
-from tests.fakes import FakeEngine, FakeEngines
+from tests.fakes import FakeChatEngine, FakeEngine, FakeEngines
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol"), "big": ModelInfo("big")})
 
@@ -150,6 +150,15 @@ async def test_a_different_prompt_model_or_stop_is_a_miss(registry):
     assert len(engines.engines["big"].submitted) == 1 and submitted(engines) == 5
     ctx, text = await run(pipeline, "What is the capital of France?", model="big")
     assert ctx.facts["cache"]["hit"] and text == "The big model says Paris."
+
+
+async def test_a_chat_engine_is_never_cached(registry):
+    pipeline, engines, stage = build(registry)
+    engines.engines["smol"] = remote = FakeChatEngine("From afar.")
+    for _ in range(2):
+        ctx, text = await run(pipeline, "What is the capital of France?")
+        assert ctx.facts["cache"] == {"hit": False, "skipped": "remote_backend"} and text == "From afar."
+    assert len(remote.messages) == 2 and len(stage.backend) == 0
 
 
 async def test_an_answer_over_max_entry_bytes_is_not_stored(registry):

@@ -5,14 +5,17 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pipeline import tracing
 from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.cost import Price
 from pipeline.events import Done, Error, StageStarted, TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
-from tests.fakes import FakeEngine, FakeEngines
+from tests.fakes import FakeChatEngine, FakeEngine, FakeEngines
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol", Price(input_per_1k=1.0, output_per_1k=2.0)),
                           "big": ModelInfo("big")})
@@ -152,3 +155,20 @@ async def test_a_stream_no_stage_read_is_closed_when_the_request_is_cancelled(re
     assert not engines.engines["smol"].streams[0].closed
     await stream.aclose()  # the client went away before the stream stage ran
     assert engines.engines["smol"].streams[0].closed
+
+
+@pytest.mark.parametrize(("kind", "provider"), [(FakeChatEngine, "openai"), (FakeEngine, "inferline")])
+async def test_a_chat_engine_gets_the_messages_and_is_traced_as_openai(registry, kind, provider):
+    engine = kind("Bonjour.")
+    exporter = InMemorySpanExporter()
+    tracer_provider = tracing.make_tracer_provider("none")
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    pipeline = build(CHAT, registry, FakeEngines(smol=engine))
+    ctx = RequestContext.from_text("chat", "Salut")
+    final = await Runner(tracer_provider.get_tracer("test")).run(pipeline, ctx)
+    tracer_provider.shutdown()
+    assert isinstance(final, Done) and ctx.output_text == "Bonjour."
+    gen = next(span for span in exporter.get_finished_spans() if span.name == "stage gen").attributes
+    assert gen["gen_ai.provider.name"] == provider
+    if provider == "openai":  # its own chat template: the messages, never token ids
+        assert engine.messages == [[{"role": "user", "content": "Salut"}]]

@@ -15,7 +15,7 @@ from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
 from stages.audit import AuditConfig, build_record
-from tests.fakes import FakeEngine, FakeEngines, MemoryCounters
+from tests.fakes import FakeChatEngine, FakeEngine, FakeEngines, MemoryCounters
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol", Price(input_per_1k=1.0, output_per_1k=2.0))})
 
@@ -283,6 +283,18 @@ async def test_the_guard_models_verdict_is_recorded_and_acted_on(registry, reply
         assert ctx.facts["policy"][0]["category"] == category and len(engine.submitted) == 1
     else:
         assert isinstance(events[-1], Done) and ctx.facts["policy"] == []
+
+
+async def test_a_remote_guard_model_gets_the_messages(registry):
+    yaml_text = PIPELINE.format(policy="{classifier: {model: smol, action: block}}")
+    loaded = load_pipeline_text(textwrap.dedent(yaml_text), "guarded.yaml", registry, CATALOG)
+    guard = FakeChatEngine("unsafe\nS6")
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=guard), counters=MemoryCounters()))
+    ctx, events, _ = await run(pipeline, "How do I sharpen a knife?")
+    assert ctx.facts["decisions"]["guard"]["classifier"]["verdict"] == "unsafe" and isinstance(events[-1], Error)
+    [(system, user)] = guard.messages  # its own chat template: the messages, never token ids
+    assert system["role"] == "system" and system["content"].startswith("You are a safety classifier")
+    assert user["role"] == "user" and "sharpen a knife" in user["content"]
 
 
 async def test_a_cancelled_request_still_gives_back_its_token_reservation(registry):

@@ -18,7 +18,7 @@ from pipeline.events import Done, Error, TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, ModelOccupancy, Resources
 from pipeline.runner import Pipeline, Runner
-from tests.fakes import FakeEngine, FakeEngines
+from tests.fakes import FakeChatEngine, FakeEngine, FakeEngines
 
 CATALOG = Catalog(models={"smol": ModelInfo("smol", context_window=64), "big": ModelInfo("big", context_window=4096),
                           "canary": ModelInfo("canary"), "remote": ModelInfo("remote")})
@@ -56,20 +56,6 @@ class SilentEngine(FakeEngine):
                 engine.closed += 1
 
         return Stream()
-
-
-class RemoteLike(FakeEngine):
-    """Takes chat messages, like serving.backends.remote.RemoteEngine."""
-
-    accepts_messages = True
-
-    def __init__(self):
-        super().__init__("From afar.")
-        self.messages = []
-
-    async def submit_messages(self, messages, sampling, cache_salt=""):
-        self.messages.append(messages)
-        return await self.submit([1, 2, 3], sampling, cache_salt)
 
 
 def build(registry, route: str, **engines):
@@ -168,7 +154,7 @@ async def test_when_every_model_fails_the_request_fails_with_the_first_models_er
 
 
 async def test_a_fallback_to_a_remote_backend_gets_the_chat_messages(registry):
-    remote = RemoteLike()
+    remote = FakeChatEngine()
     pipeline, _, _ = build(registry, "{default: smol, fallback: [remote], context_check: false}",
                            smol=FailingEngine(BackendError("down")), remote=remote)
     ctx, _, text = await run(pipeline, "Bonjour")
@@ -231,7 +217,7 @@ async def test_a_rule_over_a_tag_of_the_wrong_type_does_not_match(registry):
 
 
 async def test_a_remote_fallback_gets_the_conversation_as_tokenize_trimmed_it(registry):
-    remote = RemoteLike()
+    remote = FakeChatEngine()
     yaml_text = """
     name: routed
     stages:

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from store.db import make_engine
+from store.engine import make_engine
 from store.migrate import create_schema
 from tests.postgres import fresh_schema_url
 

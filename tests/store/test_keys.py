@@ -1,4 +1,4 @@
-"""API keys (store/keys.py) on SQLite and on a real PostgreSQL, and the engines of store/db.py.
+"""API keys (store/keys.py) on SQLite and on a real PostgreSQL, and the naming convention of store/db.py.
 
 The PostgreSQL variants are marked ``integration``; each runs in a fresh schema
 that is dropped afterwards. PostgreSQL being down fails them: deselect them with
@@ -16,9 +16,7 @@ from datetime import UTC
 import pytest
 import sqlalchemy as sa
 
-from store.db import make_engine
 from store.keys import ROLES, ApiKey, KeyInfo, KeyStore
-from store.migrate import create_schema
 
 KEY_FORMAT = re.compile(r"il_([A-Za-z0-9]{12})_([A-Za-z0-9_-]{43})")
 
@@ -184,34 +182,6 @@ def test_list_shows_every_key_and_no_hash(keys):
 
 
 # --- store/db.py --------------------------------------------------------------
-
-
-def test_sqlite_makes_its_folder_and_uses_wal(tmp_path):
-    path = tmp_path / "not" / "yet" / "there.db"
-    engine = make_engine(f"sqlite:///{path}")
-    create_schema(engine)
-    with engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
-    engine.dispose()
-    assert path.exists()
-
-
-def test_in_memory_sqlite_is_one_database_across_threads():
-    engine = make_engine("sqlite://")
-    create_schema(engine)
-    keys = KeyStore(engine)
-    _, plaintext = keys.create("bot", "caller")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        assert pool.submit(keys.verify, plaintext).result() is not None
-    engine.dispose()
-
-
-@pytest.mark.parametrize("url", ["postgresql://u:p@db.example/x", "postgres://u@db.example/x",
-                                 "postgresql+psycopg://u@db.example/x"])
-def test_postgresql_urls_use_psycopg(url):
-    engine = make_engine(url)  # connects lazily: nothing is reached here
-    assert engine.dialect.driver == "psycopg"
-    assert engine.url.drivername == "postgresql+psycopg"
 
 
 def test_constraints_follow_the_naming_convention():

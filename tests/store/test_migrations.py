@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import pytest
@@ -9,15 +10,16 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-import store.audit_models
-import store.audit_vault
+import store.audit.models
+import store.audit.vault
 import store.counters
 import store.eval_runs
 import store.pipeline_versions
 import store.responses  # noqa: F401  (their tables, for the drift check)
-from store.db import Base, make_engine
+from store.db import Base
+from store.engine import make_engine
 from store.keys import ApiKey, KeyStore
-from store.migrate import create_schema, current_revision, downgrade, upgrade
+from store.migrate import MIGRATIONS, create_schema, current_revision, downgrade, upgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys", "responses"}
@@ -71,6 +73,47 @@ def test_a_pre_alembic_database_is_adopted_with_its_keys(bare_engine):
     assert KeyStore(bare_engine).verify(plaintext) is not None
 
 
+def test_a_revision_imports_no_other_revision_and_none_of_our_code():
+    # A released revision is frozen text: what it runs must not change when another module does.
+    ours = {"pipeline", "stages", "serving", "store", "tests", "importlib", "runpy"}
+    found = []
+    for path in sorted((MIGRATIONS / "versions").glob("[0-9]*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__":
+                names = ["__import__"]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno}: {name}" for name in names
+                      if name == "__import__" or name.split(".")[0] in ours]
+    assert found == []
+
+
+@pytest.mark.integration
+def test_audit_append_takes_each_revisions_columns_up_and_down(postgresql_url):
+    # 0009 and 0012 replace audit_append() with their own copies of it: each step up or down leaves the
+    # function that writes the columns the table has at that revision.
+    engine = make_engine(postgresql_url)
+
+    def function() -> str:
+        with engine.connect() as conn:
+            return conn.scalar(sa.text("SELECT pg_get_functiondef('audit_append'::regproc)"))
+
+    try:
+        steps = [("0008", False, False), ("0009", True, False), ("0011", True, False), ("0012", True, True)]
+        for revision, key_id, tags in [*steps, *reversed(steps[:-1])]:
+            (upgrade if revision >= (current_revision(engine) or "") else downgrade)(engine, revision)
+            text = function()
+            assert ("COALESCE(c.key_id, '')" in text) is key_id, revision
+            assert ("legal_hold, tags, subject_hash)" in text) is tags, revision
+            assert "INSERT INTO audit_stages" in text and "json_populate_recordset(NULL::audit_records" in text
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_takes_a_url(tmp_path):
     url = f"sqlite:///{tmp_path / 'by-url.db'}"
     upgrade(url)
@@ -95,7 +138,7 @@ def test_keys_made_before_tenants_keep_their_name_as_tenant(bare_engine):
 
 def test_records_chained_before_0012_still_verify_across_it(bare_engine, tmp_path):
     from store.audit import AuditStore
-    from tests.store.test_audit import make_record
+    from tests.store.audit.test_store import make_record
 
     upgrade(bare_engine)
     AuditStore(bare_engine, spool_path=tmp_path / "spool").write_batch([make_record(i) for i in range(3)])

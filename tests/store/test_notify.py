@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from store.db import make_engine
+from store.engine import make_engine
 from store.notify import announce, listen
 from tests.postgres import fresh_schema_url
 

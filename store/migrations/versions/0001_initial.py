@@ -15,7 +15,7 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
-GENESIS_HASH = "0" * 64  # store.audit_models.GENESIS_HASH, frozen here as revisions must be
+GENESIS_HASH = "0" * 64  # store.audit.models.GENESIS_HASH, frozen here as revisions must be
 
 
 def _utc() -> sa.DateTime:

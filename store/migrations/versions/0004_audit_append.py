@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0003
 Create Date: 2026-12-01
 
-The function is store/audit_append.py's server half: under the chain head's
+The function is store/audit/append.py's server half: under the chain head's
 row lock it advances the head only if it is still the (seq, hash) the caller
 hashed its records onto (a compare-and-set, so writers in several processes
 still form one chain), then inserts the records, their stages and any
@@ -12,7 +12,7 @@ checkpoints, all in the caller's one statement (one transaction, committed
 durably like any other). If the head has moved it writes nothing and returns
 the head as it is. PL/pgSQL caches the plans of its statements per
 connection, so nothing is planned per request. SQLite has no such function
-and keeps the generic append (store/audit.py), so this revision does nothing there.
+and keeps the generic append (store/audit/locking_append.py), so this revision does nothing there.
 
 The column lists are frozen here, as revisions must be: a later revision that
 adds a column to audit_records or audit_stages replaces this function.

@@ -5,14 +5,12 @@ Revision ID: 0012
 Revises: 0011
 Create Date: 2026-12-08
 
-Both columns are chained only when set (store/audit_chain.py), so the records chained before this
+Both columns are chained only when set (store/audit/chain.py), so the records chained before this
 revision keep their hashes. The PostgreSQL function is revision 0004's as revision 0009 left it, with
 the two columns added to its column list.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import sqlalchemy as sa
 from alembic import op
@@ -22,19 +20,63 @@ down_revision = "0011"
 branch_labels = None
 depends_on = None
 
-_KEY_ID = importlib.import_module("store.migrations.versions.0009_checkpoint_key_id")
 _INDEX = "ix_audit_records_subject_hash"
-_LAST_COLUMNS = "request_id, trace_id, pruned, legal_hold)"
-_LAST_VALUES = "r.request_id, r.trace_id, COALESCE(r.pruned, 'null'::json), false"
+
+# audit_append() as revision 0009 left it, copied here: a released revision is frozen text, so it
+# imports no other one. *new* adds this revision's two columns to the records it inserts.
+_JSON_NULL = ("route", "retrieval", "pruned")
+_RECORD_COLUMNS = (
+    "id", "seq", "prev_hash", "hash", "kind", "received_at", "first_token_at", "completed_at", "duration_ms",
+    "ttft_ms", "key_id", "role", "client_addr", "pipeline", "pipeline_version", "spec_sha256", "model",
+    "weights_hash", "params", "input_tokens", "output_tokens", "cost_usd", "route", "retrieval", "policy",
+    "policy_action", "policy_categories", "status", "finish_reason", "http_status", "error_type", "content_mode",
+    "input_content", "output_content", "request_id", "trace_id", "pruned", "legal_hold",
+)
+_NEW_COLUMNS = ("tags", "subject_hash")
+
+
+def _record_value(column: str) -> str:
+    if column == "legal_hold":
+        return "false"  # a new record is never on hold; holds are set afterwards
+    if column in _JSON_NULL:
+        return f"COALESCE(r.{column}, 'null'::json)"
+    return f"r.{column}"
 
 
 def _function(new: bool) -> str:
-    text = _KEY_ID._function(new=True)
-    if not new:
-        return text
-    assert _LAST_COLUMNS in text and _LAST_VALUES in text
-    return (text.replace(_LAST_COLUMNS, "request_id, trace_id, pruned, legal_hold, tags, subject_hash)")
-            .replace(_LAST_VALUES, _LAST_VALUES + ", r.tags, r.subject_hash"))
+    columns = _RECORD_COLUMNS + _NEW_COLUMNS if new else _RECORD_COLUMNS
+    return f"""
+CREATE OR REPLACE FUNCTION audit_append(expected_seq bigint, expected_hash text, new_seq bigint, new_hash text,
+                             records json, stages json, checkpoints json)
+RETURNS TABLE (appended boolean, head_seq bigint, head_hash text)
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- The compare-and-set. The row lock orders writers; a writer that waited for it
+    -- re-checks the WHERE against the head that the other one committed, and misses.
+    UPDATE audit_chain_head AS h SET seq = new_seq, hash = new_hash
+     WHERE h.id = 1 AND h.seq = expected_seq AND h.hash = expected_hash;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, h.seq, h.hash::text FROM audit_chain_head AS h WHERE h.id = 1;
+        RETURN;
+    END IF;
+    INSERT INTO audit_records ({", ".join(columns)})
+    SELECT {", ".join(_record_value(column) for column in columns)}
+      FROM json_populate_recordset(NULL::audit_records, records) AS r;
+    IF stages IS NOT NULL THEN
+        INSERT INTO audit_stages (record_id, position, stage_id, type, status, duration_ms, cost_usd, decision)
+        SELECT s.record_id, s.position, s.stage_id, s.type, s.status, s.duration_ms, s.cost_usd,
+               COALESCE(s.decision, 'null'::json)
+          FROM json_populate_recordset(NULL::audit_stages, stages) AS s;
+    END IF;
+    IF checkpoints IS NOT NULL THEN
+        INSERT INTO audit_checkpoints (seq, head_hash, signature, algorithm, key_id, created_at)
+        SELECT c.seq, c.head_hash, c.signature, c.algorithm, COALESCE(c.key_id, ''), c.created_at
+          FROM json_populate_recordset(NULL::audit_checkpoints, checkpoints) AS c;
+    END IF;
+    RETURN QUERY SELECT true, new_seq, new_hash;
+END
+$$
+"""
 
 
 def upgrade() -> None:

@@ -13,12 +13,11 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from serving.backends.anchor_delivery import AnchorDelivery
-from store.audit import AuditStore
-from store.audit_anchors import Anchors
-from store.db import make_engine
+from store.audit import Anchors, AuditStore
+from store.engine import make_engine
 from store.migrate import create_schema
-from tests.store.test_audit import make_record
-from tests.store.test_audit_anchors import SIGNER
+from tests.store.audit.test_anchors import SIGNER
+from tests.store.audit.test_store import make_record
 
 
 class Receiver(BaseHTTPRequestHandler):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import SpecError
-from pipeline.spec import AnchorsSpec, AuditSpec, ServerSpec
 from serving.backends.audit_keys import anchor_folder, exposure_window_s, local_key, serving_signer
-from store.audit_signing import Ed25519Signer, load_or_create, load_public_key
+from serving.config.audit import AnchorsSpec, AuditSpec
+from serving.config.server import ServerSpec
+from store.audit import Ed25519Signer, load_or_create, load_public_key
 
 
 def server(**audit: object) -> ServerSpec:

@@ -13,13 +13,12 @@ from prometheus_client import CollectorRegistry
 
 from serving.backends.anchor_delivery import AnchorDelivery
 from serving.backends.audit_seal import AuditSeal
-from store.audit import AuditStore
-from store.audit_anchors import Anchors, verify_anchors
-from store.db import make_engine
+from store.audit import Anchors, AuditStore, verify_anchors
+from store.engine import make_engine
 from store.migrate import create_schema
-from tests.store.test_audit import make_record
-from tests.store.test_audit_anchors import SIGNER, public_only
-from tests.store.test_audit_tail import checkpoints
+from tests.store.audit.test_anchors import SIGNER, public_only
+from tests.store.audit.test_store import make_record
+from tests.store.audit.test_tail import checkpoints
 
 
 @pytest.fixture

@@ -12,10 +12,8 @@ import sqlalchemy as sa
 
 from serving.backends import audit_sink
 from serving.backends.audit_sink import StoreSink
-from store import audit_journal
-from store.audit import AuditStore, AuditUnavailable
-from store.audit_journal import Journal, leftover_journals
-from store.audit_query import AuditFilters
+from store.audit import AuditFilters, AuditStore, AuditUnavailable, Journal, leftover_journals
+from store.audit import journal as audit_journal
 
 
 class _Batches:
@@ -43,7 +41,7 @@ async def test_records_arriving_during_a_commit_go_together_in_the_next():
 
 
 async def test_every_record_of_a_burst_lands_in_one_chain(tmp_path):
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.migrate import create_schema
 
     database = make_engine(f"sqlite:///{tmp_path / 'audit.db'}")
@@ -143,7 +141,7 @@ async def test_a_journal_that_cannot_be_emptied_still_lets_readers_and_writers_o
 
 
 async def test_records_the_store_refuses_stay_journaled_and_a_restart_chains_them_once(tmp_path, monkeypatch):
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.migrate import create_schema
 
     monkeypatch.setattr(audit_sink, "DRAIN_RETRY_S", 0.01)
@@ -237,7 +235,7 @@ async def test_a_malformed_record_fails_its_own_write_only(tmp_path):
 
 async def test_journaled_records_are_never_dropped_when_neither_the_database_nor_the_spool_takes_them(
         tmp_path, monkeypatch):
-    from store.db import make_engine
+    from store.engine import make_engine
 
     monkeypatch.setattr(audit_sink, "DRAIN_RETRY_S", 0.01)
     blocked = tmp_path / "a-file"
@@ -341,8 +339,8 @@ async def test_encrypted_records_keep_their_subject_as_a_keyed_hash_and_without_
     import hashlib
     import os
 
-    from store.audit_vault import ContentVault
-    from store.db import make_engine
+    from store.audit import ContentVault
+    from store.engine import make_engine
     from store.migrate import create_schema
 
     database = make_engine(f"sqlite:///{tmp_path / 'audit.db'}")

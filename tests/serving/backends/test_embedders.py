@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.errors import BackendError, InvalidInput
 from pipeline.protocols import EmbeddingBackend
-from pipeline.spec import ServerSpec
 from serving.backends.embedders import EmbedderPool
+from serving.config.server import ServerSpec
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.protocols import ModelOccupancy, SamplingParams
-from pipeline.spec import KVCacheSpec, ModelSpec, ServerSpec
+from pipeline.protocols import ChatEngine, Engine, ModelOccupancy, SamplingParams
 from serving.backends.local_engine import LocalEngine
 from serving.backends.model_pool import ModelPool
 from serving.backends.placement import Placement, ReplicaOccupancy, rendezvous
+from serving.config.models import KVCacheSpec, ModelSpec
+from serving.config.server import ServerSpec
 from serving.engine.async_engine import TokenEvent
 
 ROOT = Path(__file__).parents[3]
@@ -133,6 +134,7 @@ class FakeReplica:
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
     submitted: int = 0
     tokenizer: object = None
+    is_shut_down: bool = False
 
     @property
     def engine(self):
@@ -141,6 +143,9 @@ class FakeReplica:
     async def submit(self, prompt_ids, sampling, cache_salt="", **hints):
         self.submitted += 1
         return FakeStream(3)
+
+    async def shutdown(self) -> None:
+        self.is_shut_down = True
 
 
 async def test_streams_name_their_replica_and_count_as_load_until_they_end():
@@ -174,6 +179,14 @@ async def test_one_replica_needs_no_placement():
     local = LocalEngine("smol", [replica], "hash", Placement(1, "round_robin"))
     streams = [await local.submit([1], SamplingParams()) for _ in range(3)]
     assert [s.replica for s in streams] == [0, 0, 0] and local.placement._next == 0
+
+
+async def test_a_local_engine_is_an_engine_that_closes_as_the_pool_closes_every_engine():
+    replicas = [FakeReplica(), FakeReplica()]
+    local = LocalEngine("smol", replicas, "hash")
+    assert isinstance(local, Engine) and not isinstance(local, ChatEngine)  # it takes token ids
+    await local.aclose()
+    assert all(replica.is_shut_down for replica in replicas)
 
 
 # -- ModelPool ---------------------------------------------------------------------
@@ -278,8 +291,8 @@ def test_dtype_auto_keeps_a_gguf_files_blocks_on_a_cpu(monkeypatch, caplog):
 
 def test_the_default_config_serves_the_gguf_in_its_blocks():
     # `make run` serves the bundled GGUF as it is (a twelfth of the float32 folder's memory), not the folder.
-    from pipeline.loader import load_server
     from serving.backends import engine_config as module
+    from serving.config.loader import load_server
 
     smol = load_server(ROOT / "inferline.yaml").models["smol"]
     assert smol.source.endswith(".gguf") and (ROOT / smol.source).is_file()

@@ -10,9 +10,10 @@ import pytest
 
 from pipeline.context import RequestContext
 from pipeline.events import Done, TextDelta
-from pipeline.loader import catalog_of, load_pipeline_text
+from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Resources
 from pipeline.runner import Pipeline, Runner
+from serving.config.loader import catalog_of
 from serving.runtime.workspace import open_workspace
 
 pytestmark = pytest.mark.slow

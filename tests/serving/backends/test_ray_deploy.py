@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipeline.spec import ModelSpec
 from serving.cli.main import main
+from serving.config.models import ModelSpec
 
 SAMPLE = """\
 models:

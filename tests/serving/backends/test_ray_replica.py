@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.protocols import SamplingParams
-from pipeline.spec import ModelSpec, ServerSpec
 from serving.backends.model_pool import ModelPool
+from serving.config.models import ModelSpec
+from serving.config.server import ServerSpec
 
 ROOT = Path(__file__).parents[3]
 SOURCE = "models/smollm2-135m-instruct"

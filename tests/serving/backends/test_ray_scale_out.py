@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.protocols import SamplingParams
-from pipeline.spec import ModelSpec, ServerSpec
 from serving.backends.model_pool import ModelPool
+from serving.config.models import ModelSpec
+from serving.config.server import ServerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

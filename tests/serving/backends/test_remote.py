@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from pipeline.errors import BackendError, InvalidInput, Overloaded
-from pipeline.protocols import Engine, SamplingParams, Tokenizer
-from pipeline.spec import ModelSpec
+from pipeline.protocols import ChatEngine, Engine, SamplingParams, Tokenizer
 from serving.backends.remote import RemoteEngine, open_remote
+from serving.config.models import ModelSpec
 
 URL = "http://remote.test/v1"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -221,7 +221,7 @@ async def test_connection_drop_mid_stream_raises_backend_error():
 
 async def test_token_ids_are_refused_and_identity_is_the_endpoint():
     remote = engine(streaming(b""), base_url=URL + "/", remote_model="llama-3")
-    assert isinstance(remote, Engine) and remote.accepts_messages
+    assert isinstance(remote, Engine) and isinstance(remote, ChatEngine)
     with pytest.raises(InvalidInput, match="chat messages"):
         await remote.submit([1, 2, 3], SamplingParams())
     assert remote.weights_hash == hashlib.sha256(f"remote:{URL}#llama-3".encode()).hexdigest()
@@ -310,8 +310,8 @@ async def test_several_servers_get_requests_by_prompt_prefix():
 
 
 async def test_base_url_self_follows_the_port_the_server_listens_on(tmp_path, monkeypatch):
-    from pipeline.spec import ServerSpec
     from serving.backends.model_pool import ModelPool
+    from serving.config.server import ServerSpec
     from serving.runtime.workspace import open_workspace
     from serving.server import create_server
     from tests.fakes import FakeEngine, FakeEngines
@@ -347,7 +347,8 @@ async def test_the_example_loopback_follows_the_configured_port(monkeypatch):
     monkeypatch.setenv("INFERLINE_PORT", "8123")
     workspace = open_workspace(str(ROOT / "inferline.yaml"))
     pool = ModelPool(workspace.server, ROOT)
-    assert (await pool.get("loopback")).base_url == "http://127.0.0.1:8123/v1"
+    remote = await pool.get("loopback")
+    assert isinstance(remote, ChatEngine) and remote.base_url == "http://127.0.0.1:8123/v1"
     await pool.close()
 
 
@@ -355,7 +356,7 @@ async def test_the_example_loopback_follows_the_configured_port(monkeypatch):
                                            ("0.0.0.0", "http://127.0.0.1:9001/v1"), ("::", "http://[::1]:9001/v1"),
                                            ("fd00::5", "http://[fd00::5]:9001/v1"), ("gpu-box", "http://gpu-box:9001/v1")])
 def test_self_is_reached_where_the_server_listens(host, url):
-    from pipeline.spec import HttpSpec
+    from serving.config.server import HttpSpec
 
     spec = ModelSpec(backend="openai", base_url="self")
     remote = open_remote("me", spec, ROOT, served=HttpSpec(host=host, port=9001))
@@ -365,7 +366,7 @@ def test_self_is_reached_where_the_server_listens(host, url):
 def test_self_is_refused_where_it_cannot_be_resolved():
     from pydantic import ValidationError
 
-    from pipeline.spec import HttpSpec, ServerSpec
+    from serving.config.server import HttpSpec, ServerSpec
 
     with pytest.raises(ValidationError, match=r"base_url: self needs a fixed http\.port"):
         ServerSpec(models={"me": ModelSpec(backend="openai", base_url="self")}, http=HttpSpec(port=0))

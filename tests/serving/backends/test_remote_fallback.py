@@ -14,8 +14,8 @@ from pipeline.events import Done, TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
-from pipeline.spec import ModelSpec
 from serving.backends.remote import open_remote
+from serving.config.models import ModelSpec
 from tests.fakes import FakeEngine, FakeEngines
 
 CATALOG = Catalog(models={"remote": ModelInfo("remote"), "smol": ModelInfo("smol")})

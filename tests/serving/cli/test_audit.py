@@ -15,10 +15,9 @@ import sqlalchemy as sa
 
 from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
-from store.audit import AuditStore
-from store.audit_filters import parse_filters
-from store.audit_query import EXPORT_COLUMNS
-from store.db import make_engine
+from store.audit import AuditStore, parse_filters
+from store.audit.query import EXPORT_COLUMNS
+from store.engine import make_engine
 from store.keys import KeyStore
 from store.migrate import create_schema
 from tests.serving.workspaces import write_workspace

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from serving.cli.keys import add_keys_parser
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import KeyStore
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import KeyStore
 from store.migrate import create_schema
 from tests.fakes import FakeEngine, FakeEngines

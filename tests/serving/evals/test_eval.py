@@ -11,7 +11,7 @@ from serving.cli.eval import evaluate
 from serving.cli.main import main
 from serving.evals.dataset import load_dataset
 from serving.evals.report import compare
-from store.db import make_engine
+from store.engine import make_engine
 from store.eval_runs import EvalRunStore
 from tests.serving.evals.workspaces import engines
 

@@ -14,7 +14,7 @@ from serving.evals.replay import replay, summarize_replay
 from serving.evals.replay_report import html_report
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.audit_filters import AuditFilters
+from store.audit import AuditFilters
 from tests.fakes import FakeEngine, FakeEngines
 from tests.serving.workspaces import CHAT, write_workspace
 
@@ -97,7 +97,7 @@ def test_replay_against_a_running_server(tmp_path, monkeypatch, capsys):
     """The records from the server's audit API, the candidate kept there and each input sent to it pinned:
     an unchanged candidate answers the same, a changed one differs; what was not kept is skipped."""
     from serving.cli.main import main
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.keys import KeyStore
     from store.migrate import create_schema
     from tests.serving.live_server import LiveServer
@@ -246,7 +246,7 @@ def test_replay_on_a_server_sends_each_request_as_it_was_sent(tmp_path, monkeypa
     import httpx
 
     from serving.cli.main import main
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.keys import KeyStore
     from store.migrate import create_schema
     from tests.serving.live_server import LiveServer

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.errors import Overloaded
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.audit_journal import Journal
+from store.audit import Journal
 from tests.serving.workspaces import client_for, write_workspace
 
 

@@ -19,8 +19,8 @@ from openai import OpenAI
 from serving.http.embeddings_routes import nine_digits
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine
 from store.embeddings import shared_embedder
+from store.engine import make_engine
 from store.keys import KeyStore
 from store.migrate import create_schema
 from tests.fakes import FakeEngine, FakeEngines

@@ -139,7 +139,7 @@ def test_decisions_reach_the_audit_record(client):
 
 
 def test_keys_of_one_tenant_share_its_limit(tmp_path, monkeypatch, engine, fresh_minute):
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.keys import KeyStore
 
     for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
@@ -164,7 +164,7 @@ def test_keys_of_one_tenant_share_its_limit(tmp_path, monkeypatch, engine, fresh
 
 
 def test_limits_per_user_count_each_end_user_within_its_key(tmp_path, monkeypatch, engine, fresh_minute):
-    from store.db import make_engine
+    from store.engine import make_engine
     from store.keys import KeyStore
 
     for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):

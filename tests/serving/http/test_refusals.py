@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.http.refusals import TokenBucket
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine
+from store.engine import make_engine
 from store.keys import KeyStore
 from tests.serving.workspaces import write_workspace
 

@@ -16,7 +16,8 @@ from openai import OpenAI
 
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
-from store.db import make_engine, utcnow
+from store.db import utcnow
+from store.engine import make_engine
 from store.keys import KeyStore
 from store.responses import ResponseStore
 from tests import fakes

@@ -54,10 +54,10 @@ async def test_every_resource_is_closed_when_one_close_raises(workspace, monkeyp
 
     monkeypatch.setattr(SqlCounters, "close", counters_close)
     monkeypatch.setattr(StoreSink, "aclose", recording("audit sink", StoreSink.aclose))
-    real_make_engine, real_tracer = resources.make_engine, resources.make_tracer_provider
+    real_open_engine, real_tracer = resources.open_engine, resources.make_tracer_provider
 
-    def make_engine(url):
-        engine = real_make_engine(url)
+    def open_engine(url):
+        engine = real_open_engine(url)
         dispose = engine.dispose
         monkeypatch.setattr(engine, "dispose", lambda: (closed.append("database"), dispose()))
         return engine
@@ -68,7 +68,7 @@ async def test_every_resource_is_closed_when_one_close_raises(workspace, monkeyp
         monkeypatch.setattr(provider, "shutdown", lambda: (closed.append("tracer"), shutdown()))
         return provider
 
-    monkeypatch.setattr(resources, "make_engine", make_engine)
+    monkeypatch.setattr(resources, "open_engine", open_engine)
     monkeypatch.setattr(resources, "make_tracer_provider", make_tracer_provider)
     runtime = runtime_of(workspace)
     for name, pipeline in runtime.pipelines.items():
@@ -89,14 +89,14 @@ async def test_a_failure_while_opening_closes_what_was_opened(workspace, monkeyp
     monkeypatch.setattr(resources, "open_counters", refused)
     runtime = runtime_of(workspace)
     disposed = []
-    real_make_engine = resources.make_engine
+    real_open_engine = resources.open_engine
 
-    def make_engine(url):
-        engine = real_make_engine(url)
+    def open_engine(url):
+        engine = real_open_engine(url)
         monkeypatch.setattr(engine, "dispose", lambda: disposed.append(True))
         return engine
 
-    monkeypatch.setattr(resources, "make_engine", make_engine)
+    monkeypatch.setattr(resources, "open_engine", open_engine)
     with pytest.raises(ConnectionError):
         await runtime.__aenter__()
     assert disposed == [True]

@@ -1,0 +1,169 @@
+"""``inferline.yaml``: :class:`ServerSpec`, the resources shared by every pipeline of one server.
+
+The models live in :mod:`serving.config.models`, the audit log's settings in :mod:`serving.config.audit`;
+here are the rest (indexes, telemetry, auth, HTTP, limits, reload, responses) and the file's root.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, StringConstraints, model_validator
+
+from pipeline.spec import NAME_PATTERN, Strict
+from serving.config.audit import AuditSpec
+from serving.config.models import SELF_URL, EmbeddingModelSpec, ModelSpec, RaySpec
+
+#: An index name is also a folder name (``indexes/<name>``): never a path.
+IndexName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+
+
+class IndexSpec(Strict):
+    """A vector index the ``retrieve`` stage may name (built by ``inferline index build``)."""
+
+    #: Its folder, relative to inferline.yaml; default ``indexes/<name>``.
+    path: str | None = None
+    #: flat: exact inner product; ivf and hnsw: approximate, faster on large indexes.
+    type: Literal["flat", "ivf", "hnsw"] = "flat"
+    #: ``all-MiniLM-L6-v2`` (bundled) or a local sentence-transformers folder.
+    model: str = "all-MiniLM-L6-v2"
+    #: Where the embedding model runs: auto picks CUDA when present.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Tokens per chunk documents are split into.
+    chunk_tokens: PositiveInt = 200
+    #: Tokens each chunk shares with the one before it.
+    overlap: int = Field(40, ge=0)
+    #: type ivf: the number of clusters.
+    nlist: PositiveInt = 1024
+    #: type ivf: clusters searched per query (more: better recall, slower).
+    nprobe: PositiveInt = 32
+    #: type hnsw: links per node of the graph.
+    m: PositiveInt = 32
+    #: type hnsw: candidates considered while building (more: a better graph, slower build).
+    ef_construction: PositiveInt = 200
+    #: type hnsw: candidates considered per query (more: better recall, slower).
+    ef_search: PositiveInt = 128
+    #: How often a running server looks for a rebuilt version to swap in.
+    reload_every_s: PositiveFloat = 2.0
+
+
+class TelemetrySpec(Strict):
+    #: Where OpenTelemetry spans go: none, console (stdout) or otlp (to ``endpoint``).
+    exporter: Literal["none", "console", "otlp"] = "none"
+    #: exporter otlp: the collector's OTLP/HTTP URL (default: the OpenTelemetry SDK's).
+    endpoint: str | None = None
+    #: ``service.name`` of the spans.
+    service_name: str = "inferline"
+    #: ``/metrics`` also carries the engine's series under vLLM's names (``vllm:num_requests_waiting``,
+    #: ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``...), which the Gateway API Inference
+    #: Extension's endpoint picker and KEDA's examples read by default.
+    vllm_metric_names: bool = False
+    #: Put the request's messages and the answer on its span (``gen_ai.input.messages``,
+    #: ``gen_ai.output.messages``): prompts are data, so off unless asked for, here or with
+    #: ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``.
+    capture_message_content: bool = False
+
+
+class AuthSpec(Strict):
+    #: API keys required (bearer tokens, see ``inferline keys``). Off is refused on a non-loopback address.
+    enabled: bool = True
+
+
+class LimitsSpec(Strict):
+    """Where the policy stage's rate-limit and budget counters live."""
+
+    #: database: the server's own database (one machine, or processes sharing one PostgreSQL);
+    #: redis: a Redis server shared by every process and machine.
+    backend: Literal["database", "redis"] = "database"
+    #: backend redis: the server's URL.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every Redis key, so that several deployments can share one Redis.
+    prefix: str = "inferline"
+
+
+class ReloadSpec(Strict):
+    """How ``inferline serve`` follows its ``pipelines:`` folder (the server file itself is not reloaded)."""
+
+    #: Watch the folder: a changed file is validated and swapped in, a new one added, a deleted one retired.
+    watch: bool = True
+    #: How often the folder is looked at, in seconds (SIGHUP looks at once).
+    poll_s: float = Field(1.0, gt=0, le=3600)
+
+
+class ResponsesSpec(Strict):
+    """The responses that ``POST /v1/responses`` keeps (``store: true``, the default) for ``GET`` and for
+    ``previous_response_id``."""
+
+    #: Days a stored response is kept; later it is no longer returned, and it is deleted (at start, then
+    #: hourly). null: kept until deleted (``DELETE /v1/responses/{id}``).
+    retention_days: PositiveFloat | None = 30
+
+
+class HttpSpec(Strict):
+    """Where and how ``inferline serve`` listens."""
+
+    #: Address to bind; any other than loopback needs ``auth.enabled``.
+    host: str = "127.0.0.1"
+    #: Port to bind (0: one the system picks).
+    port: int = Field(8000, ge=0, le=65535)
+    #: Larger request bodies get 413.
+    max_body_bytes: PositiveInt = 1 << 20
+    #: On SIGTERM, in-flight requests get this long to finish.
+    shutdown_grace_s: PositiveFloat = 30.0
+
+
+class ServerSpec(Strict):
+    """``inferline.yaml``: resources shared by every pipeline of one server."""
+
+    #: The models pipelines may name, by name.
+    models: dict[str, ModelSpec] = Field(default_factory=dict)
+    #: Vector indexes the ``retrieve`` stage may name, by name.
+    indexes: dict[IndexName, IndexSpec] = Field(default_factory=dict)
+    #: Sentence-embedding models the ``embed`` stage may name, by name (``POST /v1/embeddings``).
+    embedding_models: dict[str, EmbeddingModelSpec] = Field(default_factory=dict)
+    #: SQLAlchemy URL of the audit log, keys and counters: ``sqlite:///file.db`` (relative to this file) or
+    #: ``postgresql+psycopg://...``.
+    database: str = "sqlite:///inferline.db"
+    #: The folder of pipeline files, relative to this file.
+    pipelines: str = "pipelines/"
+    #: Where traces go.
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    #: The operator's own stage types: ``module`` (its ``register(registry)``) or ``module:Class``.
+    plugins: list[str] = Field(default_factory=list)
+    #: API keys.
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    #: Where and how the server listens.
+    http: HttpSpec = Field(default_factory=HttpSpec)
+    #: The tamper-evident audit log.
+    audit: AuditSpec = Field(default_factory=AuditSpec)
+    #: Where the policy stage's rate-limit and budget counters live.
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    #: How ``inferline serve`` follows its pipelines folder: watched, and reloaded on SIGHUP.
+    reload: ReloadSpec = Field(default_factory=ReloadSpec)
+    #: What the Responses API keeps, and for how long.
+    responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
+    #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
+    #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
+    #: log in PostgreSQL.
+    ray_ingress: RaySpec | None = None
+
+    @model_validator(mode="after")
+    def _self_has_a_port(self) -> ServerSpec:
+        for name, model in self.models.items():
+            if model.base_url == SELF_URL and self.http.port == 0:
+                raise ValueError(f"models.{name}.base_url: {SELF_URL} needs a fixed http.port (0 lets the system "
+                                 "pick one when the server binds, after its models are configured)")
+        return self
+
+    @model_validator(mode="after")
+    def _drafts_exist(self) -> ServerSpec:
+        for name, model in self.models.items():
+            draft = model.speculative.draft_model if model.speculative else None
+            if draft is None or model.speculative.method != "draft":
+                continue
+            other = self.models.get(draft)
+            if other is None or other.backend != "local" or draft == name:
+                local = sorted(n for n, m in self.models.items() if m.backend == "local" and n != name)
+                raise ValueError(f"models.{name}.speculative.draft_model: {draft!r} is not another local model "
+                                 f"of this file (others: {local})")
+        return self
