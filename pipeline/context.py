@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypedDict
+from typing import Any, TypedDict, get_type_hints
 
 from pipeline.cost import CostLedger
 from pipeline.protocols import Embeddings, TextFilter
+from pipeline.types import ValueType
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ class Choice:
 
 @dataclass(slots=True)
 class StageRecord:
-    """What one stage did for one request; returned to the caller and audited."""
+    """What one step (one attempt of it) did for one request; returned to the caller and audited."""
 
     id: str
     type: str
@@ -117,6 +118,18 @@ class StageRecord:
     duration_s: float = 0.0
     cost_usd: float = 0.0
     error: str = ""
+    #: Which attempt this is (its retry: runs a step again; each attempt is a record of its own).
+    attempt: int = 1
+    #: Why a skipped step did not run: when (its when: was false), failed (an earlier step failed, was denied or
+    #: the request was cancelled), ended (a step answered and ended the request).
+    skip_reason: str = ""
+    #: The model tokens it used.
+    input_tokens: int = 0
+    output_tokens: int = 0
+    #: The step it ran in the place of, when it is a fallback.
+    fallback_for: str = ""
+    #: The step it ran under (a sub-pipeline's steps: ``call``, ``call/answer``), "" at the top.
+    parent: str = ""
 
 
 @dataclass(slots=True)
@@ -134,52 +147,43 @@ class RoutePlan:
 
 @dataclass(frozen=True, slots=True)
 class FieldInfo:
-    """Describes one flow field for load-time checks and error messages."""
+    """Describes one flow field for load-time checks and error messages; its type is its annotation on
+    :class:`RequestContext` (:func:`field_type`)."""
 
-    type: str
     doc: str
     initial: bool = False
 
 
 #: The flow fields of :class:`RequestContext`. ``initial`` fields come with the request.
 FIELDS: dict[str, FieldInfo] = {
-    "request_id": FieldInfo("str", "unique id of this request", initial=True),
-    "pipeline": FieldInfo("str", "name of the pipeline serving the request", initial=True),
-    "input": FieldInfo("str", "text of the last user message", initial=True),
-    "input_messages": FieldInfo("list[ChatMessage]", "the chat turns the client sent", initial=True),
-    "principal": FieldInfo("Principal | None", "the caller, when authenticated", initial=True),
-    "role": FieldInfo("str", "the caller's role ('' when anonymous)", initial=True),
-    "tenant": FieldInfo("str", "the caller's tenant ('' when none)", initial=True),
-    "tags": FieldInfo("dict[str, str]", "free-form request tags from the client", initial=True),
-    "params": FieldInfo("dict[str, Any]", "sampling overrides from the client", initial=True),
-    "stop": FieldInfo("list[str]", "stop strings from the client", initial=True),
-    "tools": FieldInfo("list[dict[str, Any]]", "functions the client offers the model (OpenAI's tools)",
-                       initial=True),
-    "tool_choice": FieldInfo("str | dict[str, Any]", "auto | none | required | one named function", initial=True),
-    "operation": FieldInfo("str", "what the client asked for, as OpenTelemetry's GenAI conventions name it: "
-                                  "chat, text_completion or embeddings", initial=True),
-    "messages": FieldInfo("list[ChatMessage]", "the prompt's chat messages"),
-    "documents": FieldInfo("list[Document]", "retrieved passages"),
-    "model": FieldInfo("str", "name of the model chosen for the request"),
-    "route_plan": FieldInfo("RoutePlan | None", "fallback models, retries and timeouts chosen by route"),
-    "max_output_tokens": FieldInfo("int | None", "a cap on generated tokens set by policy (None: no cap)"),
-    "output_filter": FieldInfo("TextFilter | None", "output rails the stream stage applies (set by policy)"),
-    "prompt_ids": FieldInfo("list[int]", "prompt token ids"),
-    "prompt_tokens": FieldInfo("int", "number of prompt tokens"),
-    "token_stream": FieldInfo("AsyncIterator[int]", "generated token ids, as they come"),
-    "output_text": FieldInfo("str", "the text sent to the client"),
-    "output_ids": FieldInfo("list[int]", "the generated token ids, as streamed"),
-    "finish_reason": FieldInfo("str", "why generation stopped"),
-    "embeddings": FieldInfo("Embeddings | None", "the vectors of the input texts, and their token counts (embed)"),
+    "request_id": FieldInfo("unique id of this request", initial=True),
+    "pipeline": FieldInfo("name of the pipeline serving the request", initial=True),
+    "input": FieldInfo("text of the last user message", initial=True),
+    "input_messages": FieldInfo("the chat turns the client sent", initial=True),
+    "principal": FieldInfo("the caller, when authenticated", initial=True),
+    "role": FieldInfo("the caller's role ('' when anonymous)", initial=True),
+    "tenant": FieldInfo("the caller's tenant ('' when none)", initial=True),
+    "tags": FieldInfo("free-form request tags from the client", initial=True),
+    "params": FieldInfo("sampling overrides from the client", initial=True),
+    "stop": FieldInfo("stop strings from the client", initial=True),
+    "tools": FieldInfo("functions the client offers the model (OpenAI's tools)", initial=True),
+    "tool_choice": FieldInfo("auto | none | required | one named function", initial=True),
+    "operation": FieldInfo("what the client asked for, as OpenTelemetry's GenAI conventions name it: "
+                           "chat, text_completion or embeddings", initial=True),
+    "messages": FieldInfo("the prompt's chat messages"),
+    "documents": FieldInfo("retrieved passages"),
+    "model": FieldInfo("name of the model chosen for the request"),
+    "route_plan": FieldInfo("fallback models, retries and timeouts chosen by route"),
+    "max_output_tokens": FieldInfo("a cap on generated tokens set by policy (None: no cap)"),
+    "output_filter": FieldInfo("output rails the stream stage applies (set by policy)"),
+    "prompt_ids": FieldInfo("prompt token ids"),
+    "prompt_tokens": FieldInfo("number of prompt tokens"),
+    "token_stream": FieldInfo("generated token ids, as they come"),
+    "output_text": FieldInfo("the text sent to the client"),
+    "output_ids": FieldInfo("the generated token ids, as streamed"),
+    "finish_reason": FieldInfo("why generation stopped"),
+    "embeddings": FieldInfo("the vectors of the input texts, and their token counts (embed)"),
 }
-
-#: What a ``when:`` expression may name, with its type: every flow field, and, dotted, the fields of the
-#: records among them (``principal.tenant``). A mapping's keys (``tags.tier``) are the client's: untyped.
-EXPRESSION_FIELDS: dict[str, str] = {name: info.type for name, info in FIELDS.items()} | {
-    f"{name}.{member.name}": str(member.type)
-    for name, record in (("principal", Principal), ("route_plan", RoutePlan)) for member in fields(record)
-}
-
 
 class Facts(TypedDict, total=False):
     """What stages record about a request, by topic: read by later stages, the audit record, the
@@ -287,6 +291,8 @@ class RequestContext:
     shadow_of: str = ""
     #: What stages record about the request, by topic (:class:`Facts`).
     facts: Facts = field(default_factory=lambda: Facts())
+    #: Each step's outputs once it ended, by step id (``status`` besides): what ``steps.ID.FIELD`` reads.
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Called by the runner after every stage has run, however the request ended
     #: (the policy stage settles token and cost budgets here).
     finalizers: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)
@@ -312,7 +318,31 @@ class RequestContext:
         return self.principal.tenant if self.principal else ""
 
     def field_value(self, name: str) -> Any:
-        """The value of flow field *name* (used by expressions and templates)."""
+        """The value of flow field *name*, or of ``steps`` (used by expressions and templates)."""
+        if name == "steps":
+            return self.steps
         if name not in FIELDS:
             raise KeyError(name)
         return getattr(self, name)
+
+
+def field_type(name: str) -> ValueType:
+    """The type of flow field *name*, from its annotation on :class:`RequestContext` (a property's return)."""
+    return _FIELD_TYPES[name]
+
+
+def _field_types() -> dict[str, ValueType]:
+    hints = get_type_hints(RequestContext)
+    found = {}
+    for name in FIELDS:
+        member = getattr(RequestContext, name, None)
+        annotation = get_type_hints(member.fget)["return"] if isinstance(member, property) else hints[name]
+        found[name] = ValueType.of(annotation)
+    return found
+
+
+_FIELD_TYPES = _field_types()
+#: What a ``when:`` expression may name, with its type: every flow field (``principal.tenant`` reads a field of
+#: the record it holds; a mapping's keys, ``tags.tier``, are the client's: untyped), and ``steps``, the outputs of
+#: the steps before it, which the loader adds per step.
+EXPRESSION_TYPES: dict[str, ValueType] = dict(_FIELD_TYPES)

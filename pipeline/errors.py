@@ -80,6 +80,19 @@ class StageTimeout(StageError):
     kind = "stage_timeout"
 
 
+class InvalidOutput(InferlineError):
+    """A step's output does not match what it must be (its JSON Schema, regular expression or choices): a
+    ``retry:`` with ``on: [invalid_output]`` runs it again."""
+
+    kind = "invalid_output"
+
+
+class EmptyOutput(InferlineError):
+    """A step gave no text where text was needed."""
+
+    kind = "empty_output"
+
+
 class PolicyDenied(InferlineError):
     """A policy decided the request must not proceed. Not a failure of the system."""
 
@@ -141,6 +154,10 @@ STATUS_BY_KIND = {
     "backend_error": 503,
     "deadline_exceeded": 503,
     "no_engine": 503,
+    # A model's answer that is not what its step must give (its schema, or no text): the model's, not the
+    # caller's, as an upstream server's bad answer is.
+    "invalid_output": 502,
+    "empty_output": 502,
 }
 
 

@@ -1,7 +1,9 @@
 """What the runner tells its caller while a request runs.
 
-Per executed stage: :class:`StageStarted` then :class:`StageFinished`; a
-skipped stage gets only :class:`StageFinished` with status ``skipped``. Text for
+Per executed step (per attempt, when it is retried): :class:`StageStarted` then
+:class:`StageFinished`; a skipped step gets only :class:`StageFinished` with status
+``skipped`` and its reason. Steps that do not need each other run at the same time,
+so their events interleave. Text for
 the client comes as :class:`TextDelta`. The last event is always exactly one
 :class:`Done` or :class:`Error`.
 """
@@ -18,6 +20,10 @@ from pipeline.context import Choice, Source, StageRecord, TokenLogprob, Usage
 class StageStarted:
     stage_id: str
     type: str
+    #: Which attempt of the step (a retry: runs it again).
+    attempt: int = 1
+    #: The step it runs under (a sub-pipeline's), "" at the top.
+    parent: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +35,12 @@ class StageFinished:
     duration_s: float
     cost_usd: float
     error: str = ""
+    attempt: int = 1
+    parent: str = ""
+    #: Why a skipped step did not run: when, failed or ended (StageRecord.skip_reason).
+    skip_reason: str = ""
+    #: Whether the runner runs it again (its retry: covers this failure).
+    retrying: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,13 @@ walker, never by ``eval``)::
     expr    := expr 'or' expr | expr 'and' expr | 'not' expr | compare
     compare := operand (('==' | '!=' | '<' | '<=' | '>' | '>=' | 'in' | 'not in') operand)*
     operand := NAME ('.' NAME)* | NUMBER | STRING | true | false | null
-             | '[' operand, ... ']' | '(' expr ')' | '-' NUMBER
+             | '[' operand, ... ']' | '(' expr ')' | '-' NUMBER | 'coalesce(' operand, ... ')'
 
 Names are flow fields of the request context (``prompt_tokens``, ``role``,
-``tags.tier``...); a dotted name reads a key of a dict or an attribute of a
-record. Example::
+``tags.tier``...) and the outputs of earlier steps (``steps.classify.output.intent``);
+a dotted name reads a key of a dict or an attribute of a record. ``coalesce(a, b, ...)``
+is the first of its arguments that is not null (a step skipped by its ``when:`` gives
+null). Example::
 
     when: "prompt_tokens > 1500 and role in ['admin', 'analyst']"
 """
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import ExpressionError
-from pipeline.exprtypes import TypeChecker, node_column
+from pipeline.exprtypes import COALESCE, TypeChecker, node_column
+from pipeline.types import ValueType
 
 _CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
@@ -53,6 +56,9 @@ class Expression:
     tree: ast.expr
     #: The root names it reads (``tags`` for ``tags.tier``).
     names: frozenset[str]
+    #: Every dotted name it reads, as its parts (``("steps", "classify", "output")``), with whether it is read
+    #: inside ``coalesce(...)``.
+    paths: frozenset[tuple[tuple[str, ...], bool]] = frozenset()
 
     def evaluate(self, resolve: Resolver) -> Any:
         try:
@@ -63,11 +69,12 @@ class Expression:
             raise ExpressionError(f"cannot evaluate {self.source!r}: {exc}") from exc
 
 
-def parse(source: str, fields: Mapping[str, str] | None = None) -> Expression:
+def parse(source: str, fields: Mapping[str, ValueType] | None = None) -> Expression:
     """Parse *source*, rejecting anything outside the grammar above.
 
-    With *fields* (name -> type, as :data:`pipeline.context.EXPRESSION_FIELDS`), the names it reads must be
-    among them, and comparisons must be possible between the types involved (see :mod:`pipeline.exprtypes`).
+    With *fields* (root name -> type, as :data:`pipeline.context.EXPRESSION_TYPES` and a step's ``steps``), the
+    names it reads must be among them, and comparisons must be possible between the types involved (see
+    :mod:`pipeline.exprtypes`).
     """
     if not source or not source.strip():
         raise ExpressionError("empty expression")
@@ -86,7 +93,20 @@ def parse(source: str, fields: Mapping[str, str] | None = None) -> Expression:
         raise ExpressionError(str(exc), col=exc.col + lead if exc.col > 0 else exc.col) from None
     except RecursionError:  # "not not not ... x": Python's parser and our walk both recurse
         raise ExpressionError(_TOO_DEEP, col=lead + 1) from None
-    return Expression(source, tree, frozenset(names))
+    return Expression(source, tree, frozenset(names), frozenset(_paths(tree, False)))
+
+
+def _paths(node: ast.AST, coalesced: bool) -> list[tuple[tuple[str, ...], bool]]:
+    """The dotted names under *node*, outermost only, each with whether a ``coalesce(...)`` holds it."""
+    if isinstance(node, (ast.Attribute, ast.Name)) and not (isinstance(node, ast.Name) and node.id in _CONSTANTS):
+        parts: list[str] = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return [((getattr(node, "id", ""), *reversed(parts)), coalesced)]
+    inside = coalesced or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == COALESCE)
+    children = node.args if isinstance(node, ast.Call) else ast.iter_child_nodes(node)
+    return [path for child in children for path in _paths(child, inside)]
 
 
 _TOO_DEEP = "the expression nests too deeply; write it flatter"
@@ -201,6 +221,11 @@ def _check(text: str, node: ast.AST, names: set[str]) -> None:
     elif isinstance(node, (ast.List, ast.Tuple)):
         for element in node.elts:
             _check(text, element, names)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == COALESCE:
+        if node.keywords or not node.args:
+            _reject(text, node, "coalesce takes the values to choose from, in order: coalesce(a, b)")
+        for argument in node.args:
+            _check(text, argument, names)
     elif isinstance(node, ast.BinOp):
         message = _ARITHMETIC.get(type(node.op), "arithmetic (+ - * / ...) is not allowed; write the number itself")
         raise ExpressionError(message, col=_operator_column(text, node.left))
@@ -261,6 +286,8 @@ def _eval(node: ast.expr, resolve: Resolver) -> Any:
         return node.value
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_eval(e, resolve) for e in node.elts]
+    if isinstance(node, ast.Call):  # coalesce: _check allows no other call
+        return next((value for value in (_eval(arg, resolve) for arg in node.args) if value is not None), None)
     raise ExpressionError("this is not allowed here")  # unreachable after _check
 
 

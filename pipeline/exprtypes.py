@@ -7,6 +7,10 @@ that can never be true, or that fails on every request, is refused with the fix:
     role == admin             ->  unknown field 'admin' in expression; quote strings: 'admin'
 
 What the fields of a mapping hold (``tags.tier``: whatever the client sent) is not known, and is not checked.
+A value with a known set of values (a JSON Schema's enum, a ``Literal``) is compared only with one of them::
+
+    steps.classify.output.intent == 'refnd'  ->  ... is one of 'refund', 'tech', 'other': == 'refnd' is never true
+
 Messages speak of the user's text and words (a number, a string, a list), never of Python's syntax tree.
 """
 
@@ -17,12 +21,11 @@ import difflib
 from collections.abc import Mapping
 
 from pipeline.errors import ExpressionError
+from pipeline.types import UNKNOWN, ValueType, merge
 
 Kinds = frozenset[str]
 
 _CONSTANTS = {"true": "bool", "false": "bool", "null": "null", "True": "bool", "False": "bool", "None": "null"}
-_BASE_KINDS = {"int": "number", "float": "number", "str": "string", "bool": "bool", "None": "null",
-               "list": "list", "tuple": "list", "dict": "mapping"}
 _WORDS = {"number": "a number", "string": "a string", "bool": "a boolean", "null": "null", "list": "a list",
           "mapping": "a mapping", "record": "a record"}
 _PLURALS = {"number": "numbers", "string": "strings", "bool": "booleans", "null": "nulls", "list": "lists",
@@ -30,46 +33,30 @@ _PLURALS = {"number": "numbers", "string": "strings", "bool": "booleans", "null"
 _ORDERED = frozenset({"number", "string"})
 _SYMBOLS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
             ast.In: "in", ast.NotIn: "not in"}
-
-
-def type_kinds(type_text: str) -> Kinds | None:
-    """What a field of type *type_text* (``"int | None"``, ``"list[str]"``) may hold; None when not known."""
-    kinds = set()
-    for part in type_text.split("|"):
-        base = part.strip().split("[", 1)[0]
-        kind = _BASE_KINDS.get(base) or ("record" if base[:1].isupper() and base != "Any" else None)
-        if kind is None:
-            return None
-        kinds.add(kind)
-    return frozenset(kinds)
-
-
-def element_kinds(type_text: str) -> Kinds | None:
-    """What the items of a list field hold (``"list[str]"`` -> strings); None when not known."""
-    text = type_text.strip()
-    if not text.startswith(("list[", "tuple[")) or not text.endswith("]"):
-        return None
-    return type_kinds(text[text.index("[") + 1:-1])
+#: The one function expressions may call: the first of its arguments that is not null.
+COALESCE = "coalesce"
 
 
 class TypeChecker:
-    """Checks one parsed expression (*text* is its source) against *fields*: name -> type text.
+    """Checks one parsed expression (*text* is its source) against *names*: each root name's :class:`ValueType`.
 
-    *fields* holds the flow fields and, dotted, the fields of records among them (``principal.tenant``).
+    A dotted name reads a field of a record (``principal.tenant``, ``steps.classify.output.intent``): a field
+    the record's type does not have is an error; a mapping's keys (``tags.tier``) are the client's, unchecked.
     """
 
-    def __init__(self, text: str, fields: Mapping[str, str]):
+    def __init__(self, text: str, names: Mapping[str, ValueType]):
         self.text = text
-        self.fields = fields
+        self.names = names
 
     def check(self, node: ast.AST) -> None:
         """Raise :class:`ExpressionError` at the first unknown name or impossible comparison."""
         roots = {id(child.value) for child in ast.walk(node) if isinstance(child, ast.Attribute)}
+        called = {id(child.func) for child in ast.walk(node) if isinstance(child, ast.Call)}  # coalesce only
         for child in ast.walk(node):
-            if isinstance(child, ast.Name) and child.id not in _CONSTANTS:
+            if isinstance(child, ast.Name) and child.id not in _CONSTANTS and id(child) not in called:
                 self._known(child, is_bare=id(child) not in roots)
             elif isinstance(child, ast.Attribute):
-                self._member(child)
+                self.type_of(child)
         for child in ast.walk(node):
             if isinstance(child, ast.Compare):
                 self._compare(child)
@@ -77,9 +64,9 @@ class TypeChecker:
     # --- names ---------------------------------------------------------------
 
     def _known(self, node: ast.Name, is_bare: bool) -> None:
-        if node.id in self.fields:
+        if node.id in self.names:
             return
-        roots = [name for name in self.fields if "." not in name]
+        roots = list(self.names)
         close = difflib.get_close_matches(node.id, roots, n=1, cutoff=0.6)
         if close:
             hint = f"; did you mean {close[0]!r}?"
@@ -89,14 +76,29 @@ class TypeChecker:
             hint = ""
         raise self._error(node, f"unknown field {node.id!r} in expression{hint} (fields: {', '.join(roots)})")
 
-    def _member(self, node: ast.Attribute) -> None:
-        dotted = _dotted(node)
-        parent = dotted.rsplit(".", 1)[0]
-        members = sorted(name.rsplit(".", 1)[1] for name in self.fields if name.startswith(parent + "."))
-        kinds = self._kinds_of_name(parent)
-        if members and dotted not in self.fields and kinds is not None and kinds <= {"record", "null"}:
-            raise self._error(node, f"{parent} has no field {node.attr!r}{_suggest(node.attr, members)} "
-                                    f"(its fields: {', '.join(members)})")
+    def type_of(self, node: ast.expr) -> ValueType:
+        """What *node* (a name, a dotted name, a literal, a call of coalesce) may hold; raises on a field that a
+        record it reads does not have."""
+        if isinstance(node, ast.Name):
+            if node.id in _CONSTANTS:
+                return ValueType(frozenset({_CONSTANTS[node.id]}))
+            return self.names.get(node.id, UNKNOWN)
+        if isinstance(node, ast.Attribute):
+            parent = self.type_of(node.value).without_null()
+            if parent.fields is None:
+                return UNKNOWN  # a mapping's key, or a record whose fields are not known here
+            found = parent.field(node.attr)
+            if found is None:
+                known = parent.field_names()
+                raise self._error(node, f"{_dotted(node.value)} has no field {node.attr!r}"
+                                        f"{_suggest(node.attr, known)} (its fields: {', '.join(known)})")
+            return found
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == COALESCE:
+            given = [self.type_of(arg) for arg in node.args]
+            firm = [t for t in given if t.kinds is not None and "null" not in t.kinds]
+            return merge([t.without_null() for t in given]) if firm else merge(given)
+        kinds = self._kinds(node)
+        return ValueType(kinds) if kinds is not None else UNKNOWN
 
     # --- comparisons ---------------------------------------------------------
 
@@ -109,6 +111,8 @@ class TypeChecker:
                 self._membership(symbol, left, left_kinds, right, right_kinds)
             elif isinstance(op, (ast.Eq, ast.NotEq)):
                 self._equality(symbol, left, left_kinds, right, right_kinds)
+                self._enum(symbol, left, right)
+                self._enum(symbol, right, left)
             else:
                 self._order(symbol, left, left_kinds, right, right_kinds)
 
@@ -129,6 +133,19 @@ class TypeChecker:
             return
         never = "always true" if symbol == "!=" else "never true"
         raise self._mismatch(symbol, left, left_kinds, right, right_kinds, f"{symbol} is {never} between them")
+
+    def _enum(self, symbol: str, side: ast.expr, literal: ast.expr) -> None:
+        """``steps.classify.output.intent == 'refnd'``: a value *side*'s enum does not hold."""
+        if not (isinstance(literal, ast.Constant) and isinstance(side, (ast.Name, ast.Attribute, ast.Call))):
+            return
+        allowed = self.type_of(side).values
+        if allowed is None or literal.value in allowed or literal.value is None:
+            return
+        never = "always true" if symbol == "!=" else "never true"
+        close = difflib.get_close_matches(str(literal.value), [str(v) for v in allowed], n=1, cutoff=0.6)
+        fix = f"; did you mean {close[0]!r}?" if close else ""
+        raise self._error(literal, f"{self._show(side)} is {self.type_of(side).describe()}: {symbol} "
+                                   f"{self._show(literal)} is {never}{fix}")
 
     def _membership(self, symbol: str, left: ast.expr, left_kinds: Kinds | None, right: ast.expr,
                     right_kinds: Kinds | None) -> None:
@@ -188,15 +205,9 @@ class TypeChecker:
             return frozenset({"bool"})
         if isinstance(node, (ast.List, ast.Tuple)):
             return frozenset({"list"})
-        if isinstance(node, ast.Name):
-            return frozenset({_CONSTANTS[node.id]}) if node.id in _CONSTANTS else self._kinds_of_name(node.id)
-        if isinstance(node, ast.Attribute):
-            return self._kinds_of_name(_dotted(node))
+        if isinstance(node, (ast.Name, ast.Attribute, ast.Call)):
+            return self.type_of(node).kinds
         return None  # and/or give one of their operands: either may be the one
-
-    def _kinds_of_name(self, name: str) -> Kinds | None:
-        type_text = self.fields.get(name)
-        return None if type_text is None else type_kinds(type_text)
 
     def _elements(self, node: ast.expr) -> Kinds | None:
         if isinstance(node, (ast.List, ast.Tuple)):
@@ -204,9 +215,8 @@ class TypeChecker:
             if not kinds or any(k is None for k in kinds):
                 return None
             return frozenset().union(*kinds)  # type: ignore[arg-type]
-        name = _dotted(node) if isinstance(node, ast.Attribute) else getattr(node, "id", "")
-        type_text = self.fields.get(name)
-        return None if type_text is None else element_kinds(type_text)
+        items = self.type_of(node).items
+        return None if items is None else items.kinds
 
     # --- messages ------------------------------------------------------------
 

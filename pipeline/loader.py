@@ -10,48 +10,29 @@ one :class:`~pipeline.errors.SpecError`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.context import EXPRESSION_FIELDS, FIELDS
+from pipeline.context import EXPRESSION_TYPES
 from pipeline.diagnostics import suggest, validation_issues
 from pipeline.errors import ExpressionError, SpecError, SpecIssue
 from pipeline.expr import Expression
 from pipeline.expr import parse as parse_expression
-from pipeline.protocols import Catalog, ModelInfo
+from pipeline.flow import STEPS, check_flow
+from pipeline.graph import Graph, Node, build_graph
+from pipeline.plan import LoadedPipeline, StagePlan
+from pipeline.protocols import Catalog
 from pipeline.refs import find_refs
 from pipeline.registry import StageRegistry
-from pipeline.spec import PipelineSpec, ServerSpec, StageSpec
+from pipeline.spec import PipelineSpec, StageSpec
 from pipeline.stage import Stage
+from pipeline.types import UNKNOWN
 from pipeline.yamlsrc import YamlSource, parse
 
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """One validated stage: its spec, class, parsed config and condition."""
-
-    spec: StageSpec
-    cls: type[Stage]
-    config: BaseModel
-    when: Expression | None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedPipeline:
-    """A pipeline that passed every load-time check."""
-
-    spec: PipelineSpec
-    file: str
-    sha256: str
-    plans: tuple[StagePlan, ...]
-    #: Line and column of its ``name:`` value, for errors that involve several files (two of one name).
-    name_at: tuple[int, int] = (1, 1)
-    #: The YAML text it was loaded from (``sha256`` is its hash): what a pipeline version keeps.
-    text: str = ""
+__all__ = ["LoadedPipeline", "StagePlan", "load_pipeline", "load_pipeline_text"]
 
 
 def name_clash(pipeline: LoadedPipeline, earlier: LoadedPipeline) -> SpecIssue:
@@ -60,30 +41,6 @@ def name_clash(pipeline: LoadedPipeline, earlier: LoadedPipeline) -> SpecIssue:
     return SpecIssue(pipeline.file, line, col, "name", f"pipeline name {pipeline.spec.name!r} is already used by "
                      f"{earlier.file}:{earlier.name_at[0]}:{earlier.name_at[1]}; give each pipeline its own name "
                      f"(it is its endpoint, /pipelines/{pipeline.spec.name})")
-
-
-def load_server(path: str | Path) -> ServerSpec:
-    """Load ``inferline.yaml``; raises :class:`SpecError` with every problem."""
-    file = str(path)
-    src = _read(file, read_text(path))
-    data = {} if src.data is None else src.data
-    if not isinstance(data, dict):
-        raise SpecError([src.issue((), "expected a mapping of settings (models:, database:, ...)")])
-    try:
-        return ServerSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(validation_issues(src, exc, ServerSpec, data)) from None
-
-
-def catalog_of(server: ServerSpec) -> Catalog:
-    """The names pipelines may refer to, from the server config."""
-    models = {
-        name: ModelInfo(name, spec.price.to_price(), spec.context_window)
-        for name, spec in server.models.items()
-    }
-    embedding_models = {name: ModelInfo(name, spec.price.to_price())
-                        for name, spec in server.embedding_models.items()}
-    return Catalog(models=models, indexes=frozenset(server.indexes), embedding_models=embedding_models)
 
 
 def load_pipeline(path: str | Path, registry: StageRegistry, catalog: Catalog | None = None) -> LoadedPipeline:
@@ -113,11 +70,11 @@ def load_pipeline_text(text: str, file: str, registry: StageRegistry,
         raise SpecError([src.issue((), f"{what}; a pipeline is a mapping with at least "
                                        f"'name:' and 'stages:'")])
     checker = _PipelineChecker(src, registry, catalog or Catalog())
-    spec, plans = checker.check(data)
+    spec, plans, graph = checker.check(data)
     if checker.issues or spec is None:
         raise SpecError(sorted(checker.issues, key=lambda i: (i.line, i.col)))
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)), text)
+    return LoadedPipeline(spec, file, digest, tuple(plans), src.position(("name",)), text, graph)
 
 
 def dump_pipeline(spec: PipelineSpec) -> str:
@@ -141,7 +98,7 @@ class _PipelineChecker:
         self.catalog = catalog
         self.issues: list[SpecIssue] = []
 
-    def check(self, data: dict[str, Any]) -> tuple[PipelineSpec | None, list[StagePlan]]:
+    def check(self, data: dict[str, Any]) -> tuple[PipelineSpec | None, list[StagePlan], Graph | None]:
         spec = None
         try:
             spec = PipelineSpec.model_validate(data)
@@ -149,12 +106,26 @@ class _PipelineChecker:
             self.issues += validation_issues(self.src, exc, PipelineSpec, data)
         raw_stages = data.get("stages")
         if not isinstance(raw_stages, list):
-            return spec, []
+            return spec, [], None
         plans = [self._stage(i, raw) for i, raw in enumerate(raw_stages)]
         self._duplicate_ids(raw_stages)
-        if all(plan is not None for plan in plans):
-            self._data_flow(plans)  # type: ignore[arg-type]
-        return spec, [p for p in plans if p is not None]
+        graph = None
+        if all(plan is not None for plan in plans) and not self.issues:
+            graph = self._graph(plans)  # type: ignore[arg-type]
+        return spec, [p for p in plans if p is not None], graph
+
+    def _graph(self, plans: list[StagePlan]) -> Graph | None:
+        """The steps' graph, then the data flow over it (pipeline/graph.py, pipeline/flow.py)."""
+        nodes = [Node(p.spec.id, None if p.spec.needs is None else tuple(p.spec.needs), p.spec.always,
+                      p.spec.fallback, p.spec.stream) for p in plans]
+        graph, problems = build_graph(nodes)
+        for problem in problems:
+            self._issue(("stages", problem.index, *problem.key), problem.message)
+        if graph is None:
+            return None
+        for found in check_flow(plans, graph, self.registry):
+            self._issue(("stages", found.index, *found.key), found.message, col_offset=found.col)
+        return graph
 
     def _stage(self, index: int, raw: Any) -> StagePlan | None:
         # Check type, with: and when: even when the stage entry has other schema
@@ -171,7 +142,7 @@ class _PipelineChecker:
             return None
         if cls is None or config is None or (stage.when is not None and when is None):
             return None
-        return StagePlan(stage, cls, config, when)
+        return StagePlan(stage, cls, config, when, cls.output_types(config))
 
     def _type(self, index: int, type_name: str) -> type[Stage] | None:
         cls = self.registry.get(type_name)
@@ -207,7 +178,7 @@ class _PipelineChecker:
 
     def _when(self, index: int, source: str) -> Expression | None:
         try:
-            return parse_expression(source, EXPRESSION_FIELDS)
+            return parse_expression(source, {**EXPRESSION_TYPES, STEPS: UNKNOWN})  # steps: checked over the graph
         except ExpressionError as exc:
             self._issue(("stages", index, "when"), f"bad expression: {exc}", col_offset=exc.col)
             return None
@@ -222,32 +193,6 @@ class _PipelineChecker:
                 self._issue(("stages", index, "id"), f"duplicate stage id {stage_id!r} "
                             f"(first used by stages[{first[stage_id]}]); stage ids must be unique")
             first.setdefault(stage_id, index)
-
-    def _data_flow(self, plans: list[StagePlan]) -> None:
-        available = {name for name, info in FIELDS.items() if info.initial}
-        for index, plan in enumerate(plans):
-            needs = [("type", f) for f in sorted(plan.cls.required_reads(plan.config))]
-            needs += [("when", f) for f in sorted(plan.when.names)] if plan.when else []
-            for key, field in needs:
-                if field not in available:
-                    self._issue(("stages", index, key), self._missing(plans, index, field))
-            available |= plan.cls.writes
-            late = next((p.spec for p in plans[:index] if p.spec.type in plan.cls.before), None)
-            if late is not None:
-                self._issue(("stages", index, "type"), f"stage {plan.spec.id!r} ({plan.spec.type}) must come before "
-                            f"stage {late.id!r} ({late.type}), whose work it decides: move it up")
-
-    def _missing(self, plans: list[StagePlan], index: int, field: str) -> str:
-        stage = plans[index].spec
-        head = (f"stage {stage.id!r} ({stage.type}) reads {field!r} ({FIELDS[field].type}), "
-                f"which no earlier stage writes")
-        later = [p.spec for p in plans[index + 1:] if field in p.cls.writes]
-        if later:
-            return f"{head}; stage {later[0].id!r} ({later[0].type}) writes it: move it before {stage.id!r}"
-        providers = self.registry.providers(field)
-        if providers:
-            return f"{head}; add a stage of type {' or '.join(providers)} before it"
-        return f"{head}; no registered stage type writes it"
 
     def _issue(self, loc: tuple[str | int, ...], message: str, col_offset: int = 0) -> None:
         issue = self.src.issue(loc, message)

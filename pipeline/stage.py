@@ -8,12 +8,15 @@ reports cost, attributes and text through the :class:`StageScope` it is given.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+import dataclasses
+from typing import Any, ClassVar, Protocol, get_type_hints
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.context import RequestContext, TokenLogprob
+from pipeline.context import RequestContext, TokenLogprob, field_type
 from pipeline.protocols import Catalog, Resources
+from pipeline.template import Template
+from pipeline.types import ValueType
 
 #: A problem found by :meth:`Stage.check`: a path inside ``with:`` and a message, and optionally the
 #: 1-based column within that value's text where the problem is (an error inside a ``when:`` expression).
@@ -46,6 +49,25 @@ class StageScope(Protocol):
         """Add an event to this stage's span (a policy decision, a fallback taken...)."""
         ...
 
+    @property
+    def streams(self) -> bool:
+        """Whether this step's text is the answer the client gets (its ``emit_text`` reaches the client)."""
+        ...
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether a streaming step must check its whole output before sending any of it (another attempt
+        follows an invalid or empty one, and a retried attempt's text never reaches the client)."""
+        ...
+
+    def add_tokens(self, input_tokens: int, output_tokens: int) -> None:
+        """Count the model tokens this step used (its trace row and audit record show them)."""
+        ...
+
+    def end_request(self) -> None:
+        """This step answered the request: the steps after it are skipped (``always`` ones still run)."""
+        ...
+
 
 class Stage:
     """Base class of every stage type; subclass it and register the subclass."""
@@ -59,6 +81,16 @@ class Stage:
     writes: ClassVar[frozenset[str]] = frozenset()
     #: Stage types this one must come before (it decides what they do): checked at load.
     before: ClassVar[frozenset[str]] = frozenset()
+    #: The step's outputs (``steps.ID.FIELD``), when it gives others than the flow fields it writes: a slotted
+    #: dataclass whose annotations are their types; ``run`` returns one.
+    Outputs: ClassVar[type | None] = None
+    #: A model call: the last one of a pipeline streams its text to the client unless a step says ``stream: true``.
+    is_model_call: ClassVar[bool] = False
+    #: It sends the request's answer to the client itself (``stream``, ``reply``): its text always goes out.
+    sends_answer: ClassVar[bool] = False
+    #: It sends the text of a chain's model call (``stream``): a pipeline with one answers through it, not
+    #: through its last ``llm`` step.
+    answers_chain: ClassVar[bool] = False
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
         self.id = stage_id
@@ -75,5 +107,27 @@ class Stage:
         """Load-time checks beyond the config schema (model names, templates...)."""
         return []
 
-    async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+    @classmethod
+    def output_types(cls, config: BaseModel) -> dict[str, ValueType]:
+        """What ``steps.ID.FIELD`` may read of this configured step, with its type: the fields of
+        :attr:`Outputs`, else the flow fields it writes. Override when a type depends on the config (an
+        ``llm`` step's output is typed by its JSON Schema)."""
+        if cls.Outputs is not None:
+            hints = get_type_hints(cls.Outputs)
+            return {f.name: ValueType.of(hints[f.name]) for f in dataclasses.fields(cls.Outputs)}
+        return {name: field_type(name) for name in sorted(cls.writes)}
+
+    @classmethod
+    def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:
+        """The templates of *config* by their place in ``with:``: the loader checks the step outputs they read."""
+        return {}
+
+    @classmethod
+    def step_reads(cls, config: BaseModel) -> list[tuple[tuple[str | int, ...], str, str]]:
+        """Step outputs *config* names outside its templates, as (place in ``with:``, step id, output):
+        checked at load like ``steps.ID.FIELD`` (an ``llm`` step's ``documents: [kb, web]``)."""
+        return []
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> Any:
+        """Do the stage's work; return its :attr:`Outputs` (None: its outputs are the flow fields it wrote)."""
         raise NotImplementedError(f"stage type {self.type_name!r} does not implement run()")

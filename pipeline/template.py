@@ -42,13 +42,24 @@ _ENV = ImmutableSandboxedEnvironment(
 )
 
 
+def coalesce(*values: Any) -> Any:
+    """The first of *values* that is not null (a step skipped by its ``when:`` gives null): templates and
+    ``when:`` expressions both have it."""
+    return next((value for value in values if value is not None and not isinstance(value, jinja2.Undefined)), None)
+
+
+_ENV.globals["coalesce"] = coalesce
+
+
 @dataclass(frozen=True, slots=True)
 class Template:
-    """A compiled template and the root names it reads."""
+    """A compiled template, the root names it reads and its dotted names (``steps.classify.output``), each with
+    whether a ``coalesce(...)`` holds it."""
 
     source: str
     names: frozenset[str]
     compiled: jinja2.Template
+    paths: frozenset[tuple[tuple[str, ...], bool]] = frozenset()
 
     def render(self, values: Mapping[str, Any]) -> str:
         try:
@@ -71,7 +82,24 @@ def compile_template(source: str) -> Template:
         raise TemplateError(f"template line {line}: {names}: an attribute that starts with '_' is refused by the "
                             f"sandbox at every request; to read a key of that name, write ['{name}'] instead of "
                             f".{name}")
-    return Template(source, frozenset(meta.find_undeclared_variables(ast)), compiled)
+    names = frozenset(meta.find_undeclared_variables(ast)) - {"coalesce"}
+    return Template(source, names, compiled, frozenset(_paths(ast, names, False)))
+
+
+def _paths(node: nodes.Node, roots: frozenset[str], coalesced: bool) -> list[tuple[tuple[str, ...], bool]]:
+    """The dotted names under *node* that start at one of *roots* (outermost only: ``steps.a.output`` once,
+    not also ``steps.a``), each with whether it is an argument of ``coalesce(...)``."""
+    if isinstance(node, nodes.Getattr | nodes.Name):
+        parts: list[str] = []
+        while isinstance(node, nodes.Getattr):
+            parts.append(node.attr)
+            node = node.node
+        if isinstance(node, nodes.Name) and node.name in roots:
+            return [((node.name, *reversed(parts)), coalesced)]
+        return _paths(node, roots, coalesced) if not isinstance(node, nodes.Name) else []
+    inside = coalesced or (isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name)
+                           and node.node.name == "coalesce")
+    return [path for child in node.iter_child_nodes() for path in _paths(child, roots, inside)]
 
 
 def _refused_attributes(node: nodes.Node) -> list[tuple[int, str]]:

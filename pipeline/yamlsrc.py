@@ -7,6 +7,7 @@ and column the user has to fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,10 +59,23 @@ class YamlSource:
 MAX_EXPANDED_NODES = 100_000
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false are booleans. YAML 1.1 reads yes, no,
+    on and off as booleans too, so a step's ``retry: {on: [error]}`` had the key True (and a country code NO
+    read as false); editors, which speak YAML 1.2, read them as the strings they are."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
 def parse(file: str, text: str) -> tuple[YamlSource | None, list[SpecIssue]]:
     """Parse *text*; on a syntax error return no source and the located issue."""
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _Loader(text)
     except yaml.reader.ReaderError as exc:  # a control character: refused before any parsing
         return None, [_reader_issue(file, text, exc)]
     try:

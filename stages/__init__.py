@@ -7,8 +7,10 @@ from stages.audit import AuditStage
 from stages.cache import CacheStage
 from stages.embed import EmbedStage
 from stages.generate import GenerateStage
+from stages.llm import LlmStage
 from stages.policy import PolicyStage
 from stages.prompt import PromptStage
+from stages.reply import ReplyStage
 from stages.retrieve import RetrieveStage
 from stages.route import RouteStage
 from stages.score import ScoreStage
@@ -16,7 +18,7 @@ from stages.stream import StreamStage
 from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
-                  StreamStage, ScoreStage, EmbedStage, AuditStage)
+                  StreamStage, ScoreStage, EmbedStage, AuditStage, LlmStage, ReplyStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -26,6 +26,7 @@ the pipeline owner's instructions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from typing import cast
 
@@ -74,16 +75,11 @@ class PromptStage(Stage):
 
     @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
-        try:
-            templates = cast(PromptConfig, config).templates
-        except TemplateError as exc:
-            return [((), str(exc))]
-        issues: list[CheckIssue] = []
-        for key, template in templates.items():
-            for name in sorted(template.names - FIELDS.keys()):
-                issues.append(((key,), f"template names unknown field {name!r} "
-                                       f"(fields: {', '.join(FIELDS)})"))
-        return issues
+        return template_issues(lambda: cast(PromptConfig, config).templates)
+
+    @classmethod
+    def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:
+        return {(key,): template for key, template in cast(PromptConfig, config).templates.items()}
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(PromptConfig, self.config)
@@ -101,7 +97,7 @@ class PromptStage(Stage):
         if system is not None:
             messages.append(ChatMessage("system", _render(system, ctx)))
         if ctx.documents and not (system is not None and "documents" in system.names):
-            block = _sources(config.sources_heading, ctx.documents)
+            block = sources_block(config.sources_heading, ctx.documents)
             if messages:
                 messages[0].content = f"{messages[0].content}\n\n{block}"
             else:
@@ -135,7 +131,19 @@ def _render(template: Template, ctx: RequestContext) -> str:
     return template.render({name: ctx.field_value(name) for name in template.names}).strip()
 
 
-def _sources(heading: str, documents: list[Document]) -> str:
+def template_issues(compiled: Callable[[], dict[str, Template]]) -> list[CheckIssue]:
+    """The problems of a stage's templates (by key in ``with:``): syntax, and names that are neither a flow field
+    nor ``steps`` (whose references the loader checks over the graph)."""
+    try:
+        templates = compiled()
+    except TemplateError as exc:
+        return [((), str(exc))]
+    return [((key,), f"template names unknown field {name!r} (fields: {', '.join([*FIELDS, 'steps'])})")
+            for key, template in templates.items() for name in sorted(template.names - FIELDS.keys() - {"steps"})]
+
+
+def sources_block(heading: str, documents: list[Document]) -> str:
+    """*documents* under *heading*, each numbered as the answer cites it (``[1]``) with its title and source."""
     lines = [heading]
     for cited, doc in zip(sources_of(documents), documents, strict=True):  # the numbers answers report
         title = f" {doc.title}" if doc.title else ""

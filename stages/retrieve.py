@@ -69,8 +69,12 @@ class RetrieveStage(Stage):
             names = cast(RetrieveConfig, config).template.names
         except TemplateError as exc:
             return [(("query",), str(exc))]
-        unknown = sorted(names - FIELDS.keys())
+        unknown = sorted(names - FIELDS.keys() - {"steps"})
         return [(("query",), f"template names unknown field {n!r}") for n in unknown]
+
+    @classmethod
+    def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:
+        return {("query",): cast(RetrieveConfig, config).template}
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(RetrieveConfig, self.config)

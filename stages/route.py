@@ -38,7 +38,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, Field, PositiveFloat
 
-from pipeline.context import EXPRESSION_FIELDS, FIELDS, RequestContext, RoutePlan, chat_turns
+from pipeline.context import EXPRESSION_TYPES, FIELDS, RequestContext, RoutePlan, chat_turns
 from pipeline.errors import ExpressionError, InvalidInput
 from pipeline.expr import Expression
 from pipeline.expr import parse as parse_expression
@@ -58,7 +58,7 @@ class Rule(NoConfig):
 
     @cached_property
     def expression(self) -> Expression:
-        return parse_expression(self.when, EXPRESSION_FIELDS)
+        return parse_expression(self.when, EXPRESSION_TYPES)
 
 
 class Arm(NoConfig):
@@ -119,7 +119,7 @@ class RouteStage(Stage):
         issues: list[CheckIssue] = []
         for i, rule in enumerate(cast(RouteConfig, config).rules):
             try:
-                parse_expression(rule.when, EXPRESSION_FIELDS)  # names and types, as rule.expression parses it
+                parse_expression(rule.when, EXPRESSION_TYPES)  # names and types, as rule.expression parses it
             except ExpressionError as exc:
                 issues.append((("rules", i, "when"), f"bad expression: {exc}", exc.col))
         return issues

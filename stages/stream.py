@@ -68,6 +68,7 @@ class StreamConfig(NoConfig):
 class StreamStage(Stage):
     type_name = "stream"
     Config = StreamConfig
+    sends_answer = answers_chain = True
     reads = frozenset({"token_stream", "model"})
     writes = frozenset({"output_text", "output_ids", "finish_reason"})
 

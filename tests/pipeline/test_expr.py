@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from pipeline.context import EXPRESSION_FIELDS, Principal
+from pipeline.context import EXPRESSION_TYPES, Principal
 from pipeline.errors import ExpressionError
 from pipeline.expr import parse
+from pipeline.types import ValueType
 
 VALUES = {"prompt_tokens": 1600, "role": "admin", "tags": {"tier": "gold"}, "documents": [],
           "principal": Principal("k1", "admin", "acme")}
@@ -91,7 +92,7 @@ def test_syntax_errors_say_what_to_write(source, message, col):
 ])
 def test_no_syntax_tree_names_in_messages(source):
     with pytest.raises(ExpressionError) as info:
-        parse(source, EXPRESSION_FIELDS)
+        parse(source, EXPRESSION_TYPES)
     assert not TREE_NAMES.search(str(info.value)), str(info.value)
 
 
@@ -116,7 +117,7 @@ def test_no_syntax_tree_names_in_messages(source):
 ])
 def test_types_are_checked_where_known(source, message, col):
     with pytest.raises(ExpressionError, match=message) as info:
-        parse(source, EXPRESSION_FIELDS)
+        parse(source, EXPRESSION_TYPES)
     assert info.value.col == col
 
 
@@ -127,7 +128,7 @@ def test_types_are_checked_where_known(source, message, col):
     "'tier' in tags", "route_plan.retries > 0",
 ])
 def test_well_typed_expressions_pass(source):
-    assert parse(source, EXPRESSION_FIELDS).source == source
+    assert parse(source, EXPRESSION_TYPES).source == source
 
 
 def test_names_are_roots():
@@ -142,3 +143,38 @@ def test_type_errors_become_expression_errors():
 def test_unknown_record_field():
     with pytest.raises(ExpressionError, match="Principal has no field 'secret'"):
         parse("principal.secret == 1").evaluate(VALUES.__getitem__)
+
+
+STEPS = {**EXPRESSION_TYPES, "steps": ValueType.record({
+    "classify": ValueType.record({"output": ValueType.from_schema({
+        "type": "object", "required": ["intent", "urgency"],
+        "properties": {"intent": {"enum": ["refund", "tech", "other"]}, "urgency": {"type": "integer"}}}),
+        "status": ValueType.of(str)}),
+    "refund": ValueType.record({"output": ValueType.of(str)}),
+    "tech": ValueType.record({"output": ValueType.of(str)})})}
+
+
+@pytest.mark.parametrize(("source", "message", "col"), [
+    ("steps.classify.output.intent == 'refnd'", "steps.classify.output.intent is one of 'refund', 'tech', 'other': "
+                                                "== 'refnd' is never true; did you mean 'refund'\\?", 33),
+    ("steps.classify.output.urgency > 'high'", "steps.classify.output.urgency is a number and 'high' is a string", 33),
+    ("steps.classify.output.intnt == 'tech'", "steps.classify.output has no field 'intnt'; did you mean 'intent'",
+     1),
+    ("steps.clasify.output == 'x'", "steps has no field 'clasify'; did you mean 'classify'", 1),
+    ("coalesce(steps.refund.output, steps.tech.output) > 3", "is a string and 3 is a number", 52),
+])
+def test_step_outputs_are_typed_from_their_declarations(source, message, col):
+    with pytest.raises(ExpressionError, match=message) as info:
+        parse(source, STEPS)
+    assert info.value.col == col
+
+
+def test_coalesce_is_the_first_value_that_is_not_null():
+    expression = parse("coalesce(steps.refund.output, steps.tech.output, 'none') == 'tech help'", STEPS)
+    steps = {"refund": {"output": None}, "tech": {"output": "tech help"}}
+    assert expression.evaluate({"steps": steps}.__getitem__) is True
+    assert (("steps", "refund", "output"), True) in expression.paths
+    assert parse("steps.classify.output.intent == 'tech'", STEPS).paths == {
+        (("steps", "classify", "output", "intent"), False)}
+    with pytest.raises(ExpressionError, match="coalesce takes the values"):
+        parse("coalesce() == 1")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import SpecError
-from pipeline.loader import dump_pipeline, load_pipeline, load_pipeline_text, load_server
+from pipeline.loader import dump_pipeline, load_pipeline, load_pipeline_text
 from pipeline.registry import StageRegistry
 from pipeline.spec import ROLES
 from store.keys import ROLES as KEY_ROLES
@@ -363,26 +363,6 @@ def test_load_pipeline_reads_files(tmp_path, registry, catalog):
     assert load_pipeline(path, registry, catalog).file == str(path)
 
 
-def test_server_config_errors_are_located(tmp_path):
-    path = tmp_path / "inferline.yaml"
-    path.write_text("models:\n  smol:\n    source: models/x\n    dtype: float16\n    prices: {}\n")
-    with pytest.raises(SpecError) as info:
-        load_server(path)
-    found = [str(issue) for issue in info.value.issues]
-    assert found == [
-        f"{path}:4:12: models.smol.dtype: expected one of 'auto', 'float32', 'bfloat16', 'int8' or 'gguf', "
-        "got 'float16'",
-        f"{path}:5:5: models.smol.prices: unknown key 'prices'; did you mean 'price'? (allowed: source, backend, "
-        "base_url, api_key_env, device, dtype, context_window, replicas, placement, max_imbalance, base_urls, "
-        "remote_model, timeout_s, tokenizer, kv_cache, batching, speculative, price, ray)",
-    ]
-
-
-def test_server_config_loads_the_repository_default():
-    server = load_server(Path(__file__).parents[2] / "inferline.yaml")
-    assert "smol" in server.models
-
-
 def test_pipeline_roles_are_the_key_roles():
     # pipeline/ and store/ import nothing of ours, so each declares the roles; they must stay one list.
     assert ROLES == KEY_ROLES
@@ -398,3 +378,12 @@ def test_the_schema_line_leaves_error_positions_exact(registry):
         load_pipeline_text("".join(lines), "hello.yaml", registry)
     assert str(info.value.issues[0]).startswith(f"hello.yaml:{row + 1}:{lines[row].index('promtp') + 1}: "
                                                 "stages[0].type: unknown stage type 'promtp'")
+
+
+def test_yaml_booleans_are_true_and_false_only():
+    # YAML 1.1 read on, off, yes and no as booleans: `retry: {on: [error]}` had the key True. Editors speak 1.2.
+    from pipeline.yamlsrc import parse
+
+    src, issues = parse("x.yaml", "on: [error]\nno: NO\nyes: true\noff: False\n")
+    assert not issues and src is not None
+    assert src.data == {"on": ["error"], "no": "NO", "yes": True, "off": False}

@@ -1,0 +1,183 @@
+"""What flows between a pipeline's steps, checked at load over its graph (pipeline/graph.py).
+
+Two kinds of data flow between steps:
+
+* **flow fields** of the request context (``messages``, ``documents``, ``prompt_ids``...), which the chain
+  stages read and write: a step reads a field that the request brings or that a step it runs after
+  writes; two steps that may run at the same time must not both write a field that a later step reads;
+* **step outputs**, read by name as ``steps.ID.FIELD`` in ``when:`` expressions, templates and options: the step
+  exists, runs before the reader (it is among the reader's needs, directly or not), gives that field (typed:
+  ``steps.classify.output.intent`` is known to be one of its JSON Schema's enum values), and, when it may be
+  skipped (a ``when:`` of its own), is read inside ``coalesce(...)`` or through its ``status``.
+
+Each problem comes back as a :class:`FlowIssue` (the step's index, the key in its entry, the message, and a
+column inside that value when known), which the loader locates in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.context import EXPRESSION_TYPES, FIELDS, field_type
+from pipeline.diagnostics import suggest
+from pipeline.errors import ExpressionError
+from pipeline.exprtypes import TypeChecker
+from pipeline.graph import Graph
+from pipeline.plan import StagePlan
+from pipeline.registry import StageRegistry
+from pipeline.types import ValueType
+
+#: The root name of step outputs in expressions and templates.
+STEPS = "steps"
+#: What every step gives besides its outputs.
+STATUS = "status"
+
+
+@dataclass(frozen=True, slots=True)
+class FlowIssue:
+    index: int
+    key: tuple[str | int, ...]
+    message: str
+    #: 1-based column inside the value at *key* (an expression's), 0 when not known.
+    col: int = 0
+
+
+def step_types(plans: Sequence[StagePlan]) -> dict[str, ValueType]:
+    """``steps``'s fields: each step's outputs with their types, and its status."""
+    return {plan.spec.id: ValueType.record({**plan.outputs, STATUS: ValueType.of(str)}, name=f"step {plan.spec.id}")
+            for plan in plans}
+
+
+def check_flow(plans: Sequence[StagePlan], graph: Graph, registry: StageRegistry) -> list[FlowIssue]:
+    """Every problem of the data flow of *plans* (file order) over *graph*."""
+    by_id = {plan.spec.id: plan for plan in plans}
+    issues: list[FlowIssue] = []
+    steps_type = ValueType.record(step_types(plans), name=STEPS)
+    for index, plan in enumerate(plans):
+        issues += _fields(index, plan, plans, graph, registry)
+        issues += _before(index, plan, plans, graph)
+        issues += _references(index, plan, by_id, graph)
+    if not issues:  # a reference that does not resolve would make every type check below fail with it
+        names = {**EXPRESSION_TYPES, STEPS: steps_type}
+        for index, plan in enumerate(plans):
+            if plan.when is not None:
+                try:
+                    TypeChecker(plan.when.source.strip(), names).check(plan.when.tree)
+                except ExpressionError as exc:
+                    lead = len(plan.when.source) - len(plan.when.source.lstrip())
+                    issues.append(FlowIssue(index, ("when",), f"bad expression: {exc}",
+                                            exc.col + lead if exc.col > 0 else 0))
+    return issues
+
+
+def _writers(field: str, among: frozenset[str], plans: Sequence[StagePlan]) -> list[StagePlan]:
+    return [plan for plan in plans if plan.spec.id in among and field in plan.cls.writes]
+
+
+def _fields(index: int, plan: StagePlan, plans: Sequence[StagePlan], graph: Graph,
+            registry: StageRegistry) -> list[FlowIssue]:
+    before = graph.ancestors[plan.spec.id]
+    needs = [(("type",), f) for f in sorted(plan.cls.required_reads(plan.config))]
+    needs += [(("when",), f) for f in sorted(plan.when.names - {STEPS})] if plan.when else []
+    issues = []
+    for key, name in needs:
+        if FIELDS.get(name) is not None and FIELDS[name].initial:
+            continue
+        writers = _writers(name, before, plans)
+        if not writers:
+            issues.append(FlowIssue(index, key, _missing(plan, name, plans, graph, registry)))
+            continue
+        unordered = next(((a, b) for i, a in enumerate(writers) for b in writers[i + 1:]
+                          if not graph.ordered(a.spec.id, b.spec.id)), None)
+        if unordered is not None:
+            a, b = unordered
+            issues.append(FlowIssue(index, key, f"step {plan.spec.id!r} reads {name!r}, which steps {a.spec.id!r} "
+                                    f"and {b.spec.id!r} both write and may run at the same time: order them with "
+                                    f"needs:, or read steps.{a.spec.id}.{name} / steps.{b.spec.id}.{name}"))
+    return issues
+
+
+def _missing(plan: StagePlan, name: str, plans: Sequence[StagePlan], graph: Graph, registry: StageRegistry) -> str:
+    stage = plan.spec
+    head = f"stage {stage.id!r} ({stage.type}) reads {name!r} ({field_type(name).name}), which no earlier stage writes"
+    elsewhere = [p.spec for p in plans if name in p.cls.writes and p.spec.id not in graph.fallback_only
+                 and p.spec.id != stage.id]
+    if elsewhere:
+        other = elsewhere[0]
+        if graph.runs_before(stage.id, other.id) or plans.index(plan) < plans.index(next(
+                p for p in plans if p.spec.id == other.id)):
+            return f"{head}; stage {other.id!r} ({other.type}) writes it: move it before {stage.id!r}"
+        return f"{head}; stage {other.id!r} ({other.type}) writes it: add {other.id!r} to the needs of {stage.id!r}"
+    providers = registry.providers(name)
+    if providers:
+        return f"{head}; add a stage of type {' or '.join(providers)} before it"
+    return f"{head}; no registered stage type writes it"
+
+
+def _before(index: int, plan: StagePlan, plans: Sequence[StagePlan], graph: Graph) -> list[FlowIssue]:
+    """A stage that decides what later stages do (policy before generate) runs before every one of them."""
+    if not plan.cls.before:
+        return []
+    for other in plans:
+        if other.spec.type in plan.cls.before and not graph.runs_before(plan.spec.id, other.spec.id):
+            where = "move it up" if plans.index(other) < index else \
+                f"add {plan.spec.id!r} to {other.spec.id!r}'s needs"
+            return [FlowIssue(index, ("type",), f"stage {plan.spec.id!r} ({plan.spec.type}) must come before "
+                                                f"stage {other.spec.id!r} ({other.spec.type}), whose work it decides: "
+                                                f"{where}")]
+    return []
+
+
+def _references(index: int, plan: StagePlan, by_id: dict[str, StagePlan], graph: Graph) -> list[FlowIssue]:
+    """Each ``steps.ID.FIELD`` *plan* reads: in its ``when:``, its templates and its options."""
+    found: list[tuple[tuple[str | int, ...], tuple[str, ...], bool]] = []
+    if plan.when is not None:
+        found += [(("when",), path, coalesced) for path, coalesced in plan.when.paths if path[0] == STEPS]
+    for loc, template in plan.cls.templates(plan.config).items():
+        found += [(("with", *loc), path, coalesced) for path, coalesced in template.paths if path[0] == STEPS]
+    found += [(("with", *loc), (STEPS, step, output), False) for loc, step, output in plan.cls.step_reads(plan.config)]
+    issues = []
+    for key, path, coalesced in found:
+        message = _reference(plan, path, coalesced, by_id, graph)
+        if message:
+            issues.append(FlowIssue(index, key, message))
+    return issues
+
+
+def _reference(plan: StagePlan, path: tuple[str, ...], coalesced: bool, by_id: dict[str, StagePlan],
+               graph: Graph) -> str:
+    """What is wrong with reading *path* (``steps``, ID, FIELD...) from *plan*; '' when nothing is."""
+    shown = ".".join(path)
+    if len(path) < 3:
+        return f"{shown}: name a step and one of its outputs, as steps.ID.FIELD (steps.classify.output)"
+    step_id, output = path[1], path[2]
+    source = by_id.get(step_id)
+    if source is None:
+        return f"{shown}: no step {step_id!r}{suggest(step_id, list(by_id))} (steps: {', '.join(by_id)})"
+    if step_id in graph.fallback_only:
+        primary = next(p for p, f in graph.fallbacks.items() if f == step_id)
+        return f"{shown}: step {step_id!r} runs only in the place of {primary!r}: read steps.{primary}.{output}"
+    if step_id == plan.spec.id:
+        return f"{shown}: a step cannot read its own outputs"
+    if not graph.runs_before(step_id, plan.spec.id):
+        when = "after it" if graph.runs_before(plan.spec.id, step_id) else "beside it, not before"
+        return f"{shown}: step {step_id!r} runs {when}: add {step_id!r} to the needs of {plan.spec.id!r}"
+    gives = {**source.outputs, STATUS: ValueType.of(str)}
+    if output not in gives:
+        return (f"{shown}: step {step_id!r} ({source.spec.type}) gives no {output!r}{suggest(output, list(gives))} "
+                f"(it gives: {', '.join(gives)})")
+    value = gives[output]
+    for depth, part in enumerate(path[3:], start=3):
+        record = value.without_null()
+        if record.fields is None:
+            break
+        if record.field(part) is None:
+            known = record.field_names()
+            return (f"{shown}: {'.'.join(path[:depth])} has no field {part!r}{suggest(part, known)} "
+                    f"(its fields: {', '.join(known)})")
+        value = record.field(part)  # type: ignore[assignment]
+    if source.spec.when is not None and output != STATUS and not coalesced:
+        return (f"{shown}: step {step_id!r} runs only when its when: holds, so it may give nothing: read it as "
+                f"coalesce({shown}, ...) with what to use otherwise, or test steps.{step_id}.status")
+    return ""

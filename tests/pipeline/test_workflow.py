@@ -1,0 +1,236 @@
+"""Workflows: steps with named outputs, side by side, branches, retries and fallbacks, over fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+
+import pytest
+
+from pipeline.context import RequestContext
+from pipeline.errors import SpecError
+from pipeline.events import Done, Error, StageFinished, StageStarted, TextDelta
+from pipeline.loader import load_pipeline_text
+from pipeline.protocols import Catalog, ModelInfo, Resources
+from pipeline.runner import Pipeline, Runner
+from tests.fakes import FakeEngine, FakeEngines, FakeStream
+
+CATALOG = Catalog(models={"smol": ModelInfo("smol"), "big": ModelInfo("big")})
+INTENT = {"type": "object", "properties": {"intent": {"enum": ["refund", "tech", "other"]},
+                                           "amount": {"type": "number"}}, "required": ["intent", "amount"]}
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers by the system message's first word (``Classify`` gets JSON); each answer streams one byte every
+    *delay_s*; the replies listed in *fail_first* fail their first submission, once."""
+
+    def __init__(self, replies: dict[str, str], delay_s: float = 0.0, fail_first: tuple[str, ...] = ()):
+        super().__init__()
+        self.replies, self.delay_s, self.failing = replies, delay_s, set(fail_first)
+        self.prompts: list[str] = []
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        prompt = bytes(prompt_ids).decode(errors="replace")
+        self.prompts.append(prompt)
+        key = next((k for k in self.replies if k in prompt), "")
+        reply = self.replies.get(key, "ok")
+        if key in self.failing:
+            self.failing.discard(key)
+            reply = self.replies.get(f"{key}!", reply)
+        stream = SlowStream(reply.encode(), len(prompt_ids), sampling.max_tokens, self.delay_s)
+        self.streams.append(stream)
+        return stream
+
+
+class SlowStream(FakeStream):
+    def __init__(self, reply: bytes, prompt_len: int, max_tokens: int, delay_s: float):
+        super().__init__(reply, prompt_len, max_tokens)
+        self.delay_s = delay_s
+
+    async def __anext__(self):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await super().__anext__()
+
+
+def pipeline(registry, text: str, engine: FakeEngine) -> Pipeline:
+    loaded = load_pipeline_text(textwrap.dedent(text), "wf.yaml", registry, CATALOG)
+    return Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine, big=engine)))
+
+
+async def run(p: Pipeline, text: str = "my order never came"):
+    ctx = RequestContext.from_text(p.name, text)
+    events = [event async for event in Runner().stream(p, ctx)]
+    return ctx, events
+
+
+TRIAGE = f"""
+name: triage
+stages:
+  - id: classify
+    type: llm
+    with:
+      system: "Classify the request."
+      temperature: 0
+      output: {{json_schema: {json.dumps(INTENT)}}}
+  - id: refund
+    type: llm
+    when: "steps.classify.output.intent == 'refund'"
+    with: {{system: "Refunds: answer.", temperature: 0}}
+  - id: tech
+    type: llm
+    needs: [classify]
+    when: "steps.classify.output.intent == 'tech'"
+    with: {{system: "Tech: answer.", temperature: 0}}
+  - id: answer
+    type: llm
+    needs: [refund, tech]
+    with: {{system: "Polish: {{{{ coalesce(steps.refund.output, steps.tech.output) }}}}", temperature: 0}}
+  - id: big
+    type: reply
+    needs: [classify]
+    when: "steps.classify.output.amount > 500"
+    with: {{text: "A person will write to you."}}
+"""
+
+
+async def test_a_branch_runs_and_the_other_is_skipped_and_recorded(registry):
+    engine = ScriptedEngine({"Classify": '{"intent": "refund", "amount": 20}', "Refunds": "Refund sent.",
+                             "Polish": "Your refund is on its way."})
+    ctx, events = await run(pipeline(registry, TRIAGE, engine))
+    assert isinstance(events[-1], Done)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Your refund is on its way."
+    assert {e.stage_id for e in events if isinstance(e, TextDelta)} == {"answer"}  # the last llm step answers
+    skipped = {r.id: r.skip_reason for r in ctx.stages if r.status == "skipped"}
+    assert skipped == {"tech": "when", "big": "when"}
+    assert ctx.steps["classify"]["output"] == {"intent": "refund", "amount": 20}
+    assert "Polish: Refund sent." in engine.prompts[-1]  # coalesce read the branch that ran
+    assert ctx.usage.output_tokens == sum(r.output_tokens for r in ctx.stages) > len("Your refund is on its way.")
+
+
+async def test_a_reply_ends_the_request_with_its_fixed_answer(registry):
+    engine = ScriptedEngine({"Classify": '{"intent": "refund", "amount": 900}', "Refunds": "Refund sent.",
+                             "Polish": "never"})
+    ctx, events = await run(pipeline(registry, TRIAGE, engine))
+    done = events[-1]
+    assert isinstance(done, Done) and done.summary.output_text == "A person will write to you."
+    assert {r.id: r.skip_reason for r in ctx.stages if r.status == "skipped"} == {"tech": "when", "answer": "ended"}
+
+
+async def test_steps_that_do_not_need_each_other_run_at_the_same_time(registry):
+    text = """
+    name: both
+    stages:
+      - {id: one, type: llm, needs: [], with: {system: "First.", max_tokens: 8}}
+      - {id: two, type: llm, needs: [], with: {system: "Second.", max_tokens: 8}}
+      - {id: join, type: llm, needs: [one, two], with: {system: "Join {{ steps.one.output }} {{ steps.two.output }}"}}
+    """
+    engine = ScriptedEngine({"First": "aaaa", "Second": "bbbb", "Join": "done"}, delay_s=0.02)
+    ctx, events = await run(pipeline(registry, text, engine))
+    assert isinstance(events[-1], Done)
+    one, two = (next(r for r in ctx.stages if r.id == step) for step in ("one", "two"))
+    assert one.started_s < two.started_s + two.duration_s and two.started_s < one.started_s + one.duration_s
+    starts = [e.stage_id for e in events if isinstance(e, StageStarted)]
+    assert starts[:2] == ["one", "two"]  # both started before either finished
+    assert "Join aaaa bbbb" in engine.prompts[-1]
+
+
+async def test_a_retried_attempt_never_reaches_the_client(registry):
+    text = f"""
+    name: strict
+    stages:
+      - id: answer
+        type: llm
+        retry: {{attempts: 2, on: [invalid_output]}}
+        with: {{system: "Classify.", output: {{json_schema: {json.dumps(INTENT)}}}}}
+    """
+    engine = ScriptedEngine({"Classify": '{"intent": "tech", "amount": 1}', "Classify!": "not json"},
+                            fail_first=("Classify",))
+    ctx, events = await run(pipeline(registry, text, engine))
+    assert isinstance(events[-1], Done)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == '{"intent": "tech", "amount": 1}'
+    attempts = [(r.attempt, r.status) for r in ctx.stages]
+    assert attempts == [(1, "failed"), (2, "ok")]
+    first = next(e for e in events if isinstance(e, StageFinished) and e.attempt == 1)
+    assert first.retrying and "does not match its json_schema" in first.error
+
+
+async def test_a_fallback_runs_in_the_place_of_a_failed_step(registry):
+    text = f"""
+    name: spare
+    stages:
+      - id: answer
+        type: llm
+        fallback: backup
+        with: {{model: smol, system: "Classify.", output: {{json_schema: {json.dumps(INTENT)}}}}}
+      - {{id: backup, type: llm, with: {{model: big, system: "Backup."}}}}
+      - {{id: after, type: llm, with: {{system: "After {{{{ steps.answer.output }}}}"}}}}
+    """
+    engine = ScriptedEngine({"Classify": "not json", "Backup": "saved", "After": "fine"})
+    ctx, events = await run(pipeline(registry, text, engine))
+    assert isinstance(events[-1], Done), events[-1]
+    assert [(r.id, r.status, r.fallback_for) for r in ctx.stages] == [
+        ("answer", "failed", ""), ("backup", "ok", "answer"), ("after", "ok", "")]
+    assert "After saved" in engine.prompts[-1] and events[-1].summary.output_text == "fine"
+
+
+async def test_a_failed_step_fails_the_request_and_cancels_its_neighbours(registry):
+    text = f"""
+    name: broken
+    stages:
+      - {{id: slow, type: llm, needs: [], with: {{system: "Slow."}}}}
+      - {{id: bad, type: llm, needs: [], with: {{system: "Classify.", output: {{json_schema: {json.dumps(INTENT)}}}}}}}
+      - {{id: log, type: llm, always: true, needs: [slow, bad], with: {{system: "Always."}}}}
+    """
+    engine = ScriptedEngine({"Slow": "z" * 200, "Classify": "nope", "Always": "logged"}, delay_s=0.01)
+    ctx, events = await run(pipeline(registry, text, engine))
+    assert isinstance(events[-1], Error) and events[-1].kind == "invalid_output"
+    assert {r.id: r.status for r in ctx.stages} == {"slow": "cancelled", "bad": "failed", "log": "ok"}
+
+
+@pytest.mark.parametrize(("extra", "where", "message"), [
+    ("      - {id: x, type: llm, needs: [y], with: {system: a}}\n      - {id: y, type: llm, needs: [x], with: {}}\n",
+     ":8:", "these steps need each other in a circle: x -> y -> x"),
+    ("      - {id: x, type: llm, needs: [clasify], with: {}}\n", ":8:", "no step 'clasify'; did you mean 'classify'?"),
+    ("      - {id: x, type: llm, needs: [classify], with: {system: '{{ steps.classify.outptu }}'}}\n", ":8:",
+     "step 'classify' (llm) gives no 'outptu'; did you mean 'output'?"),
+    ("      - {id: x, type: llm, needs: [classify], when: \"steps.classify.output.intent == 'refnd'\"}\n", ":8:",
+     "is one of 'refund', 'tech', 'other': == 'refnd' is never true; did you mean 'refund'?"),
+    ("      - {id: x, type: llm, needs: [classify], when: \"steps.classify.output.amount > 'lots'\"}\n", ":8:",
+     "steps.classify.output.amount is a number and 'lots' is a string"),
+    ("      - {id: x, type: llm, needs: [refund], with: {system: '{{ steps.refund.output }}'}}\n", ":8:",
+     "step 'refund' runs only when its when: holds, so it may give nothing: read it as "
+     "coalesce(steps.refund.output, ...)"),
+    ("      - {id: x, type: llm, needs: [], with: {system: '{{ steps.classify.output }}'}}\n", ":8:",
+     "step 'classify' runs beside it, not before: add 'classify' to the needs of 'x'"),
+])
+def test_graph_errors_name_file_line_and_the_fix(registry, extra, where, message):
+    text = textwrap.dedent(f"""
+    name: wf
+    stages:
+      - id: classify
+        type: llm
+        with: {{output: {{json_schema: {json.dumps(INTENT)}}}}}
+      - {{id: refund, type: llm, when: "steps.classify.output.intent == 'refund'", with: {{}}}}
+    """) + textwrap.indent(textwrap.dedent(extra), "  ")
+    with pytest.raises(SpecError) as info:
+        load_pipeline_text(text, "wf.yaml", registry, CATALOG)
+    assert any(message in str(issue) and f"wf.yaml{where}" in str(issue) for issue in info.value.issues), \
+        str(info.value)
+
+
+def test_every_chain_keeps_its_shape(registry):
+    loaded = load_pipeline_text(textwrap.dedent("""
+    name: chat
+    stages:
+      - {id: prompt, type: prompt}
+      - {id: tok, type: tokenize}
+      - {id: gen, type: generate}
+      - {id: out, type: stream}
+      - {id: log, type: audit, always: true}
+    """), "chat.yaml", registry, CATALOG)
+    graph = loaded.graph
+    assert graph is not None and graph.deps["gen"] == ("tok",) and graph.deps["log"] == ("prompt", "tok", "gen",
+                                                                                         "out")
+    assert loaded.plan("gen").outputs["token_stream"].name == "AsyncIterator[int] | None"
