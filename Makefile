@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  := models/smollm2-135m-instruct/inferline-model.json
 HANDBOOK_INDEX := indexes/handbook/CURRENT
+RELEASES_INDEX := indexes/releases/CURRENT
 CHROMIUM := /usr/bin/chromium
 GUIDELLM_VENV := .venv-guidellm
 GUIDELLM := $(GUIDELLM_VENV)/bin/guidellm
@@ -14,7 +15,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 
 KERNELS := $(VENV)/.kernels
 
-install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX) $(KERNELS)
+install: $(STAMP) $(MODEL) $(HANDBOOK_INDEX) $(RELEASES_INDEX) $(KERNELS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +36,10 @@ $(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp serving/engine/kern
 # The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes.
 $(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)
 	$(PY) -m serving.cli.main index build pipelines/data/handbook --name handbook
+
+# The release notes, the second index of the research example (pipelines/research.yaml).
+$(RELEASES_INDEX): $(STAMP) $(wildcard pipelines/data/releases/*.md)
+	$(PY) -m serving.cli.main index build pipelines/data/releases --name releases
 
 # The web console's browser tests (tests/serving/console/test_browser.py) drive Debian's chromium with
 # Playwright, never a browser Playwright downloads itself. sudo only when not root. Without apt-get this

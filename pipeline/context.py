@@ -130,6 +130,13 @@ class StageRecord:
     fallback_for: str = ""
     #: The step it ran under (a sub-pipeline's steps: ``call``, ``call/answer``), "" at the top.
     parent: str = ""
+    #: In a pipeline that audits: the SHA-256 of the step's definition, of what it read (flow fields and
+    #: earlier steps' outputs) and of what it gave, and those values (pipeline/digest.py), for the record.
+    definition_sha256: str = ""
+    inputs_sha256: str = ""
+    output_sha256: str = ""
+    inputs: dict[str, Any] | None = None
+    output: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -293,6 +300,9 @@ class RequestContext:
     facts: Facts = field(default_factory=lambda: Facts())
     #: Each step's outputs once it ended, by step id (``status`` besides): what ``steps.ID.FIELD`` reads.
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: A sub-pipeline's run (a ``pipeline`` step): the calling request's id. Its audit step writes no record:
+    #: the caller's record holds its steps.
+    parent_request: str = ""
     #: Called by the runner after every stage has run, however the request ended
     #: (the policy stage settles token and cost budgets here).
     finalizers: list[Callable[[RequestContext], Awaitable[None]]] = field(default_factory=list)

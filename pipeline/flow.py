@@ -58,6 +58,7 @@ def check_flow(plans: Sequence[StagePlan], graph: Graph, registry: StageRegistry
         issues += _fields(index, plan, plans, graph, registry)
         issues += _before(index, plan, plans, graph)
         issues += _references(index, plan, by_id, graph)
+    issues += _retry_layers(plans)
     if not issues:  # a reference that does not resolve would make every type check below fail with it
         names = {**EXPRESSION_TYPES, STEPS: steps_type}
         for index, plan in enumerate(plans):
@@ -181,3 +182,27 @@ def _reference(plan: StagePlan, path: tuple[str, ...], coalesced: bool, by_id: d
         return (f"{shown}: step {step_id!r} runs only when its when: holds, so it may give nothing: read it as "
                 f"coalesce({shown}, ...) with what to use otherwise, or test steps.{step_id}.status")
     return ""
+
+
+def reads_of(plan: StagePlan) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """What *plan*'s step reads: the flow fields (its type's and its ``when:``'s), and each earlier step's output
+    it names (step, field), wherever it names them."""
+    fields = set(plan.cls.required_reads(plan.config)) | (set(plan.when.names) - {STEPS} if plan.when else set())
+    paths = [path for path, _ in plan.when.paths] if plan.when is not None else []
+    paths += [path for template in plan.cls.templates(plan.config).values() for path, _ in template.paths]
+    steps = {(path[1], path[2]) for path in paths if path[0] == STEPS and len(path) >= 3}
+    steps |= {(step, output) for _, step, output in plan.cls.step_reads(plan.config)}
+    return tuple(sorted(fields & set(FIELDS))), tuple(sorted(steps))
+
+
+def _retry_layers(plans: Sequence[StagePlan]) -> list[FlowIssue]:
+    """Retries in one layer only: a route's ``retries`` (each model again, before its fallbacks) and a runner's
+    ``retry:`` on a model call would multiply (3 x 3 calls for "3 attempts"), so a file has one or the other."""
+    routed = next((p for p in plans if p.cls.model_retries(p.config) > 0), None)
+    if routed is None:
+        return []
+    return [FlowIssue(plans.index(p), ("retry",), f"step {routed.spec.id!r} ({routed.spec.type}) already retries each "
+                      f"model {routed.cls.model_retries(routed.config)} time(s): retries in both would multiply; keep "
+                      f"its retries or this retry:, not both (route's covers a model's failure before its fallbacks, "
+                      f"retry: any failure of this step)")
+            for p in plans if p.spec.retry is not None and p.cls.is_model_call]

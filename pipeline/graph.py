@@ -32,6 +32,8 @@ class Node:
     always: bool = False
     fallback: str | None = None
     stream: bool = False
+    #: Whether it has a ``when:`` of its own (an alternative: several such steps may each stream).
+    conditional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +59,9 @@ class Graph:
     order: tuple[str, ...]
     #: primary -> the step that runs in its place when it fails.
     fallbacks: dict[str, str]
-    #: The step whose text goes to the client, when one says ``stream: true``.
-    streaming: str | None = None
+    #: The steps that say ``stream: true``: their text goes to the client (several only as alternatives, each
+    #: with its own ``when:``; the first of them to send text answers).
+    streaming: tuple[str, ...] = ()
 
     @property
     def fallback_only(self) -> frozenset[str]:
@@ -101,9 +104,10 @@ def build_graph(nodes: Sequence[Node]) -> tuple[Graph | None, list[GraphIssue]]:
         if primary in deps:
             deps[fallback] = deps[primary]
     streaming = [i for i, node in enumerate(nodes) if node.stream]
-    for i in streaming[1:]:
-        issues.append(GraphIssue(i, ("stream",), f"only one step streams its text to the client, and "
-                                 f"{nodes[streaming[0]].id!r} already does: remove stream: here"))
+    for i in streaming[1:] if any(not nodes[i].conditional for i in streaming) else ():
+        issues.append(GraphIssue(i, ("stream",), f"{nodes[streaming[0]].id!r} already streams its text to the "
+                                 "client: several steps stream only as alternatives, each with a when: of its own "
+                                 "(the branches of a switch); remove stream: here or add its when:"))
     for i in streaming:
         if nodes[i].id in fallback_only:
             issues.append(GraphIssue(i, ("stream",), f"step {nodes[i].id!r} is a fallback: it streams when its "
@@ -119,7 +123,7 @@ def build_graph(nodes: Sequence[Node]) -> tuple[Graph | None, list[GraphIssue]]:
     for step in order:
         ancestors[step] = frozenset().union(*(ancestors[d] | {d} for d in deps[step])) if deps[step] else frozenset()
     return Graph(tuple(node.id for node in nodes), deps, ancestors, order, fallbacks,
-                 nodes[streaming[0]].id if streaming else None), []
+                 tuple(nodes[i].id for i in streaming)), []
 
 
 def _fallbacks(nodes: Sequence[Node], index: dict[str, int], issues: list[GraphIssue]) -> dict[str, str]:

@@ -117,7 +117,7 @@ class _PipelineChecker:
     def _graph(self, plans: list[StagePlan]) -> Graph | None:
         """The steps' graph, then the data flow over it (pipeline/graph.py, pipeline/flow.py)."""
         nodes = [Node(p.spec.id, None if p.spec.needs is None else tuple(p.spec.needs), p.spec.always,
-                      p.spec.fallback, p.spec.stream) for p in plans]
+                      p.spec.fallback, p.spec.stream, p.spec.when is not None) for p in plans]
         graph, problems = build_graph(nodes)
         for problem in problems:
             self._issue(("stages", problem.index, *problem.key), problem.message)

@@ -7,7 +7,7 @@ pass fakes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -343,9 +343,19 @@ class PipelineResult:
 
 
 class PipelineCaller(Protocol):
-    """Runs one request through another served pipeline, in-process (the ``score`` stage's judges)."""
+    """Runs one request through another served pipeline, in-process (the ``score`` stage's judges, the
+    ``pipeline`` step's sub-pipelines)."""
 
     async def call(self, pipeline: str, input: str, tags: Mapping[str, str]) -> PipelineResult: ...
+
+    async def call_nested(self, pipeline: str, version: str | None, ctx: Any,
+                          on_text: Callable[[str], Awaitable[None]] | None = None) -> Any:
+        """Run *ctx* (a :class:`~pipeline.context.RequestContext` whose ``parent_request`` is the caller's)
+        through *pipeline* (at *version*: its label or spec-hash prefix; None: the one serving) as a part of the
+        caller's request: the callee's access roles apply to ``ctx.principal`` (PolicyDenied when they refuse it),
+        its audit step writes no record of its own, its answer's text goes to *on_text* as it comes; returns the
+        final event (``Done`` or ``Error``)."""
+        ...
 
 
 @dataclass(slots=True)

@@ -22,9 +22,11 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
 from pipeline.context import RequestContext, sources_of
+from pipeline.digest import digest
 from pipeline.eager import start_eagerly
 from pipeline.errors import InferlineError
 from pipeline.events import Done, Error, Event, Summary, final_event
+from pipeline.flow import reads_of
 from pipeline.loader import LoadedPipeline
 from pipeline.protocols import Resources
 from pipeline.steps import BoundStage, Clock, Emit, run_steps
@@ -43,12 +45,17 @@ class Pipeline:
         if loaded.graph is None:
             raise ValueError(f"pipeline {loaded.spec.name!r} was loaded without its graph")
         self.graph = loaded.graph
-        answering = streaming_step(loaded)
-        answering_ids = {answering, self.graph.fallbacks.get(answering or "")} - {None}  # its fallback: in its place
+        answering = answering_steps(loaded)
+        self.answers = bool(answering)
+        answering_ids = answering | {self.graph.fallbacks[step] for step in answering  # in its place
+                                     if step in self.graph.fallbacks}
+        records_io = any(plan.cls.records_steps for plan in loaded.plans)
         self.stages = tuple(
             BoundStage(plan, plan.cls(plan.spec.id, plan.config, resources),
                        # Without a model call that answers, any stage's text goes out, as it always did.
-                       answering is None or plan.cls.sends_answer or plan.spec.id in answering_ids)
+                       not answering or plan.cls.sends_answer or plan.spec.id in answering_ids,
+                       records_io, digest(plan.spec.model_dump(mode="json", by_alias=True, exclude_none=True)),
+                       *reads_of(plan))
             for plan in loaded.plans
         )
         self._by_id = {bound.plan.spec.id: bound for bound in self.stages}
@@ -203,13 +210,16 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: Clock) -> Done | Erro
     return Error(ctx.status, _kind(ctx.error), message, failed.id if failed else "", summary)
 
 
-def streaming_step(loaded: LoadedPipeline) -> str | None:
-    """The step whose text is the client's answer: the one that says ``stream: true``; else, in a pipeline with no
-    stage that sends the answer itself (``stream``), its last model call (``llm``); None for neither."""
-    if loaded.graph is not None and loaded.graph.streaming is not None:
-        return loaded.graph.streaming
+def answering_steps(loaded: LoadedPipeline) -> frozenset[str]:
+    """The steps whose text is the client's answer: those that say ``stream: true``; else, in a pipeline with no
+    stage that sends a chain's answer (``stream``), its model calls (``llm``) that no other step reads (the
+    branches of a switch are alternatives: the first to send text answers). None of them: every stage's text
+    goes out, as in a chain."""
+    graph = loaded.graph
+    if graph is None or graph.streaming:
+        return frozenset(graph.streaming if graph is not None else ())
     if any(plan.cls.answers_chain for plan in loaded.plans):
-        return None
-    fallbacks = loaded.graph.fallback_only if loaded.graph is not None else frozenset()
-    calls = [plan.spec.id for plan in loaded.plans if plan.cls.is_model_call and plan.spec.id not in fallbacks]
-    return calls[-1] if calls else None
+        return frozenset()
+    read = {step for plan in loaded.plans for step, _ in reads_of(plan)[1]}
+    return frozenset(plan.spec.id for plan in loaded.plans if plan.cls.is_model_call
+                     and plan.spec.id not in graph.fallback_only and plan.spec.id not in read)

@@ -88,6 +88,8 @@ class Stage:
     is_model_call: ClassVar[bool] = False
     #: It sends the request's answer to the client itself (``stream``, ``reply``): its text always goes out.
     sends_answer: ClassVar[bool] = False
+    #: It keeps a record of every step (``audit``): a pipeline with one has each step's inputs and output kept.
+    records_steps: ClassVar[bool] = False
     #: It sends the text of a chain's model call (``stream``): a pipeline with one answers through it, not
     #: through its last ``llm`` step.
     answers_chain: ClassVar[bool] = False
@@ -116,6 +118,19 @@ class Stage:
             hints = get_type_hints(cls.Outputs)
             return {f.name: ValueType.of(hints[f.name]) for f in dataclasses.fields(cls.Outputs)}
         return {name: field_type(name) for name in sorted(cls.writes)}
+
+    @classmethod
+    def calls(cls, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
+        """The other pipelines this configured step runs, each with its place in ``with:`` (a ``score``
+        step's judges, a ``pipeline`` step's callee): the server loads them beside it, and refuses a pipeline
+        that calls itself, directly or through others."""
+        return []
+
+    @classmethod
+    def model_retries(cls, config: BaseModel) -> int:
+        """Extra attempts this configured step makes the model calls after it take (``route``'s ``retries``):
+        the loader refuses them beside a runner's ``retry:`` on a model call, so that retries never multiply."""
+        return 0
 
     @classmethod
     def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:

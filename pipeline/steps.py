@@ -31,6 +31,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
 from pipeline.context import RequestContext, StageRecord, TokenLogprob
+from pipeline.digest import digest, jsonable
 from pipeline.eager import start_eagerly
 from pipeline.errors import (
     EmptyOutput,
@@ -56,12 +57,27 @@ class BoundStage:
     plan: StagePlan
     stage: Stage
     streams: bool = False
+    #: Whether its attempts record what they read and gave (a pipeline with an audit step does).
+    records_io: bool = False
+    #: The SHA-256 of its definition (its entry in the file, as loaded).
+    definition_sha256: str = ""
+    #: The flow fields it reads, and the earlier steps' outputs (step, field).
+    reads: tuple[str, ...] = ()
+    step_reads: tuple[tuple[str, str], ...] = ()
+
+    def inputs(self, ctx: RequestContext) -> dict[str, Any]:
+        """What it reads, now: each flow field, and each ``steps.ID.FIELD``, as JSON values."""
+        read = {name: jsonable(ctx.field_value(name)) for name in self.reads}
+        return read | {f"steps.{step}.{field}": jsonable(ctx.steps.get(step, {}).get(field))
+                       for step, field in self.step_reads}
 
 
 class Steps(Protocol):
     """What running a request's steps needs of its pipeline (:class:`~pipeline.runner.Pipeline`)."""
 
     graph: Graph
+    #: Whether some steps are its answer's (a workflow's), rather than every stage's text going out (a chain).
+    answers: bool
 
     def step(self, step_id: str) -> BoundStage: ...
 
@@ -84,13 +100,15 @@ class Clock:
 class Scope:
     """The :class:`~pipeline.stage.StageScope` given to one attempt of one step."""
 
-    __slots__ = ("_clock", "_ctx", "_emit", "_span", "_stage_id", "emitted", "ended", "holds_text", "input_tokens",
-                 "output_tokens", "streams")
+    __slots__ = ("_answer", "_clock", "_ctx", "_emit", "_span", "_stage_id", "_streams", "emitted", "ended",
+                 "holds_text", "input_tokens", "output_tokens")
 
     def __init__(self, ctx: RequestContext, stage_id: str, span: Span, emit: Emit, clock: Clock, streams: bool,
-                 holds_text: bool = False):
+                 holds_text: bool = False, answer: _Answer | None = None):
         self._ctx, self._stage_id, self._span, self._emit, self._clock = ctx, stage_id, span, emit, clock
-        self.streams = streams
+        self._answer = answer if streams else None
+        #: Whether its text may reach the client (without an answer to share: always, as a chain's stages).
+        self._streams = streams
         #: Its text must wait until its output is checked: another attempt follows an invalid or empty one.
         self.holds_text = holds_text
         #: Whether any of its text reached the client (then it is not retried).
@@ -98,6 +116,16 @@ class Scope:
         #: Whether it answered the request and ended it (``reply``).
         self.ended = False
         self.input_tokens = self.output_tokens = 0
+
+    @property
+    def streams(self) -> bool:
+        """Whether its text is the client's answer: it streams, and no other step that may answer has sent text
+        first (the branches of a switch are alternatives; the first to send text answers)."""
+        if self._answer is None:
+            return self._streams
+        if self._answer.step is None:
+            self._answer.step = self._stage_id
+        return self._answer.step == self._stage_id
 
     async def emit_text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if not self.streams:
@@ -126,6 +154,13 @@ class Scope:
 
 
 @dataclass(slots=True)
+class _Answer:
+    """Which of the steps that may answer a request answered it (the first to send text, or to ask)."""
+
+    step: str | None = None
+
+
+@dataclass(slots=True)
 class _Run:
     """One request's run over the graph: what every step needs to know."""
 
@@ -137,13 +172,15 @@ class _Run:
     request_span: Span
     #: A step answered the request and ended it: the rest (but always steps) is skipped.
     ended: bool = False
+    #: In a workflow (a pipeline with answering steps), which one answered.
+    answer: _Answer | None = None
 
 
 async def run_steps(pipeline: Steps, ctx: RequestContext, emit: Emit, clock: Clock, tracer: Tracer,
                     request_span: Span) -> bool:
     """Run every step of *pipeline* for *ctx*; True if the request was cancelled meanwhile (the ``always``
     steps ran all the same)."""
-    run = _Run(pipeline, ctx, emit, clock, tracer, request_span)
+    run = _Run(pipeline, ctx, emit, clock, tracer, request_span, answer=_Answer() if pipeline.answers else None)
     graph = pipeline.graph
     waiting = {step: len(graph.deps[step]) for step in graph.order if step not in graph.fallback_only}
     followers: dict[str, list[str]] = {step: [] for step in waiting}
@@ -272,8 +309,9 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
     with _span(run, spec) as span:
         started = time.perf_counter()
         scope = Scope(ctx, spec.id, span, run.emit, run.clock, bound.streams,
-                      bound.streams and bool({"invalid_output", "empty"} & set(covered)))
+                      bound.streams and bool({"invalid_output", "empty"} & set(covered)), run.answer)
         status, error, retrying, outputs = "ok", "", False, {}
+        inputs = bound.inputs(ctx) if bound.records_io else None
         try:
             produced = await _call(bound.stage, ctx, scope, spec.timeout_s)
             outputs = _outputs(bound, ctx, produced)
@@ -288,11 +326,22 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
         finally:
             if scope.ended:
                 run.ended = True
+            if run.answer is not None and run.answer.step == spec.id and status != "ok" and not scope.emitted:
+                run.answer.step = None  # it sent nothing: another attempt, or its fallback, may still answer
             span.set_attribute(attr.STAGE_STATUS, status)
             span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
             _record(run, spec, status, started - run.clock.start, time.perf_counter() - started, error, attempt, "",
                     fallback_for, scope.input_tokens, scope.output_tokens, retrying)
+            if inputs is not None:
+                _keep_io(ctx.stages[-1], bound, inputs, outputs if status == "ok" else None)
     return outputs, status, retrying
+
+
+def _keep_io(record: StageRecord, bound: BoundStage, inputs: dict[str, Any], outputs: dict[str, Any] | None) -> None:
+    record.definition_sha256, record.inputs, record.inputs_sha256 = bound.definition_sha256, inputs, digest(inputs)
+    if outputs is not None:
+        record.output = jsonable(outputs)
+        record.output_sha256 = digest(record.output)
 
 
 def _outputs(bound: BoundStage, ctx: RequestContext, produced: Any) -> dict[str, Any]:

@@ -15,10 +15,12 @@ from stages.retrieve import RetrieveStage
 from stages.route import RouteStage
 from stages.score import ScoreStage
 from stages.stream import StreamStage
+from stages.subpipeline import PipelineStep
 from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
-                  StreamStage, ScoreStage, EmbedStage, AuditStage, LlmStage, ReplyStage)
+                  StreamStage, ScoreStage, EmbedStage, AuditStage, LlmStage, ReplyStage,
+                  PipelineStep)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -37,7 +37,7 @@ from typing import Any, Literal, cast
 
 from pydantic import Field
 
-from pipeline.context import ChatMessage, RequestContext, chat_turns
+from pipeline.context import ChatMessage, RequestContext, StageRecord, chat_turns
 from pipeline.errors import BackendError, InferlineError
 from pipeline.stage import NoConfig, Stage, StageScope
 from stages.detectors import Redactor, find_pii
@@ -62,8 +62,12 @@ class AuditConfig(NoConfig):
 class AuditStage(Stage):
     type_name = "audit"
     Config = AuditConfig
+    records_steps = True
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
+        if ctx.parent_request:  # a sub-pipeline's run: the calling request's record holds its steps
+            scope.set_attribute("inferline.audit.nested_in", ctx.parent_request)
+            return
         sink = self.resources.audit
         if sink is None:
             raise BackendError("no audit sink is configured in this process")
@@ -99,9 +103,26 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
         "error_type": _error_type(ctx.error), "content_mode": mode,
         "input_content": input_text, "output_content": output_text, "tags": tags_content(ctx.tags, mode),
         "stages": [{"stage_id": s.id, "type": s.type, "status": s.status, "duration_ms": s.duration_s * 1e3,
-                    "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id)}
+                    "cost_usd": s.cost_usd, "decision": ctx.facts.get("decisions", {}).get(s.id),
+                    "step": step_record(s, mode)}
                    for s in ctx.stages] + _shadow_stage(ctx),
     }
+
+
+def step_record(stage: StageRecord, mode: str) -> dict[str, Any]:
+    """What the record keeps of one attempt of one step beside its status, time and cost: which attempt, when it
+    started, its tokens, why it was skipped, what it ran in the place of, and the SHA-256 of its definition, of
+    what it read and of what it gave (what tells a replay which steps a candidate changed); with ``content:
+    full`` those values too (what lets a replay reuse its output)."""
+    kept: dict[str, Any] = {"attempt": stage.attempt, "started_ms": round(stage.started_s * 1e3, 3)}
+    for name in ("skip_reason", "fallback_for", "parent", "definition_sha256", "inputs_sha256", "output_sha256"):
+        if getattr(stage, name):
+            kept[name] = getattr(stage, name)
+    if stage.input_tokens or stage.output_tokens:
+        kept |= {"input_tokens": stage.input_tokens, "output_tokens": stage.output_tokens}
+    if mode == "full":
+        kept |= {name: getattr(stage, name) for name in ("inputs", "output") if getattr(stage, name) is not None}
+    return kept
 
 
 def _params(ctx: RequestContext) -> dict[str, Any]:

@@ -164,6 +164,7 @@ class GenerateConfig(Sampling):
 class GenerateStage(Stage):
     type_name = "generate"
     Config = GenerateConfig
+    is_model_call = True
     reads = frozenset({"prompt_ids", "model"})
     writes = frozenset({"token_stream"})
 

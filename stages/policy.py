@@ -151,7 +151,8 @@ class PolicyStage(Stage):
     Config = PolicyConfig
     reads = frozenset({"input_messages"})
     writes = frozenset({"input_messages", "max_output_tokens", "output_filter"})
-    before = frozenset({"generate", "stream", "llm"})  # limits before any prefill; output rails for the stream
+    # Limits before any prefill; output rails for the stream.
+    before = frozenset({"generate", "stream", "llm", "pipeline"})
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Any):
         super().__init__(stage_id, config, resources)

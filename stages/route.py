@@ -107,6 +107,10 @@ class RouteStage(Stage):
     before = frozenset({"generate"})
 
     @classmethod
+    def model_retries(cls, config: BaseModel) -> int:
+        return cast(RouteConfig, config).retries
+
+    @classmethod
     def required_reads(cls, config: BaseModel) -> frozenset[str]:
         names: set[str] = set()
         for rule in cast(RouteConfig, config).rules:

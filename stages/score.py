@@ -27,11 +27,11 @@ from __future__ import annotations
 import hashlib
 from typing import cast
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pipeline.context import RequestContext
 from pipeline.stage import NoConfig, Stage, StageScope
-from stages.checks import Answer, CheckDeps, ReferenceFreeCheck, evaluate
+from stages.checks import Answer, CheckDeps, JudgeCheck, ReferenceFreeCheck, evaluate
 
 
 class ScoreConfig(NoConfig):
@@ -55,6 +55,11 @@ class ScoreStage(Stage):
     type_name = "score"
     Config = ScoreConfig
     reads = frozenset({"output_text"})
+
+    @classmethod
+    def calls(cls, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
+        return [(("checks", n, "pipeline"), check.pipeline) for n, check in enumerate(cast(ScoreConfig, config).checks)
+                if isinstance(check, JudgeCheck)]
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(ScoreConfig, self.config)

@@ -192,6 +192,7 @@ class StreamStage(Stage):
             scope.add_cost(price.tokens_usd(ctx.usage.input_tokens, ctx.usage.output_tokens), "tokens",
                            f"{ctx.model}: {ctx.usage.input_tokens} in, {ctx.usage.output_tokens} out")
             scope.add_cost(price.compute_usd(seconds), "compute", f"{ctx.model}: {seconds:.3f} s")
+        scope.add_tokens(ctx.usage.input_tokens, ctx.usage.output_tokens)
         scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, ctx.usage.input_tokens)
         scope.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, ctx.usage.output_tokens)
         if ctx.finish_reason:

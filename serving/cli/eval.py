@@ -147,10 +147,16 @@ def score_judges(workspace: Workspace, loaded: LoadedPipeline) -> list[LoadedPip
 
 
 def _load_judges(workspace: Workspace, loaded: LoadedPipeline, names: set[str]) -> list[LoadedPipeline]:
-    names = names | {check.pipeline for plan in loaded.plans if plan.spec.type == "score"
-                     for check in getattr(plan.config, "checks", ()) if check.type == "judge"}
-    names.discard(loaded.spec.name)
-    return [workspace.load_pipeline(workspace.resolve(name)) for name in sorted(names)]
+    """The pipelines *loaded* calls (judges, sub-pipelines), those they call in turn, and *names*."""
+    found: dict[str, LoadedPipeline] = {}
+    wanted = sorted(names | {name for plan in loaded.plans for _, name in plan.cls.calls(plan.config)})
+    while wanted:
+        name = wanted.pop()
+        if name == loaded.spec.name or name in found:
+            continue
+        found[name] = callee = workspace.load_pipeline(workspace.resolve(name))
+        wanted += [call for plan in callee.plans for _, call in plan.cls.calls(plan.config)]
+    return [found[name] for name in sorted(found)]
 
 
 def _store(workspace: Workspace) -> EvalRunStore:

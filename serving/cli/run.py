@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from pipeline.context import RequestContext
+from pipeline.context import RequestContext, StageRecord
 from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
 from pipeline.loader import LoadedPipeline
 from pipeline.refs import find_refs
@@ -204,12 +204,23 @@ def _print_messages(ctx: RequestContext, out: TextIO) -> None:
         print(f"[{message.role}] {message.content}", file=out)
 
 
+def _status(stage: StageRecord) -> str:
+    """``ok``, ``skipped (when)``, ``failed #1`` (an attempt that was retried), ``ok (for gen)`` (a fallback)."""
+    notes = [stage.skip_reason] if stage.skip_reason else []
+    notes += [f"for {stage.fallback_for}"] if stage.fallback_for else []
+    attempt = f" #{stage.attempt}" if stage.attempt > 1 or stage.status not in ("ok", "skipped") else ""
+    return f"{stage.status}{attempt}" + (f" ({', '.join(notes)})" if notes else "")
+
+
 def print_trace(summary: Summary, loads: Sequence[tuple[str, float]], out: TextIO) -> None:
-    """The stages of *summary*, after a ``load`` row per model started before the request (its start: -)."""
-    rows = [("stage", "type", "status", "start ms", "ms", "cost usd")]
-    rows += [(name, "load", "ok", "-", f"{seconds * 1e3:.2f}", "-") for name, seconds in loads]
-    rows += [(s.id, s.type, s.status, f"{s.started_s * 1e3:.2f}", f"{s.duration_s * 1e3:.2f}",
-              f"{s.cost_usd:.6f}") for s in summary.stages]
+    """The steps of *summary* (each attempt; a sub-pipeline's indented under its step), after a ``load`` row per
+    model started before the request (its start: -); steps that ran side by side overlap in their start and ms."""
+    rows = [("stage", "type", "status", "start ms", "ms", "tokens", "cost usd")]
+    rows += [(name, "load", "ok", "-", f"{seconds * 1e3:.2f}", "-", "-") for name, seconds in loads]
+    rows += [("  " * (s.parent.count("/") + 1 if s.parent else 0) + s.id, s.type, _status(s),
+              f"{s.started_s * 1e3:.2f}", f"{s.duration_s * 1e3:.2f}",
+              f"{s.input_tokens}/{s.output_tokens}" if s.input_tokens or s.output_tokens else "-", f"{s.cost_usd:.6f}")
+             for s in summary.stages]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out)

@@ -101,7 +101,8 @@ class Runtime:
                                    caches=StoreCaches(), embedders=self.embedders)
         self.pipelines = {item.spec.name: Pipeline(item, self.resources) for item in loaded}
         #: How a ``score`` stage or a judge calls another pipeline; the app routes it through its executor.
-        self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run)
+        self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run, self.runner.stream,
+                                                               self.pinned)
         self.db: sa.Engine | None = None
         self.audit: AuditStore | None = None
         self.audit_sink: StoreSink | None = None

@@ -33,6 +33,12 @@ def test_a_step_may_need_a_later_one_in_the_file():
     assert built.order == ("a", "b")
 
 
+def test_alternatives_may_each_stream():
+    built = graph(Node("a"), Node("b", stream=True, conditional=True), Node("c", needs=("a",), stream=True,
+                                                                           conditional=True))
+    assert built.streaming == ("b", "c")
+
+
 def test_a_fallback_runs_on_its_primarys_needs_and_only_in_its_place():
     built = graph(Node("prompt"), Node("answer", fallback="backup"), Node("backup"), Node("out"))
     assert built.fallbacks == {"answer": "backup"} and built.fallback_only == {"backup"}
@@ -46,7 +52,7 @@ def test_a_fallback_runs_on_its_primarys_needs_and_only_in_its_place():
     ((Node("a"), Node("b", needs=("a", "a"))), 1, ("needs", 1), "'a' is named twice"),
     ((Node("a", needs=("c",)), Node("b", needs=("a",)), Node("c", needs=("b",))), 0, ("needs",),
      "these steps need each other in a circle: a -> b -> c -> a; remove one of those needs"),
-    ((Node("a", stream=True), Node("b", stream=True)), 1, ("stream",), "only one step streams"),
+    ((Node("a", stream=True), Node("b", stream=True)), 1, ("stream",), "several steps stream only as alternatives"),
     ((Node("a", fallback="x"),), 0, ("fallback",), "no step 'x'"),
     ((Node("a", fallback="a"),), 0, ("fallback",), "cannot be its own fallback"),
     ((Node("a", fallback="c"), Node("b", fallback="c"), Node("c")), 1, ("fallback",), "already the fallback of 'a'"),

@@ -234,3 +234,33 @@ def test_every_chain_keeps_its_shape(registry):
     assert graph is not None and graph.deps["gen"] == ("tok",) and graph.deps["log"] == ("prompt", "tok", "gen",
                                                                                          "out")
     assert loaded.plan("gen").outputs["token_stream"].name == "AsyncIterator[int] | None"
+
+
+def test_retries_live_in_one_layer(registry):
+    text = textwrap.dedent("""
+    name: twice
+    stages:
+      - {id: pick, type: route, with: {default: smol, fallback: [big], retries: 2}}
+      - {id: answer, type: llm, retry: {attempts: 3}, with: {}}
+    """)
+    with pytest.raises(SpecError, match="already retries each model 2 time\\(s\\): retries in both would multiply"):
+        load_pipeline_text(text, "twice.yaml", registry, CATALOG)
+
+
+async def test_the_branch_that_runs_answers_when_no_step_reads_the_branches(registry):
+    text = f"""
+    name: branches
+    stages:
+      - {{id: classify, type: llm, with: {{system: "Classify.", output: {{json_schema: {json.dumps(INTENT)}}}}}}}
+      - {{id: refund, type: llm, needs: [classify], when: "steps.classify.output.intent == 'refund'",
+          with: {{system: "Refunds."}}}}
+      - {{id: tech, type: llm, needs: [classify], when: "steps.classify.output.intent == 'tech'",
+          with: {{system: "Tech."}}}}
+    """
+    engine = ScriptedEngine({"Classify": '{"intent": "tech", "amount": 0}', "Tech": "Reboot.", "Refunds": "no"},
+                            delay_s=0.001)
+    p = pipeline(registry, text, engine)
+    assert p.answers and {b.plan.spec.id for b in p.stages if b.streams} == {"refund", "tech"}
+    ctx, events = await run(p)
+    assert [(e.stage_id, e.text) for e in events if isinstance(e, TextDelta)][0] == ("tech", "R")
+    assert events[-1].summary.output_text == "Reboot."

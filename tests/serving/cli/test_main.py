@@ -87,7 +87,7 @@ def test_run_prints_messages_and_trace(capsys):
     assert "[user] Hi there" in captured.out
     lines = captured.err.splitlines()
     assert lines[0] == "(no stage streamed text; the messages the pipeline built:)"
-    assert lines[1].split() == ["stage", "type", "status", "start", "ms", "ms", "cost", "usd"]
+    assert lines[1].split() == ["stage", "type", "status", "start", "ms", "ms", "tokens", "cost", "usd"]
     assert lines[2].split()[:3] == ["prompt", "prompt", "ok"]
     assert "trace " in captured.err and "cost 0.000000 usd" in captured.err
 
@@ -225,7 +225,7 @@ def test_run_with_a_param_the_pipeline_does_not_take(routed_config, fake_models,
 def test_run_trace_shows_model_loading_as_rows_of_its_own(routed_config, fake_models, capsys):
     assert main(["run", "support-answer", "--input", "Hi", "--trace", "--config", routed_config]) == 0
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].split() == ["stage", "type", "status", "start", "ms", "ms", "cost", "usd"]
+    assert lines[0].split() == ["stage", "type", "status", "start", "ms", "ms", "tokens", "cost", "usd"]
     loads = {line.split()[0]: line.split() for line in lines[1:3]}
     assert set(loads) == {"smol", "big"}  # every model the route may pick
     assert all(row[1:4] == ["load", "ok", "-"] for row in loads.values())
@@ -274,4 +274,4 @@ def test_run_chat_streams_a_real_answer():
     rows = {line.split()[0]: line.split() for line in result.stderr.splitlines() if line.strip()}
     assert [rows[s][2] for s in ("prompt", "tok", "gen", "out")] == ["ok"] * 4
     assert rows["smol"][1:4] == ["load", "ok", "-"]  # the model's loading: a row of its own, before the request
-    assert float(rows["out"][5]) > 0  # token and compute cost of the default model's price
+    assert float(rows["out"][6]) > 0 and rows["out"][5] != "-"  # its tokens, and the default model's price
