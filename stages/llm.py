@@ -166,6 +166,10 @@ class LlmStage(Stage):
             if scope.holds_text:
                 await scope.emit_text(text)
             ctx.model, ctx.output_text, ctx.finish_reason = model, text, finish
+            # The sampling it ran, as the audit record keeps generate's (what a replay sends again).
+            ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                     "max_tokens": sampling.max_tokens, "seed": sampling.seed}
+            ctx.facts["weights_hash"] = engine.weights_hash
             if documents:
                 ctx.documents = documents
         return outputs

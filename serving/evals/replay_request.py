@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from pipeline.yamlsrc import parse
 from stages.generate import GenerateConfig
+from stages.llm import LlmConfig
 
 #: What a record's ``params`` keep of the sampling, beside the output constraint's kind and the user.
 SAMPLED = ("max_tokens", "temperature", "top_p", "seed", "n")
@@ -52,19 +53,21 @@ class ReplayRequest:
 
 
 def generate_config(text: str) -> GenerateConfig | None:
-    """The ``generate`` stage's config in pipeline YAML *text* (the last one, whose sampling a record keeps);
-    None when the text does not parse or has no valid generate stage."""
+    """The config of the step whose sampling callers set, in pipeline YAML *text*: the last ``generate`` stage
+    (whose sampling a record keeps), else a workflow's last ``llm`` step (its answer, which takes the callers'
+    options); None when the text does not parse or has neither."""
     src, issues = parse("version.yaml", text)
     data = src.data if src is not None and not issues else None
-    stages = data.get("stages") if isinstance(data, dict) else None
-    found = [s for s in stages if isinstance(s, dict) and s.get("type") == "generate"] if isinstance(stages, list) \
-        else []
-    if not found:
-        return None
-    try:
-        return GenerateConfig.model_validate(found[-1].get("with") or {})
-    except ValidationError:
-        return None
+    stages = [s for s in data.get("stages") or () if isinstance(s, dict)] if isinstance(data, dict) and \
+        isinstance(data.get("stages"), list) else []
+    for kind, config in (("generate", GenerateConfig), ("llm", LlmConfig)):
+        found = [stage for stage in stages if stage.get("type") == kind]
+        if found:
+            try:
+                return config.model_validate(found[-1].get("with") or {})
+            except ValidationError:
+                return None
+    return None
 
 
 def rebuild(record: dict[str, Any], served: GenerateConfig | None, candidate: GenerateConfig | None, *,

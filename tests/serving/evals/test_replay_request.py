@@ -70,3 +70,11 @@ def test_the_generate_stage_of_a_version():
     assert generate_config("name: s\nstages: [{id: p, type: prompt}]\n") is None
     assert generate_config("stages: [{type: generate, with: {max_tokens: ten}}]") is None
     assert generate_config("a: &a [*a]") is None
+
+
+def test_a_workflows_sampling_is_its_answering_llm_steps():
+    text = "name: w\nstages:\n  - {id: a, type: llm, with: {max_tokens: 32, temperature: 0.3}}\n"
+    config = generate_config(text)
+    assert config is not None and (config.max_tokens, config.temperature) == (32, 0.3)
+    request = rebuild(record(params={"temperature": 0.0, "max_tokens": 32}), config, config)
+    assert request.params == {"temperature": 0.0} and "sampling" not in notes(request)
