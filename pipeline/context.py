@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypedDict, get_type_hints
@@ -130,6 +131,10 @@ class StageRecord:
     fallback_for: str = ""
     #: The step it ran under (a sub-pipeline's steps: ``call``, ``call/answer``), "" at the top.
     parent: str = ""
+    #: A for_each step's item this record is of (None: not a for_each step).
+    item: int | None = None
+    #: The round of its loop (0: not in a loop).
+    round: int = 0
     #: In a pipeline that audits: the SHA-256 of the step's definition, of what it read (flow fields and
     #: earlier steps' outputs) and of what it gave, and those values (pipeline/digest.py), for the record.
     definition_sha256: str = ""
@@ -243,6 +248,10 @@ class Facts(TypedDict, total=False):
     shadow: dict[str, Any]
 
 
+#: The item a for_each step runs for now, with its index (each item runs in a task of its own, which copies it).
+CURRENT_ITEM: ContextVar[tuple[int, Any] | None] = ContextVar("inferline_current_item", default=None)
+
+
 @dataclass(slots=True)
 class RequestContext:
     """State of one request as it flows through one pipeline."""
@@ -328,9 +337,15 @@ class RequestContext:
         return self.principal.tenant if self.principal else ""
 
     def field_value(self, name: str) -> Any:
-        """The value of flow field *name*, or of ``steps`` (used by expressions and templates)."""
+        """The value of flow field *name*, of ``steps``, or of a for_each step's ``item`` and ``item_index`` (used
+        by expressions and templates)."""
         if name == "steps":
             return self.steps
+        if name in ("item", "item_index"):
+            current = CURRENT_ITEM.get()
+            if current is None:
+                raise KeyError(name)
+            return current[1] if name == "item" else current[0]
         if name not in FIELDS:
             raise KeyError(name)
         return getattr(self, name)

@@ -16,6 +16,7 @@ column inside that value when known), which the loader locates in the file.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,12 +27,16 @@ from pipeline.exprtypes import TypeChecker
 from pipeline.graph import Graph
 from pipeline.plan import StagePlan
 from pipeline.registry import StageRegistry
-from pipeline.types import ValueType
+from pipeline.types import UNKNOWN, ValueType
 
 #: The root name of step outputs in expressions and templates.
 STEPS = "steps"
 #: What every step gives besides its outputs.
 STATUS = "status"
+#: A for_each step's item, and its place in the list, in its templates and when:.
+ITEM, ITEM_INDEX = "item", "item_index"
+#: What each step of a loop gives besides its last round's outputs: every round's.
+ROUNDS = "rounds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +64,101 @@ def check_flow(plans: Sequence[StagePlan], graph: Graph, registry: StageRegistry
         issues += _before(index, plan, plans, graph)
         issues += _references(index, plan, by_id, graph)
     issues += _retry_layers(plans)
+    for index, plan in enumerate(plans):
+        issues += _for_each(index, plan, by_id, graph) + _loop(index, plan, graph)
     if not issues:  # a reference that does not resolve would make every type check below fail with it
         names = {**EXPRESSION_TYPES, STEPS: steps_type}
         for index, plan in enumerate(plans):
-            if plan.when is not None:
+            item = _item_type(plan, by_id)
+            scoped = names | ({ITEM: item, ITEM_INDEX: ValueType.of(int)} if item is not None else {})
+            for key, expression in (("when",), plan.when), (("repeat", "until"), plan.until):
+                if expression is None:
+                    continue
                 try:
-                    TypeChecker(plan.when.source.strip(), names).check(plan.when.tree)
+                    TypeChecker(expression.source.strip(), scoped).check(expression.tree)
                 except ExpressionError as exc:
-                    lead = len(plan.when.source) - len(plan.when.source.lstrip())
-                    issues.append(FlowIssue(index, ("when",), f"bad expression: {exc}",
-                                            exc.col + lead if exc.col > 0 else 0))
+                    lead = len(expression.source) - len(expression.source.lstrip())
+                    issues.append(FlowIssue(index, key, f"bad expression: {exc}", exc.col + lead if exc.col > 0 else 0))
     return issues
+
+
+def graph_outputs(plans: Sequence[StagePlan], graph: Graph) -> list[StagePlan]:
+    """*plans* with the outputs their place in *graph* gives them: a for_each step's outputs are lists (one per
+    item, in order); each step of a loop also gives ``rounds``, every round's outputs."""
+    found = []
+    for plan in plans:
+        outputs = dict(plan.outputs)
+        if plan.spec.for_each is not None:
+            outputs = {name: ValueType(frozenset({"list"}), items=kind, name=f"list[{kind.name}]")
+                       for name, kind in outputs.items()}
+        if graph.loop_of(plan.spec.id) is not None:
+            outputs[ROUNDS] = ValueType(frozenset({"list"}), items=ValueType.record(
+                {**outputs, STATUS: ValueType.of(str)}), name="list[round]")
+        found.append(dataclasses.replace(plan, outputs=outputs))
+    return found
+
+
+def _source(plan: StagePlan) -> tuple[str, ...] | None:
+    """A for_each step's list, as a path (``steps``, ID, FIELD...); None when it names none."""
+    text = plan.spec.for_each
+    parts = tuple(text.strip().split(".")) if text else ()
+    return parts if len(parts) >= 3 and parts[0] == STEPS and all(part.isidentifier() for part in parts) else None
+
+
+def _item_type(plan: StagePlan, by_id: dict[str, StagePlan]) -> ValueType | None:
+    path = _source(plan)
+    if path is None or path[1] not in by_id:
+        return None
+    value = {**by_id[path[1]].outputs, STATUS: ValueType.of(str)}.get(path[2])
+    for part in path[3:]:
+        value = value.without_null().field(part) if value is not None else None
+    return value.items if value is not None and value.items is not None else UNKNOWN
+
+
+def _for_each(index: int, plan: StagePlan, by_id: dict[str, StagePlan], graph: Graph) -> list[FlowIssue]:
+    reads_item = _reads_item(plan)
+    if plan.spec.for_each is None:
+        return [FlowIssue(index, ("type",), f"step {plan.spec.id!r} reads item, which only a for_each: step has: add "
+                                            "for_each: steps.ID.FIELD (a list)")] if reads_item else []
+    key = ("for_each",)
+    path = _source(plan)
+    if path is None:
+        return [FlowIssue(index, key, f"for_each names a list another step gives, as steps.ID.FIELD "
+                                      f"(steps.split.chunks), not {plan.spec.for_each!r}")]
+    message = _reference(plan, path, False, by_id, graph)
+    if message:
+        return [FlowIssue(index, key, message)]
+    source = by_id[path[1]]
+    value = {**source.outputs, STATUS: ValueType.of(str)}[path[2]]
+    for part in path[3:]:
+        value = value.without_null().field(part) or UNKNOWN
+    if value.kinds is not None and "list" not in value.kinds:
+        return [FlowIssue(index, key, f"{'.'.join(path)} is {value.describe()}, not a list: for_each runs the step "
+                                      "once per item of a list")]
+    if plan.cls.writes:
+        return [FlowIssue(index, key, f"a for_each step runs its items at the same time, and a {plan.spec.type} step "
+                                      f"writes the request's {', '.join(sorted(plan.cls.writes))}: make it an llm or "
+                                      "pipeline step, whose outputs are its own")]
+    return []
+
+
+def _reads_item(plan: StagePlan) -> bool:
+    names = set(plan.when.names) if plan.when is not None else set()
+    names |= {name for template in plan.cls.templates(plan.config).values() for name in template.names}
+    return bool(names & {ITEM, ITEM_INDEX})
+
+
+def _loop(index: int, plan: StagePlan, graph: Graph) -> list[FlowIssue]:
+    """A loop ends: its until reads what the loop's steps give (else each round would decide the same)."""
+    if plan.until is None:
+        return []
+    body = graph.loops.get(plan.spec.id, ())
+    read = {path[1] for path, _ in plan.until.paths if path[0] == STEPS and len(path) > 1}
+    if not read & set(body):
+        return [FlowIssue(index, ("repeat", "until"), f"the loop's until reads nothing its steps "
+                                                      f"({', '.join(body)}) give, so it would never end: test one "
+                                                      f"of their outputs, as steps.{plan.spec.id}.output...")]
+    return []
 
 
 def _writers(field: str, among: frozenset[str], plans: Sequence[StagePlan]) -> list[StagePlan]:
@@ -80,7 +169,7 @@ def _fields(index: int, plan: StagePlan, plans: Sequence[StagePlan], graph: Grap
             registry: StageRegistry) -> list[FlowIssue]:
     before = graph.ancestors[plan.spec.id]
     needs = [(("type",), f) for f in sorted(plan.cls.required_reads(plan.config))]
-    needs += [(("when",), f) for f in sorted(plan.when.names - {STEPS})] if plan.when else []
+    needs += [(("when",), f) for f in sorted(plan.when.names - {STEPS, ITEM, ITEM_INDEX})] if plan.when else []
     issues = []
     for key, name in needs:
         if FIELDS.get(name) is not None and FIELDS[name].initial:
@@ -135,6 +224,9 @@ def _references(index: int, plan: StagePlan, by_id: dict[str, StagePlan], graph:
     found: list[tuple[tuple[str | int, ...], tuple[str, ...], bool]] = []
     if plan.when is not None:
         found += [(("when",), path, coalesced) for path, coalesced in plan.when.paths if path[0] == STEPS]
+    if plan.until is not None:  # read after the step itself, so its own outputs too
+        found += [(("repeat", "until"), path, coalesced) for path, coalesced in plan.until.paths
+                  if path[0] == STEPS and path[1:2] != (plan.spec.id,)]
     for loc, template in plan.cls.templates(plan.config).items():
         found += [(("with", *loc), path, coalesced) for path, coalesced in template.paths if path[0] == STEPS]
     found += [(("with", *loc), (STEPS, step, output), False) for loc, step, output in plan.cls.step_reads(plan.config)]
@@ -161,9 +253,14 @@ def _reference(plan: StagePlan, path: tuple[str, ...], coalesced: bool, by_id: d
         return f"{shown}: step {step_id!r} runs only in the place of {primary!r}: read steps.{primary}.{output}"
     if step_id == plan.spec.id:
         return f"{shown}: a step cannot read its own outputs"
-    if not graph.runs_before(step_id, plan.spec.id):
+    loop = graph.loop_of(step_id)
+    earlier_round = loop is not None and loop == graph.loop_of(plan.spec.id)  # a later step's previous round
+    if not graph.runs_before(step_id, plan.spec.id) and not earlier_round:
         when = "after it" if graph.runs_before(plan.spec.id, step_id) else "beside it, not before"
         return f"{shown}: step {step_id!r} runs {when}: add {step_id!r} to the needs of {plan.spec.id!r}"
+    if earlier_round and not graph.runs_before(step_id, plan.spec.id) and output != STATUS and not coalesced:
+        return (f"{shown}: step {step_id!r} runs after {plan.spec.id!r} in their loop: what it gave in the round "
+                f"before (none in the first) is read as coalesce({shown}, ...)")
     gives = {**source.outputs, STATUS: ValueType.of(str)}
     if output not in gives:
         return (f"{shown}: step {step_id!r} ({source.spec.type}) gives no {output!r}{suggest(output, list(gives))} "

@@ -17,7 +17,7 @@ graph with each step's ancestors, which the loader's checks of data flow and ``s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.diagnostics import suggest
 
@@ -34,6 +34,8 @@ class Node:
     stream: bool = False
     #: Whether it has a ``when:`` of its own (an alternative: several such steps may each stream).
     conditional: bool = False
+    #: ``repeat.from``: it closes a loop that starts at that step.
+    repeat_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,12 @@ class Graph:
     #: The steps that say ``stream: true``: their text goes to the client (several only as alternatives, each
     #: with its own ``when:``; the first of them to send text answers).
     streaming: tuple[str, ...] = ()
+    #: Loops by the step that closes them: the steps of each, in order (the first is its ``repeat.from``).
+    loops: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def loop_of(self, step: str) -> str | None:
+        """The step closing the loop *step* runs in, or None."""
+        return next((closer for closer, body in self.loops.items() if step in body), None)
 
     @property
     def fallback_only(self) -> frozenset[str]:
@@ -119,11 +127,53 @@ def build_graph(nodes: Sequence[Node]) -> tuple[Graph | None, list[GraphIssue]]:
     if issues:
         return None, issues
     order = _order(nodes, deps)
-    ancestors: dict[str, frozenset[str]] = {}
-    for step in order:
-        ancestors[step] = frozenset().union(*(ancestors[d] | {d} for d in deps[step])) if deps[step] else frozenset()
+    ancestors = _ancestors(order, deps)
+    loops = _loops(nodes, index, order, deps, ancestors, issues)
+    if issues:
+        return None, issues
+    for closer, body in loops.items():  # a step after a loop waits for the whole loop: its last step
+        for step in order:
+            if step not in body and any(need in body for need in deps[step]):
+                deps[step] = tuple(dict.fromkeys(closer if need in body else need for need in deps[step]))
+    ancestors = _ancestors(order, deps)
     return Graph(tuple(node.id for node in nodes), deps, ancestors, order, fallbacks,
-                 tuple(nodes[i].id for i in streaming)), []
+                 tuple(nodes[i].id for i in streaming), loops), []
+
+
+def _ancestors(order: Sequence[str], deps: dict[str, tuple[str, ...]]) -> dict[str, frozenset[str]]:
+    found: dict[str, frozenset[str]] = {}
+    for step in order:
+        found[step] = frozenset().union(*(found[d] | {d} for d in deps[step])) if deps[step] else frozenset()
+    return found
+
+
+def _loops(nodes: Sequence[Node], index: dict[str, int], order: Sequence[str], deps: dict[str, tuple[str, ...]],
+           ancestors: dict[str, frozenset[str]], issues: list[GraphIssue]) -> dict[str, tuple[str, ...]]:
+    """Each loop's steps: its first, the last (the step with ``repeat:``), and every step between them."""
+    loops: dict[str, tuple[str, ...]] = {}
+    taken: dict[str, str] = {}
+    for i, node in enumerate(nodes):
+        first = node.repeat_from
+        if first is None:
+            continue
+        where = ("repeat", "from")
+        if first not in index:
+            issues.append(GraphIssue(i, where, f"no step {first!r}{suggest(first, list(index))}"))
+            continue
+        if first != node.id and first not in ancestors.get(node.id, ()):
+            issues.append(GraphIssue(i, where, f"the loop runs from {first!r} to {node.id!r}, but {node.id!r} does "
+                                     f"not run after {first!r}: add {first!r} to its needs"))
+            continue
+        body = tuple(step for step in order if step == first or step == node.id or
+                     (first in ancestors[step] and step in ancestors[node.id]))
+        clash = next((step for step in body if step in taken), None)
+        if clash is not None:
+            issues.append(GraphIssue(i, ("repeat",), f"step {clash!r} is already in the loop that "
+                                     f"{taken[clash]!r} closes: loops neither nest nor overlap"))
+            continue
+        loops[node.id] = body
+        taken |= dict.fromkeys(body, node.id)
+    return loops
 
 
 def _fallbacks(nodes: Sequence[Node], index: dict[str, int], issues: list[GraphIssue]) -> dict[str, str]:

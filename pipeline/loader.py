@@ -21,7 +21,7 @@ from pipeline.diagnostics import suggest, validation_issues
 from pipeline.errors import ExpressionError, SpecError, SpecIssue
 from pipeline.expr import Expression
 from pipeline.expr import parse as parse_expression
-from pipeline.flow import STEPS, check_flow
+from pipeline.flow import ITEM, ITEM_INDEX, STEPS, check_flow, graph_outputs
 from pipeline.graph import Graph, Node, build_graph
 from pipeline.plan import LoadedPipeline, StagePlan
 from pipeline.protocols import Catalog
@@ -110,22 +110,26 @@ class _PipelineChecker:
         plans = [self._stage(i, raw) for i, raw in enumerate(raw_stages)]
         self._duplicate_ids(raw_stages)
         graph = None
-        if all(plan is not None for plan in plans) and not self.issues:
-            graph = self._graph(plans)  # type: ignore[arg-type]
-        return spec, [p for p in plans if p is not None], graph
+        kept = [p for p in plans if p is not None]
+        if len(kept) == len(plans) and not self.issues:
+            graph, kept = self._graph(kept)
+        return spec, kept, graph
 
-    def _graph(self, plans: list[StagePlan]) -> Graph | None:
-        """The steps' graph, then the data flow over it (pipeline/graph.py, pipeline/flow.py)."""
+    def _graph(self, plans: list[StagePlan]) -> tuple[Graph | None, list[StagePlan]]:
+        """The steps' graph, then the data flow over it (pipeline/graph.py, pipeline/flow.py); the plans with
+        the outputs their graph gives them (a for_each step's are lists, a loop's steps keep their rounds)."""
         nodes = [Node(p.spec.id, None if p.spec.needs is None else tuple(p.spec.needs), p.spec.always,
-                      p.spec.fallback, p.spec.stream, p.spec.when is not None) for p in plans]
+                      p.spec.fallback, p.spec.stream, p.spec.when is not None,
+                      p.spec.repeat.from_ if p.spec.repeat is not None else None) for p in plans]
         graph, problems = build_graph(nodes)
         for problem in problems:
             self._issue(("stages", problem.index, *problem.key), problem.message)
         if graph is None:
-            return None
+            return None, plans
+        plans = graph_outputs(plans, graph)
         for found in check_flow(plans, graph, self.registry):
             self._issue(("stages", found.index, *found.key), found.message, col_offset=found.col)
-        return graph
+        return graph, plans
 
     def _stage(self, index: int, raw: Any) -> StagePlan | None:
         # Check type, with: and when: even when the stage entry has other schema
@@ -140,9 +144,15 @@ class _PipelineChecker:
             stage = StageSpec.model_validate(raw)
         except ValidationError:
             return None
-        if cls is None or config is None or (stage.when is not None and when is None):
+        until = self._when(index, stage.repeat.until, ("repeat", "until")) if stage.repeat is not None else None
+        if stage.repeat is not None and stage.repeat.max > self.catalog.max_rounds:
+            self._issue(("stages", index, "repeat", "max"), f"at most {self.catalog.max_rounds} rounds (the server's "
+                        f"workflows.max_rounds); write a smaller max")
             return None
-        return StagePlan(stage, cls, config, when, cls.output_types(config))
+        if cls is None or config is None or (stage.when is not None and when is None) or \
+                (stage.repeat is not None and until is None):
+            return None
+        return StagePlan(stage, cls, config, when, cls.output_types(config), until)
 
     def _type(self, index: int, type_name: str) -> type[Stage] | None:
         cls = self.registry.get(type_name)
@@ -176,11 +186,11 @@ class _PipelineChecker:
                                       f"({plural[kind]} in inferline.yaml: {listed})"))
         return problems
 
-    def _when(self, index: int, source: str) -> Expression | None:
-        try:
-            return parse_expression(source, {**EXPRESSION_TYPES, STEPS: UNKNOWN})  # steps: checked over the graph
+    def _when(self, index: int, source: str, key: tuple[str, ...] = ("when",)) -> Expression | None:
+        try:  # steps and item: checked over the graph
+            return parse_expression(source, {**EXPRESSION_TYPES, STEPS: UNKNOWN, ITEM: UNKNOWN, ITEM_INDEX: UNKNOWN})
         except ExpressionError as exc:
-            self._issue(("stages", index, "when"), f"bad expression: {exc}", col_offset=exc.col)
+            self._issue(("stages", index, *key), f"bad expression: {exc}", col_offset=exc.col)
             return None
 
     def _duplicate_ids(self, raw_stages: list[Any]) -> None:

@@ -23,6 +23,8 @@ class StagePlan:
     when: Expression | None
     #: What ``steps.ID.FIELD`` reads of it (its outputs' types; ``status`` besides).
     outputs: dict[str, ValueType] = field(default_factory=dict)
+    #: With ``repeat:``, the loop's end condition.
+    until: Expression | None = None
 
 
 @dataclass(frozen=True, slots=True)

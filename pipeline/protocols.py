@@ -39,6 +39,8 @@ class Catalog:
     #: The engines' own compile check of a pipeline's ``output:`` (serving wires it in); None: only what
     #: the stages can check themselves (a JSON Schema against its metaschema).
     check_output: OutputCheck | None = None
+    #: The most rounds a ``repeat:`` loop may run (the server's ``workflows.max_rounds``).
+    max_rounds: int = 10
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,14 +46,17 @@ class Pipeline:
             raise ValueError(f"pipeline {loaded.spec.name!r} was loaded without its graph")
         self.graph = loaded.graph
         answering = answering_steps(loaded)
-        self.answers = bool(answering)
+        #: A workflow: only its answering steps' text goes out. A chain (it answers through a stream stage, or
+        #: makes no model call at all) sends every stage's text, as it always did.
+        self.answers = bool(answering) or (
+            not any(plan.cls.answers_chain for plan in loaded.plans)
+            and any(plan.cls.is_model_call for plan in loaded.plans))
         answering_ids = answering | {self.graph.fallbacks[step] for step in answering  # in its place
                                      if step in self.graph.fallbacks}
         records_io = any(plan.cls.records_steps for plan in loaded.plans)
         self.stages = tuple(
             BoundStage(plan, plan.cls(plan.spec.id, plan.config, resources),
-                       # Without a model call that answers, any stage's text goes out, as it always did.
-                       not answering or plan.cls.sends_answer or plan.spec.id in answering_ids,
+                       not self.answers or plan.cls.sends_answer or plan.spec.id in answering_ids,
                        records_io, digest(plan.spec.model_dump(mode="json", by_alias=True, exclude_none=True)),
                        *reads_of(plan))
             for plan in loaded.plans

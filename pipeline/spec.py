@@ -65,6 +65,18 @@ class RetrySpec(Strict):
         default_factory=lambda: list(RETRY_ON), min_length=1)
 
 
+class RepeatSpec(Strict):
+    """A bounded loop: the steps from ``from`` to this one run again, round after round, until ``until`` holds
+    (checked after each round) or ``max`` rounds have run."""
+
+    #: The loop's first step (an ancestor of this one); the loop is every step from it to this one.
+    from_: str = Field(alias="from", pattern=_NAME)
+    #: The loop ends when this holds, e.g. ``steps.check.output.passed``: it reads what the loop's steps give.
+    until: str
+    #: The most rounds; required, and at most the server's ``workflows.max_rounds``.
+    max: int = Field(ge=1)
+
+
 class StageSpec(Strict):
     """One entry of a pipeline's ``stages:`` list: a step of its graph (pipeline/graph.py)."""
 
@@ -91,8 +103,22 @@ class StageSpec(Strict):
     #: Another step that runs in this one's place when it fails (after its retries), e.g. the same call on
     #: another model; its outputs are then this step's.
     fallback: str | None = Field(None, pattern=_NAME)
-    #: This step's text goes to the client (one step per pipeline; default: a stream stage, else the last llm step).
+    #: This step's text goes to the client (several only as alternatives, each with its own when:; default: a
+    #: stream stage, else the model calls no other step reads).
     stream: bool = False
+    #: Run the step once per item of a list another step gives (``steps.split.chunks``); the item is ``item``
+    #: (and ``item_index``) in its templates and when:, and each output is the list of the items' outputs.
+    for_each: str | None = None
+    #: With for_each: how many items run at the same time.
+    concurrency: int = Field(4, ge=1, le=64)
+    #: Close a loop over the steps from repeat.from to this one (see RepeatSpec).
+    repeat: RepeatSpec | None = None
+
+    @model_validator(mode="after")
+    def _concurrency_needs_for_each(self) -> StageSpec:
+        if "concurrency" in self.model_fields_set and self.for_each is None:
+            raise ValueError("concurrency: applies to a for_each: step only; add for_each: or remove concurrency:")
+        return self
 
 
 #: The roles an API key may have (``inferline keys create --role``; store/keys.py keeps the same list, and a

@@ -24,19 +24,20 @@ import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import RequestContext, StageRecord, TokenLogprob
+from pipeline.context import CURRENT_ITEM, RequestContext, StageRecord, TokenLogprob
 from pipeline.digest import digest, jsonable
 from pipeline.eager import start_eagerly
 from pipeline.errors import (
     EmptyOutput,
     ExpressionError,
     InferlineError,
+    InvalidInput,
     InvalidOutput,
     PolicyDenied,
     StageTimeout,
@@ -100,8 +101,8 @@ class Clock:
 class Scope:
     """The :class:`~pipeline.stage.StageScope` given to one attempt of one step."""
 
-    __slots__ = ("_answer", "_clock", "_ctx", "_emit", "_span", "_stage_id", "_streams", "emitted", "ended",
-                 "holds_text", "input_tokens", "output_tokens")
+    __slots__ = ("_answer", "_clock", "_ctx", "_emit", "_span", "_stage_id", "_streams", "cost_usd", "emitted",
+                 "ended", "holds_text", "input_tokens", "output_tokens")
 
     def __init__(self, ctx: RequestContext, stage_id: str, span: Span, emit: Emit, clock: Clock, streams: bool,
                  holds_text: bool = False, answer: _Answer | None = None):
@@ -116,6 +117,8 @@ class Scope:
         #: Whether it answered the request and ended it (``reply``).
         self.ended = False
         self.input_tokens = self.output_tokens = 0
+        #: What this attempt cost (an item's or a round's own, where the step's ledger adds them all up).
+        self.cost_usd = 0.0
 
     @property
     def streams(self) -> bool:
@@ -138,6 +141,7 @@ class Scope:
 
     def add_cost(self, usd: float, kind: str = "other", detail: str = "") -> None:
         self._ctx.ledger.add(self._stage_id, usd, kind, detail)
+        self.cost_usd += usd
 
     def set_attribute(self, key: str, value: Any) -> None:
         self._span.set_attribute(key, value)
@@ -174,6 +178,10 @@ class _Run:
     ended: bool = False
     #: In a workflow (a pipeline with answering steps), which one answered.
     answer: _Answer | None = None
+    #: Each loop's round now (1 while it runs its first), by the step closing it.
+    rounds: dict[str, int] = field(default_factory=dict)
+    #: Each loop step's outputs, round after round.
+    kept: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 async def run_steps(pipeline: Steps, ctx: RequestContext, emit: Emit, clock: Clock, tracer: Tracer,
@@ -192,6 +200,12 @@ async def run_steps(pipeline: Steps, ctx: RequestContext, emit: Emit, clock: Clo
     cancelled = False
 
     def finished(step: str) -> None:
+        if step in graph.loops and _again(run, pipeline.step(step)):  # the loop's next round: its steps again
+            body = graph.loops[step]
+            for member in body:
+                waiting[member] = sum(need in body for need in graph.deps[member])
+            ready.extend(member for member in body if waiting[member] == 0)
+            return
         for follower in followers[step]:
             waiting[follower] -= 1
             if waiting[follower] == 0:
@@ -243,21 +257,96 @@ async def _cancel_all(running: dict[asyncio.Task[None], str], which: Callable[[s
     return chosen
 
 
+def _again(run: _Run, closer: BoundStage) -> bool:
+    """After a round of the loop *closer* closes: whether another follows (its until does not hold yet, every
+    step went well, and it has rounds left); a failing until fails the request."""
+    ctx, spec = run.ctx, closer.plan.spec
+    done = run.rounds.get(spec.id, 1)
+    if ctx.status != "ok" or closer.plan.until is None or spec.repeat is None or done >= spec.repeat.max:
+        return False
+    try:
+        if closer.plan.until.evaluate(ctx.field_value):
+            return False
+    except ExpressionError as exc:
+        _fail(ctx, exc, None, "fail")
+        return False
+    run.rounds[spec.id] = done + 1
+    return True
+
+
 async def _step(run: _Run, bound: BoundStage) -> None:
-    """One step: skipped, or its attempts, then its fallback; its outputs in ``ctx.steps``."""
+    """One step: skipped, its items (for_each), or its attempts, then its fallback; its outputs in ``ctx.steps``
+    (with every round's, in a loop)."""
     ctx, spec = run.ctx, bound.plan.spec
     reason = _skip_reason(run, bound)
     if reason:
         _skipped(run, spec, reason)
+        _keep_round(run, spec.id, ctx.steps[spec.id])
         return
-    fallback = run.pipeline.graph.fallbacks.get(spec.id)
-    # With a fallback, the step's own failure is not the request's: its fallback's, if that fails too, is.
-    outputs, status = await _attempts(run, bound, "", judge=fallback is None, on_error=spec.on_error)
-    if status not in ("ok", "cancelled", "denied") and fallback is not None:
-        outputs, status = await _attempts(run, run.pipeline.step(fallback), spec.id, judge=True,
-                                          on_error=spec.on_error)
-        ctx.steps[fallback] = {"status": status, **outputs}
+    if spec.for_each is not None:
+        outputs, status = await _items(run, bound)
+    else:
+        fallback = run.pipeline.graph.fallbacks.get(spec.id)
+        # With a fallback, the step's own failure is not the request's: its fallback's, if that fails too, is.
+        outputs, status = await _attempts(run, bound, "", judge=fallback is None, on_error=spec.on_error)
+        if status not in ("ok", "cancelled", "denied") and fallback is not None:
+            outputs, status = await _attempts(run, run.pipeline.step(fallback), spec.id, judge=True,
+                                              on_error=spec.on_error)
+            ctx.steps[fallback] = {"status": status, **outputs}
     ctx.steps[spec.id] = {"status": status, **outputs}
+    _keep_round(run, spec.id, ctx.steps[spec.id])
+
+
+def _keep_round(run: _Run, step: str, outputs: dict[str, Any]) -> None:
+    """In a loop, the step's outputs of every round so far, as ``steps.ID.rounds``."""
+    loop = run.pipeline.graph.loop_of(step)
+    if loop is None:
+        return
+    rounds = run.kept.setdefault(step, [])
+    rounds.append(dict(outputs))
+    outputs["rounds"] = list(rounds)
+
+
+async def _items(run: _Run, bound: BoundStage) -> tuple[dict[str, Any], str]:
+    """A for_each step: each item of its list, at most ``concurrency`` at a time, in tasks of their own; its
+    outputs are lists in the items' order (null for an item that failed and was skipped)."""
+    ctx, spec = run.ctx, bound.plan.spec
+    items = _resolve(ctx, spec.for_each or "")
+    if not isinstance(items, (list, tuple)):
+        _fail(ctx, InvalidInput(f"for_each: {spec.for_each} is not a list here"), None, spec.on_error)
+        _record(run, spec, "failed", time.perf_counter() - run.clock.start, 0.0, f"{spec.for_each} is not a list", 1,
+                "", "")
+        return {}, "failed"
+    gate = asyncio.Semaphore(spec.concurrency)
+    results: list[tuple[dict[str, Any], str]] = [({}, "skipped")] * len(items)
+
+    async def one(index: int, item: Any) -> None:
+        async with gate:
+            if ctx.status != "ok":
+                return
+            CURRENT_ITEM.set((index, item))
+            results[index] = await _attempts(run, bound, "", judge=True, on_error=spec.on_error, item=index)
+
+    tasks = [start_eagerly(one(index, item)) for index, item in enumerate(items)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    names = list(bound.plan.outputs) if bound.plan.outputs else sorted({k for o, _ in results for k in o})
+    outputs = {name: [o.get(name) if status == "ok" else None for o, status in results] for name in names
+               if name not in ("status", "rounds")}
+    failed = any(status not in ("ok", "skipped") for _, status in results)
+    return outputs, "failed" if failed and spec.on_error == "fail" else "ok"
+
+
+def _resolve(ctx: RequestContext, dotted: str) -> Any:
+    """The value at a path like ``steps.split.chunks``."""
+    parts = dotted.split(".")
+    value: Any = ctx.field_value(parts[0])
+    for part in parts[1:]:
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value
 
 
 def _skip_reason(run: _Run, bound: BoundStage) -> str:
@@ -285,14 +374,14 @@ def _skipped(run: _Run, spec: StageSpec, reason: str) -> None:
 
 
 async def _attempts(run: _Run, bound: BoundStage, fallback_for: str, *, judge: bool,
-                    on_error: str) -> tuple[dict[str, Any], str]:
+                    on_error: str, item: int | None = None) -> tuple[dict[str, Any], str]:
     """Run the step until an attempt succeeds or its ``retry:`` gives up; its outputs and last status. The last
     failure fails the request when *judge* and *on_error* say so (``on_error: fail``)."""
     retry = bound.plan.spec.retry
     attempts = retry.attempts if retry is not None else 1
     for attempt in range(1, attempts + 1):
         outputs, status, retrying = await _attempt(run, bound, attempt, fallback_for, attempt < attempts,
-                                                   judge, on_error)
+                                                   judge, on_error, item)
         if not retrying:
             return outputs, status
         await asyncio.sleep(retry.backoff_ms * 2 ** (attempt - 1) / 1000)  # type: ignore[union-attr]
@@ -300,7 +389,7 @@ async def _attempts(run: _Run, bound: BoundStage, fallback_for: str, *, judge: b
 
 
 async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str, more: bool, judge: bool,
-                   on_error: str) -> tuple[dict[str, Any], str, bool]:
+                   on_error: str, item: int | None = None) -> tuple[dict[str, Any], str, bool]:
     """One attempt (*more*: another may follow): its outputs, status, and whether its ``retry:`` runs it again
     (a failure it covers, and none of its text reached the client)."""
     ctx, spec = run.ctx, bound.plan.spec
@@ -331,7 +420,7 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
             span.set_attribute(attr.STAGE_STATUS, status)
             span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
             _record(run, spec, status, started - run.clock.start, time.perf_counter() - started, error, attempt, "",
-                    fallback_for, scope.input_tokens, scope.output_tokens, retrying)
+                    fallback_for, scope.input_tokens, scope.output_tokens, retrying, item, scope.cost_usd)
             if inputs is not None:
                 _keep_io(ctx.stages[-1], bound, inputs, outputs if status == "ok" else None)
     return outputs, status, retrying
@@ -414,9 +503,10 @@ def _message(exc: BaseException) -> str:
 
 def _record(run: _Run, spec: StageSpec, status: str, started_s: float, duration_s: float, error: str,
             attempt: int, skip_reason: str, fallback_for: str, input_tokens: int = 0, output_tokens: int = 0,
-            retrying: bool = False) -> None:
+            retrying: bool = False, item: int | None = None, cost: float = 0.0) -> None:
     ctx = run.ctx
-    cost = ctx.ledger.stage_total(spec.id) if status != "skipped" else 0.0
+    loop = run.pipeline.graph.loop_of(spec.id)
     ctx.stages.append(StageRecord(spec.id, spec.type, status, started_s, duration_s, cost, error, attempt,
-                                  skip_reason, input_tokens, output_tokens, fallback_for))
+                                  skip_reason, input_tokens, output_tokens, fallback_for, item=item,
+                                  round=run.rounds.get(loop, 1) if loop is not None else 0))
     run.emit(StageFinished(spec.id, spec.type, status, duration_s, cost, error, attempt, "", skip_reason, retrying))

@@ -14,13 +14,14 @@ from stages.reply import ReplyStage
 from stages.retrieve import RetrieveStage
 from stages.route import RouteStage
 from stages.score import ScoreStage
+from stages.split import SplitStage
 from stages.stream import StreamStage
 from stages.subpipeline import PipelineStep
 from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
                   StreamStage, ScoreStage, EmbedStage, AuditStage, LlmStage, ReplyStage,
-                  PipelineStep)
+                  PipelineStep, SplitStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -133,13 +133,14 @@ def _render(template: Template, ctx: RequestContext) -> str:
 
 def template_issues(compiled: Callable[[], dict[str, Template]]) -> list[CheckIssue]:
     """The problems of a stage's templates (by key in ``with:``): syntax, and names that are neither a flow field
-    nor ``steps`` (whose references the loader checks over the graph)."""
+    nor ``steps`` and a for_each step's ``item`` (which the loader checks over the graph)."""
     try:
         templates = compiled()
     except TemplateError as exc:
         return [((), str(exc))]
     return [((key,), f"template names unknown field {name!r} (fields: {', '.join([*FIELDS, 'steps'])})")
-            for key, template in templates.items() for name in sorted(template.names - FIELDS.keys() - {"steps"})]
+            for key, template in templates.items()
+            for name in sorted(template.names - FIELDS.keys() - {"steps", "item", "item_index"})]
 
 
 def sources_block(heading: str, documents: list[Document]) -> str:

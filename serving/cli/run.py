@@ -204,9 +204,17 @@ def _print_messages(ctx: RequestContext, out: TextIO) -> None:
         print(f"[{message.role}] {message.content}", file=out)
 
 
+def _name(stage: StageRecord) -> str:
+    """The step's id, indented under the step a sub-pipeline ran in, with its item's index (for_each)."""
+    depth = stage.parent.count("/") + 1 if stage.parent else 0
+    return "  " * depth + stage.id + (f"[{stage.item}]" if stage.item is not None else "")
+
+
 def _status(stage: StageRecord) -> str:
-    """``ok``, ``skipped (when)``, ``failed #1`` (an attempt that was retried), ``ok (for gen)`` (a fallback)."""
+    """``ok``, ``skipped (when)``, ``failed #1`` (an attempt that was retried), ``ok (for gen)`` (a fallback),
+    ``ok (round 2)`` (a loop's)."""
     notes = [stage.skip_reason] if stage.skip_reason else []
+    notes += [f"round {stage.round}"] if stage.round > 1 else []
     notes += [f"for {stage.fallback_for}"] if stage.fallback_for else []
     attempt = f" #{stage.attempt}" if stage.attempt > 1 or stage.status not in ("ok", "skipped") else ""
     return f"{stage.status}{attempt}" + (f" ({', '.join(notes)})" if notes else "")
@@ -217,7 +225,7 @@ def print_trace(summary: Summary, loads: Sequence[tuple[str, float]], out: TextI
     model started before the request (its start: -); steps that ran side by side overlap in their start and ms."""
     rows = [("stage", "type", "status", "start ms", "ms", "tokens", "cost usd")]
     rows += [(name, "load", "ok", "-", f"{seconds * 1e3:.2f}", "-", "-") for name, seconds in loads]
-    rows += [("  " * (s.parent.count("/") + 1 if s.parent else 0) + s.id, s.type, _status(s),
+    rows += [(_name(s), s.type, _status(s),
               f"{s.started_s * 1e3:.2f}", f"{s.duration_s * 1e3:.2f}",
               f"{s.input_tokens}/{s.output_tokens}" if s.input_tokens or s.output_tokens else "-", f"{s.cost_usd:.6f}")
              for s in summary.stages]

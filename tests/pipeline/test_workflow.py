@@ -261,6 +261,144 @@ async def test_the_branch_that_runs_answers_when_no_step_reads_the_branches(regi
                             delay_s=0.001)
     p = pipeline(registry, text, engine)
     assert p.answers and {b.plan.spec.id for b in p.stages if b.streams} == {"refund", "tech"}
-    ctx, events = await run(p)
-    assert [(e.stage_id, e.text) for e in events if isinstance(e, TextDelta)][0] == ("tech", "R")
+    _, events = await run(p)
+    assert next((e.stage_id, e.text) for e in events if isinstance(e, TextDelta)) == ("tech", "R")
     assert events[-1].summary.output_text == "Reboot."
+
+
+MAP = """
+name: mapped
+stages:
+  - {id: split, type: split, with: {chunk_chars: 50}}
+  - id: each
+    type: llm
+    for_each: steps.split.chunks
+    concurrency: CONCURRENCY
+    on_error: ON_ERROR
+    with: {system: "Echo.", user: "{{ item_index }}:{{ item }}", max_tokens: 200}
+  - {id: join, type: reply, with: {text: "{{ steps.each.output | join('|') }}"}}
+"""
+
+
+class EchoEngine(FakeEngine):
+    """Answers each prompt's last line (the item) slowly, counting how many answers run at once; fails the items
+    whose text says FAIL."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.most = 0
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        item = bytes(prompt_ids).decode(errors="replace").rsplit("<user>", 1)[-1]
+        if "FAIL" in item:
+            from pipeline.errors import BackendError
+            raise BackendError("this item fails")
+        self.now += 1
+        self.most = max(self.most, self.now)
+        stream = SlowStream(item.encode(), len(prompt_ids), sampling.max_tokens, 0.002)
+        close = stream.aclose
+
+        async def aclose():
+            self.now -= 1
+            await close()
+
+        stream.aclose = aclose
+        return stream
+
+
+def text_of(n: int, fail: int = -1) -> str:
+    return "\n\n".join(("FAIL this part of the text, whole" if i == fail else f"part number {i} of the longer text")
+                       for i in range(n))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_for_each_keeps_the_order_and_never_runs_more_than_its_concurrency(registry, concurrency):
+    engine = EchoEngine()
+    p = pipeline(registry, MAP.replace("CONCURRENCY", str(concurrency)).replace("ON_ERROR", "fail"), engine)
+    ctx, events = await run(p, text_of(7))
+    assert isinstance(events[-1], Done), events[-1]
+    outputs = ctx.steps["each"]["output"]
+    assert [o.split(":")[0] for o in outputs] == [str(i) for i in range(7)]  # in the items' order
+    assert engine.most == concurrency
+    assert sorted(r.item for r in ctx.stages if r.id == "each") == list(range(7))
+
+
+async def test_a_failed_item_is_skipped_and_recorded_or_fails_the_request(registry):
+    engine = EchoEngine()
+    p = pipeline(registry, MAP.replace("CONCURRENCY", "2").replace("ON_ERROR", "skip"), engine)
+    ctx, events = await run(p, text_of(4, fail=2))
+    assert isinstance(events[-1], Done)
+    assert ctx.steps["each"]["output"][2] is None and ctx.steps["each"]["output"][3].startswith("3:")
+    assert [(r.item, r.status) for r in ctx.stages if r.id == "each" and r.status != "ok"] == [(2, "failed")]
+    failing = pipeline(registry, MAP.replace("CONCURRENCY", "2").replace("ON_ERROR", "fail"), EchoEngine())
+    ctx, events = await run(failing, text_of(4, fail=2))
+    assert isinstance(events[-1], Error) and "this item fails" in events[-1].message
+
+
+LOOP = """
+name: looped
+stages:
+  - {id: draft, type: llm, with: {system: "Draft. {{ coalesce(steps.judge.output.reasons, 'first') }}"}}
+  - id: judge
+    type: llm
+    repeat: {from: draft, until: "steps.judge.output.passed", max: MAX}
+    with:
+      system: "Judge."
+      output: {json_schema: {type: object, properties: {passed: {type: boolean}, reasons: {type: string}},
+                required: [passed, reasons]}}
+  - {id: answer, type: reply, with: {text: "{{ steps.draft.output }} after {{ steps.draft.rounds | length }}"}}
+"""
+
+
+class JudgeEngine(ScriptedEngine):
+    """The judge passes the *passes_at*-th draft."""
+
+    def __init__(self, passes_at: int):
+        super().__init__({})
+        self.passes_at, self.drafts = passes_at, 0
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        prompt = bytes(prompt_ids).decode(errors="replace")
+        if "Judge." in prompt:
+            reply = json.dumps({"passed": self.drafts >= self.passes_at, "reasons": f"fix {self.drafts}"})
+        else:
+            self.drafts += 1
+            reply = f"draft {self.drafts} ({prompt.split('Draft. ', 1)[1].split('<user>')[0]})"
+        self.prompts.append(prompt)
+        return SlowStream(reply.encode(), len(prompt_ids), sampling.max_tokens, 0)
+
+
+async def test_a_loop_ends_when_its_until_holds(registry):
+    ctx, events = await run(pipeline(registry, LOOP.replace("MAX", "5"), JudgeEngine(passes_at=2)))
+    assert events[-1].summary.output_text == "draft 2 (fix 1) after 2"  # round 2 read round 1's judge
+    assert [(r.id, r.round) for r in ctx.stages if r.id in ("draft", "judge")] == [
+        ("draft", 1), ("judge", 1), ("draft", 2), ("judge", 2)]
+    assert [r["output"] for r in ctx.steps["draft"]["rounds"]] == ["draft 1 (first)", "draft 2 (fix 1)"]
+
+
+async def test_a_loop_ends_at_its_max(registry):
+    _, events = await run(pipeline(registry, LOOP.replace("MAX", "3"), JudgeEngine(passes_at=99)))
+    assert isinstance(events[-1], Done) and events[-1].summary.output_text == "draft 3 (fix 2) after 3"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (("steps.judge.output.passed", "input == 'x'"), "the loop's until reads nothing"),
+    (("max: MAX", "max: 11"), "at most 10 rounds"),
+    (("max: MAX", "max: 0"), "greater than or equal to 1"),
+    (("from: draft", "from: drafts"), "no step 'drafts'"),
+])
+def test_a_loop_with_no_way_to_end_does_not_load(registry, change, message):
+    text = textwrap.dedent(LOOP.replace(*change).replace("MAX", "3"))
+    with pytest.raises(SpecError, match=message):
+        load_pipeline_text(text, "loop.yaml", registry, CATALOG)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (("for_each: steps.split.chunks", "for_each: steps.split.chunk"), "gives no 'chunk'"),
+    (("for_each: steps.split.chunks", "for_each: chunks"), "as steps.ID.FIELD"),
+    (("for_each: steps.split.chunks\n    concurrency: CONCURRENCY\n    ", ""), "only a for_each: step has"),
+])
+def test_for_each_errors_are_located(registry, change, message):
+    text = textwrap.dedent(MAP.replace(*change).replace("CONCURRENCY", "2").replace("ON_ERROR", "fail"))
+    with pytest.raises(SpecError, match=message):
+        load_pipeline_text(text, "map.yaml", registry, CATALOG)
