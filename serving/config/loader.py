@@ -41,4 +41,5 @@ def catalog_of(server: ServerSpec) -> Catalog:
     }
     embedding_models = {name: ModelInfo(name, spec.price.to_price())
                         for name, spec in server.embedding_models.items()}
-    return Catalog(models=models, indexes=frozenset(server.indexes), embedding_models=embedding_models)
+    return Catalog(models=models, indexes=frozenset(server.indexes), embedding_models=embedding_models,
+                   max_rounds=server.workflows.max_rounds)

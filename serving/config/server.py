@@ -112,6 +112,13 @@ class HttpSpec(Strict):
     shutdown_grace_s: PositiveFloat = 30.0
 
 
+class WorkflowsSpec(Strict):
+    """Bounds on what pipeline files may ask of the server's workflows."""
+
+    #: The most rounds a repeat: loop may run (each round is a model call or more: this bounds a request's cost).
+    max_rounds: int = Field(10, ge=1, le=1000)
+
+
 class ServerSpec(Strict):
     """``inferline.yaml``: resources shared by every pipeline of one server."""
 
@@ -142,6 +149,8 @@ class ServerSpec(Strict):
     reload: ReloadSpec = Field(default_factory=ReloadSpec)
     #: What the Responses API keeps, and for how long.
     responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
+    #: Bounds on pipelines' workflows (loops).
+    workflows: WorkflowsSpec = Field(default_factory=WorkflowsSpec)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.

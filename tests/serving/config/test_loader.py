@@ -56,3 +56,16 @@ def test_the_catalog_holds_the_names_prices_and_windows_pipelines_are_checked_ag
     assert (catalog.models["smol"].price, catalog.models["smol"].context_window) == (Price(0.5), 2048)
     assert catalog.models["far"].context_window is None
     assert catalog.embedding_models["minilm"].price == Price(0.01)
+
+
+def test_the_servers_cap_on_loop_rounds_reaches_the_pipeline_loader(tmp_path):
+    from pipeline.loader import load_pipeline_text
+    from serving.runtime.workspace import build_registry
+
+    path = tmp_path / "inferline.yaml"
+    path.write_text("workflows: {max_rounds: 2}\n")
+    server = load_server(path)
+    text = ("name: l\nstages:\n  - {id: a, type: split}\n"
+            "  - {id: b, type: split, repeat: {from: a, until: \"steps.b.chunks == []\", max: 3}}\n")
+    with pytest.raises(SpecError, match="at most 2 rounds"):
+        load_pipeline_text(text, "l.yaml", build_registry(server), catalog_of(server))
