@@ -135,6 +135,8 @@ class StageRecord:
     item: int | None = None
     #: The round of its loop (0: not in a loop).
     round: int = 0
+    #: Its output was reused from an audit record (a replay by step), not made again.
+    reused: bool = False
     #: In a pipeline that audits: the SHA-256 of the step's definition, of what it read (flow fields and
     #: earlier steps' outputs) and of what it gave, and those values (pipeline/digest.py), for the record.
     definition_sha256: str = ""
@@ -142,6 +144,26 @@ class StageRecord:
     output_sha256: str = ""
     inputs: dict[str, Any] | None = None
     output: dict[str, Any] | None = None
+
+    @property
+    def key(self) -> str:
+        """Which run of its step it is: ``id``, ``id[2]`` (an item), ``id@3`` (a round): a replay matches on it."""
+        return step_key(self.id, self.item, self.round)
+
+
+def step_key(step_id: str, item: int | None, round_: int) -> str:
+    """:attr:`StageRecord.key` of a step's run."""
+    return step_id + (f"[{item}]" if item is not None else "") + (f"@{round_}" if round_ > 1 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Reusable:
+    """A step's run as an audit record kept it: a replay reuses its output where the candidate's step has the
+    same definition and reads the same inputs (their SHA-256s)."""
+
+    definition_sha256: str
+    inputs_sha256: str
+    output: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -309,6 +331,8 @@ class RequestContext:
     facts: Facts = field(default_factory=lambda: Facts())
     #: Each step's outputs once it ended, by step id (``status`` besides): what ``steps.ID.FIELD`` reads.
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: A replay by step: the outputs it may reuse, by StageRecord.key (serving/evals/replay.py).
+    reuse: dict[str, Reusable] = field(default_factory=dict)
     #: A sub-pipeline's run (a ``pipeline`` step): the calling request's id. Its audit step writes no record:
     #: the caller's record holds its steps.
     parent_request: str = ""

@@ -143,6 +143,11 @@ class Stage:
         checked at load like ``steps.ID.FIELD`` (an ``llm`` step's ``documents: [kb, web]``)."""
         return []
 
+    async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
+        """A replay reuses *outputs* (as an audit record kept them) instead of running the step: do what running
+        it does besides giving them (the answering ``llm`` step sends its text). Only a step type with
+        :attr:`Outputs` is reused; the default does nothing more."""
+
     async def run(self, ctx: RequestContext, scope: StageScope) -> Any:
         """Do the stage's work; return its :attr:`Outputs` (None: its outputs are the flow fields it wrote)."""
         raise NotImplementedError(f"stage type {self.type_name!r} does not implement run()")

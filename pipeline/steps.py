@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import CURRENT_ITEM, RequestContext, StageRecord, TokenLogprob
+from pipeline.context import CURRENT_ITEM, RequestContext, StageRecord, TokenLogprob, step_key
 from pipeline.digest import digest, jsonable
 from pipeline.eager import start_eagerly
 from pipeline.errors import (
@@ -400,10 +400,17 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
         scope = Scope(ctx, spec.id, span, run.emit, run.clock, bound.streams,
                       bound.streams and bool({"invalid_output", "empty"} & set(covered)), run.answer)
         status, error, retrying, outputs = "ok", "", False, {}
-        inputs = bound.inputs(ctx) if bound.records_io else None
+        key = step_key(spec.id, item, run.rounds.get(run.pipeline.graph.loop_of(spec.id) or "", 1))
+        reusable = ctx.reuse.get(key) if bound.plan.cls.Outputs is not None else None
+        inputs = bound.inputs(ctx) if bound.records_io or reusable is not None else None
+        reused = reusable is not None and reusable.definition_sha256 == bound.definition_sha256 and \
+            reusable.inputs_sha256 == digest(inputs)
         try:
-            produced = await _call(bound.stage, ctx, scope, spec.timeout_s)
-            outputs = _outputs(bound, ctx, produced)
+            if reused:
+                outputs = dict(reusable.output)  # type: ignore[union-attr]
+                await bound.stage.reuse(ctx, scope, outputs)
+            else:
+                outputs = _outputs(bound, ctx, await _call(bound.stage, ctx, scope, spec.timeout_s))
             if "empty" in covered and _is_empty(outputs) and not scope.emitted:
                 status, error, retrying = "failed", "the step gave an empty output", True
         except asyncio.CancelledError:
@@ -421,6 +428,7 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
             span.set_attribute(attr.COST_USD, ctx.ledger.stage_total(spec.id))
             _record(run, spec, status, started - run.clock.start, time.perf_counter() - started, error, attempt, "",
                     fallback_for, scope.input_tokens, scope.output_tokens, retrying, item, scope.cost_usd)
+            ctx.stages[-1].reused = reused
             if inputs is not None:
                 _keep_io(ctx.stages[-1], bound, inputs, outputs if status == "ok" else None)
     return outputs, status, retrying

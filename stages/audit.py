@@ -115,9 +115,12 @@ def step_record(stage: StageRecord, mode: str) -> dict[str, Any]:
     what it read and of what it gave (what tells a replay which steps a candidate changed); with ``content:
     full`` those values too (what lets a replay reuse its output)."""
     kept: dict[str, Any] = {"attempt": stage.attempt, "started_ms": round(stage.started_s * 1e3, 3)}
-    for name in ("skip_reason", "fallback_for", "parent", "definition_sha256", "inputs_sha256", "output_sha256"):
+    for name in ("skip_reason", "fallback_for", "parent", "definition_sha256", "inputs_sha256", "output_sha256",
+                 "round", "reused"):
         if getattr(stage, name):
             kept[name] = getattr(stage, name)
+    if stage.item is not None:
+        kept["item"] = stage.item
     if stage.input_tokens or stage.output_tokens:
         kept |= {"input_tokens": stage.input_tokens, "output_tokens": stage.output_tokens}
     if mode == "full":

@@ -174,6 +174,13 @@ class LlmStage(Stage):
                 ctx.documents = documents
         return outputs
 
+    async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
+        if scope.streams:  # the answer, as it was sent
+            text = str(outputs.get("text", ""))
+            await scope.emit_text(text)
+            ctx.output_text, ctx.finish_reason = text, str(outputs.get("finish_reason", "stop"))
+            ctx.model = str(outputs.get("model", ctx.model))
+
     def _messages(self, ctx: RequestContext, config: LlmConfig, documents: list[Document]) -> list[ChatMessage]:
         values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}
         messages: list[ChatMessage] = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 from pydantic import BaseModel, Field
 
@@ -63,6 +63,12 @@ class ReplyStage(Stage):
     @classmethod
     def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:
         return {("text",): cast(ReplyConfig, config).compiled}
+
+    async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
+        text = str(outputs.get("text", ""))
+        await scope.emit_text(text)
+        ctx.output_text, ctx.finish_reason = text, "stop"
+        scope.end_request()
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> ReplyOutputs:
         template = cast(ReplyConfig, self.config).compiled

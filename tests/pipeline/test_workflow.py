@@ -402,3 +402,30 @@ def test_for_each_errors_are_located(registry, change, message):
     text = textwrap.dedent(MAP.replace(*change).replace("CONCURRENCY", "2").replace("ON_ERROR", "fail"))
     with pytest.raises(SpecError, match=message):
         load_pipeline_text(text, "map.yaml", registry, CATALOG)
+
+
+async def test_a_replay_reuses_a_steps_output_where_its_definition_and_inputs_are_the_same(registry):
+    from pipeline.context import Reusable
+
+    engine = ScriptedEngine({"Classify": '{"intent": "tech", "amount": 0}', "Tech": "Reboot it.",
+                             "Polish": "Reboot it, please."})
+    text = TRIAGE + "  - {id: log, type: audit, always: true}\n"  # with an audit step, steps keep their inputs
+    p = pipeline(registry, text, engine)
+    first, _ = await run(p)
+    kept = {r.key: Reusable(r.definition_sha256, r.inputs_sha256, r.output) for r in first.stages
+            if r.status == "ok" and r.output is not None}
+    assert set(kept) >= {"classify", "tech", "answer"}
+    again = RequestContext.from_text(p.name, "my order never came", reuse=kept)
+    submitted = len(engine.prompts)
+    final = await Runner().run(p, again)
+    assert final.summary.output_text == "Reboot it, please." and len(engine.prompts) == submitted  # nothing rerun
+    assert {r.id for r in again.stages if r.reused} == {"classify", "tech", "answer"}
+    # A changed step reruns; a step after it reruns only if what it reads changed (here the fake answers alike).
+    changed = pipeline(registry, text.replace("Tech: answer.", "Tech: answer briefly."), engine)
+    again = RequestContext.from_text(p.name, "my order never came", reuse=kept)
+    await Runner().run(changed, again)
+    assert {r.id for r in again.stages if r.reused} == {"classify", "answer"} and len(engine.prompts) == submitted + 1
+    engine.replies["Tech"] = "Restart it."
+    again = RequestContext.from_text(p.name, "my order never came", reuse=kept)
+    await Runner().run(changed, again)
+    assert {r.id for r in again.stages if r.reused} == {"classify"}  # the answer read a new tech output
