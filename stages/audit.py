@@ -112,11 +112,13 @@ def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
 def step_record(stage: StageRecord, mode: str) -> dict[str, Any]:
     """What the record keeps of one attempt of one step beside its status, time and cost: which attempt, when it
     started, its tokens, why it was skipped, what it ran in the place of, and the SHA-256 of its definition, of
-    what it read and of what it gave (what tells a replay which steps a candidate changed); with ``content:
-    full`` those values too (what lets a replay reuse its output)."""
+    what it read and of what it gave (what tells a replay which steps a candidate changed: with ``content: full``
+    or ``hash`` only); with ``content: full`` those values too (what lets a replay reuse its output)."""
     kept: dict[str, Any] = {"attempt": stage.attempt, "started_ms": round(stage.started_s * 1e3, 3)}
-    for name in ("skip_reason", "fallback_for", "parent", "definition_sha256", "inputs_sha256", "output_sha256",
-                 "round", "reused"):
+    # The hashes of what it read and gave are the content's: kept as content: hash keeps it, not beside
+    # redacted or encrypted content (a short value is found by hashing guesses, and erasure could not reach them).
+    hashed = ("inputs_sha256", "output_sha256") if mode in ("full", "hash") else ()
+    for name in ("skip_reason", "fallback_for", "parent", "definition_sha256", *hashed, "round", "reused"):
         if getattr(stage, name):
             kept[name] = getattr(stage, name)
     if stage.item is not None:

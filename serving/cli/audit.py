@@ -88,7 +88,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     _format_option(query)
     query.set_defaults(handler=_reporting(_query))
 
-    show = actions.add_parser("show", parents=[common], help="one record with its stages")
+    show = actions.add_parser("show", parents=[common],
+                              help="one record with its stages, each with its step (attempt, start, tokens, hashes)")
     show.add_argument("record_id")
     show.add_argument("--spec", action="store_true",
                       help="print the pipeline file (YAML) that served the record instead, as it was then")

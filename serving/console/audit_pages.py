@@ -138,7 +138,7 @@ async def access_page(request: Request, filters: NamedDependency[AccessFilters],
 
 @get("/audit/records/{record_id:str}", name="console-audit-record", **_GUARDED)
 async def record_page(request: Request, record_id: FromPath[str]) -> Response[str]:
-    """One record: who, what, the content as stored, each stage with its decision, the policy decisions."""
+    """One record: who, what, the content as stored, each stage with its decision and step, the policy decisions."""
     console = Console.of(request)
     store, session = await reviewer(console, request, "show", {"record_id": record_id})
     record = await call(store.get, record_id)

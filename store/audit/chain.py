@@ -33,7 +33,11 @@ HASHED_COLUMNS = (
 #: record chained before them hashes as it did.
 _LATER_COLUMNS = ("tags", "subject_hash")
 _FIRST_COLUMNS = tuple(name for name in HASHED_COLUMNS if name not in _LATER_COLUMNS)
-STAGE_COLUMNS = ("stage_id", "type", "status", "duration_ms", "cost_usd", "decision")
+#: A stage row's columns, chained in its record's hash; ``step`` (revision 0013) only when set, so that a stage
+#: row without one (every row written before it, a shadow's) hashes as it did.
+STAGE_COLUMNS = ("stage_id", "type", "status", "duration_ms", "cost_usd", "decision", "step")
+_FIRST_STAGE_COLUMNS = STAGE_COLUMNS[:-1]
+_FIRST_STAGE_KEYS = frozenset(_FIRST_STAGE_COLUMNS)
 _STAGE_KEYS = frozenset(STAGE_COLUMNS)
 _ROW_KEYS = frozenset((*HASHED_COLUMNS, "hash", "legal_hold"))
 _DATETIMES = ("received_at", "first_token_at", "completed_at")
@@ -114,9 +118,19 @@ def canonical(row: Mapping[str, Any], stages: Sequence[Mapping[str, Any]]) -> st
     for name in _DATETIMES:
         if isinstance(body[name], datetime):  # verify may pass the text already formatted
             body[name] = utc_text(body[name])
-    body["stages"] = [stage if stage.keys() == _STAGE_KEYS else {name: stage[name] for name in STAGE_COLUMNS}
-                      for stage in stages]
+    # A stage row as verify reads it is taken as it is (copying is cheaper than picking).
+    body["stages"] = [stage if stage.keys() == _FIRST_STAGE_KEYS else _stage_body(stage) for stage in stages]
     return _CANONICAL.encode(body)
+
+
+def _stage_body(stage: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A stage row as the chain covers it: its first six columns, and its ``step`` when it has one."""
+    if stage.keys() == _STAGE_KEYS and stage["step"] is not None:
+        return stage
+    body = {name: stage[name] for name in _FIRST_STAGE_COLUMNS}
+    if stage.get("step") is not None:
+        body["step"] = stage["step"]
+    return body
 
 
 def utc_text(value: datetime) -> str:
@@ -251,5 +265,14 @@ def _stage(stage: Mapping[str, Any]) -> dict[str, Any]:
             "status": _string("status", stage.get("status"), ""),
             "duration_ms": _number("duration_ms", stage.get("duration_ms"), float) or 0.0,
             "cost_usd": _number("cost_usd", stage.get("cost_usd"), float) or 0.0,
-            "decision": _json("decision", stage.get("decision"))}
+            "decision": _json("decision", stage.get("decision")), "step": _step(stage.get("step"))}
+
+
+def _step(value: Any) -> dict[str, Any] | None:
+    """A stage row's ``step``: None, or a JSON object as the database returns it."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"step: expected a JSON object, got {type(value).__name__}")
+    return _json("step", dict(value))
 

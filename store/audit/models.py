@@ -107,7 +107,7 @@ class AuditRecord(Base):
 
 
 class AuditStage(Base):
-    """One stage of a record's pipeline run, in pipeline order."""
+    """One stage of a record's pipeline run (in a workflow, one attempt of one step), in the run's order."""
 
     __tablename__ = "audit_stages"
 
@@ -120,6 +120,10 @@ class AuditStage(Base):
     cost_usd: Mapped[float] = mapped_column(sa.Float)
     decision: Mapped[Any | None] = mapped_column(sa.JSON)
     """What the stage decided (policy verdict, route taken...), if it decides anything."""
+    step: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON(none_as_null=True))
+    """Which attempt of which step this row is: when it started, its tokens, why it was skipped, the SHA-256 of its
+    definition, inputs and output, and with ``content: full`` those values (stages/audit.py ``step_record``);
+    NULL for rows written before revision 0013, which the chain then hashes as it did."""
 
 
 class AuditCheckpoint(Base):

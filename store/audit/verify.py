@@ -448,9 +448,11 @@ def _rows(conn: sa.Connection, lo: int, hi: int) -> Iterator[tuple[dict[str, Any
                   .join(_records, _records.c.id == _stages.c.record_id)
                   .where(_records.c.seq > after, _records.c.seq <= batch[-1]["seq"])
                   .order_by(_records.c.seq, _stages.c.position))  # the index order: no sort step
-        for record_id, stage_id, kind, status, duration_ms, cost_usd, decision in _fetch_raw(conn, joined):
+        for record_id, stage_id, kind, status, duration_ms, cost_usd, decision, step in _fetch_raw(conn, joined):
             stage = {"stage_id": stage_id, "type": kind, "status": status, "duration_ms": duration_ms,
                      "cost_usd": cost_usd, "decision": _json(decision)}
+            if step is not None:  # a row without one is chained without one (store/audit/chain.py)
+                stage["step"] = _json(step)
             found = stages.get(record_id)
             if found is None:
                 stages[record_id] = [stage]
@@ -479,7 +481,7 @@ def _fetch_raw(conn: sa.Connection, statement: sa.Select[Any]) -> list[tuple[Any
 
 
 def _raw(column: sa.Column[Any]) -> sa.ColumnElement[Any]:
-    if column.name in _DATETIME_COLUMNS or column.name in _JSON_COLUMNS or column.name == "decision":
+    if column.name in _DATETIME_COLUMNS or column.name in _JSON_COLUMNS or column.name in ("decision", "step"):
         return sa.type_coerce(column, sa.String).label(column.name)
     return column
 

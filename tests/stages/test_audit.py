@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import textwrap
+from datetime import UTC, datetime
 
 import pytest
 
 from pipeline.context import ChatMessage, Principal, RequestContext
+from pipeline.digest import digest
 from pipeline.events import TextDelta
 from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, ModelInfo, Resources
 from pipeline.runner import Pipeline, Runner
+from store.audit import normalize
 from tests.fakes import FakeEngine, FakeEngines
 
 
@@ -171,3 +174,47 @@ async def test_a_chat_of_several_turns_is_kept_whole_as_the_content_is(registry,
         assert json.loads(record["input_content"])[0] == {"role": "user", "content": "I am <EMAIL_1>"}
     else:
         assert record["input_content"] == hashlib.sha256(json.dumps(sent, ensure_ascii=False).encode()).hexdigest()
+
+
+FLOW = """
+name: flow
+stages:
+  - {id: guard, type: policy, with: {pii: redact}}
+  - {id: answer, type: llm, stream: true, with: {system: "Answer.", temperature: 0}}
+  - {id: refund, type: llm, when: "steps.answer.output == 'refund'", with: {system: "Refunds."}}
+  - {id: log, type: audit, always: true, with: {content: CONTENT}}
+"""
+
+
+@pytest.mark.parametrize("mode", ["full", "redacted", "hash", "encrypted"])
+async def test_each_step_is_kept_with_its_values_only_with_full_content(registry, mode):
+    # Only full keeps the values of what each step read and gave (hash keeps their SHA-256, redacted and
+    # encrypted neither): they hold the content (here the address before the policy redacted it), which would
+    # sit outside its redaction or encryption.
+    sink = ListSink()
+    loaded = load_pipeline_text(FLOW.replace("CONTENT", mode), "p.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=FakeEngine("Paris.")), audit=sink))
+    await Runner().run(pipeline, RequestContext.from_text("flow", "I am alice@example.com. Capital?"))
+    (record,) = sink.records
+    assert record["content_mode"] == mode
+    steps = {s["stage_id"]: s["step"] for s in record["stages"]}
+    assert list(steps) == ["guard", "answer", "refund"]
+    assert steps["refund"] == {"attempt": 1, "started_ms": steps["refund"]["started_ms"], "skip_reason": "when"}
+    answer = steps["answer"]
+    assert answer["attempt"] == 1 and answer["input_tokens"] > 0 and answer["output_tokens"] == len("Paris.")
+    hashed = ("inputs_sha256", "output_sha256")
+    assert len(answer["definition_sha256"]) == 64
+    if mode in ("full", "hash"):
+        assert all(len(answer[name]) == 64 for name in hashed)
+    else:  # hashes of a redacted or encrypted record's content could be checked against guesses, even after erasure
+        assert not any(name in answer for name in hashed)
+    if mode == "full":
+        assert answer["output"]["text"] == "Paris." and digest(answer["output"]) == answer["output_sha256"]
+        assert steps["guard"]["inputs"]["input_messages"][0]["content"] == "I am alice@example.com. Capital?"
+        assert answer["inputs"]["input"] == "I am <EMAIL_1>. Capital?"  # as the policy redacted it
+    else:
+        assert all({"inputs", "output"}.isdisjoint(step) for step in steps.values())
+        assert "alice" not in json.dumps(record["stages"]) and "Paris" not in json.dumps(record["stages"])
+    # What the audit store keeps of each stage row (the sink takes the subject out first): the step as built.
+    _, rows = normalize({k: v for k, v in record.items() if k != "content_subject"}, datetime.now(UTC))
+    assert [row["step"] for row in rows] == list(steps.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +24,7 @@ from store.migrate import MIGRATIONS, create_schema, current_revision, downgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys", "responses"}
-HEAD = "0012"
+HEAD = "0013"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
@@ -94,8 +95,8 @@ def test_a_revision_imports_no_other_revision_and_none_of_our_code():
 
 @pytest.mark.integration
 def test_audit_append_takes_each_revisions_columns_up_and_down(postgresql_url):
-    # 0009 and 0012 replace audit_append() with their own copies of it: each step up or down leaves the
-    # function that writes the columns the table has at that revision.
+    # 0009, 0012 and 0013 replace audit_append() with their own copies of it: each step up or down leaves the
+    # function that writes the columns the tables have at that revision.
     engine = make_engine(postgresql_url)
 
     def function() -> str:
@@ -103,12 +104,14 @@ def test_audit_append_takes_each_revisions_columns_up_and_down(postgresql_url):
             return conn.scalar(sa.text("SELECT pg_get_functiondef('audit_append'::regproc)"))
 
     try:
-        steps = [("0008", False, False), ("0009", True, False), ("0011", True, False), ("0012", True, True)]
-        for revision, key_id, tags in [*steps, *reversed(steps[:-1])]:
+        steps = [("0008", False, False, False), ("0009", True, False, False), ("0011", True, False, False),
+                 ("0012", True, True, False), ("0013", True, True, True)]
+        for revision, key_id, tags, step in [*steps, *reversed(steps[:-1])]:
             (upgrade if revision >= (current_revision(engine) or "") else downgrade)(engine, revision)
             text = function()
             assert ("COALESCE(c.key_id, '')" in text) is key_id, revision
             assert ("legal_hold, tags, subject_hash)" in text) is tags, revision
+            assert ("cost_usd, decision, step)" in text and "'null'::json), s.step" in text) is step, revision
             assert "INSERT INTO audit_stages" in text and "json_populate_recordset(NULL::audit_records" in text
     finally:
         engine.dispose()
@@ -149,3 +152,39 @@ def test_records_chained_before_0012_still_verify_across_it(bare_engine, tmp_pat
     store.write(make_record(3, tags='{"user":"alice"}'))
     report = store.verify()
     assert report.ok and report.checked == 4
+
+
+STEP = {"attempt": 2, "started_ms": 12.5, "skip_reason": "when", "inputs_sha256": "ab" * 32,
+        "inputs": {"input": "hi", "steps.classify.output": {"intent": "tech"}}, "output": {"output": "ok"}}
+
+
+def _steps(engine: sa.Engine) -> list[tuple[str, object]]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT stage_id, step FROM audit_stages ORDER BY record_id, position")).all()
+    return [(stage_id, None if step is None else json.loads(step) if isinstance(step, str) else step)
+            for stage_id, step in rows]
+
+
+def test_0013_keeps_step_data_and_records_chained_before_it_verify_across_it(bare_engine, tmp_path):
+    from store.audit import AuditStore
+    from tests.store.audit.test_store import make_record
+
+    upgrade(bare_engine)
+    store = AuditStore(bare_engine, spool_path=tmp_path / "spool")
+    store.write_batch([make_record(i) for i in range(2)])  # chained without steps, as 0012's code chained them
+    downgrade(bare_engine, "0012")
+    assert "step" not in {c["name"] for c in sa.inspect(bare_engine).get_columns("audit_stages")}
+    upgrade(bare_engine)
+    assert [step for _, step in _steps(bare_engine)] == [None] * 4  # rows from before the column have none
+    store = AuditStore(bare_engine, spool_path=tmp_path / "spool")
+    stages = [{"stage_id": "gen", "type": "llm", "status": "ok", "step": STEP},
+              {"stage_id": "shadow", "type": "shadow", "status": "ok"}]
+    record_id = store.write(make_record(2, stages=stages))
+    report = store.verify()
+    assert report.ok and report.checked == 3
+    assert [s["step"] for s in store.get(record_id)["stages"]] == [STEP, None]
+    downgrade(bare_engine, "0012")  # the column and the step data go; every stage row stays
+    with bare_engine.connect() as conn:
+        assert conn.scalar(sa.text("SELECT count(*) FROM audit_stages")) == 6
+    upgrade(bare_engine)
+    assert [step for _, step in _steps(bare_engine)] == [None] * 6

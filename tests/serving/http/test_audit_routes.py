@@ -8,8 +8,14 @@ import json
 from datetime import UTC, datetime
 
 import pytest
+from litestar.testing import TestClient
 
+from pipeline.digest import digest
 from serving.cli.main import main
+from serving.runtime.workspace import open_workspace
+from serving.server import create_server
+from tests.fakes import FakeEngine, FakeEngines
+from tests.serving.workspaces import write_workspace
 
 INJECTIONS = ["' OR 1=1 --", "chat'; DROP TABLE audit_records; --", "%", "_", "\\", "\" OR \"\"=\""]
 
@@ -223,3 +229,79 @@ def _jsonl_ids(response) -> set[str]:
 def test_a_subject_without_a_master_key_is_a_400(traffic, path):
     answer = traffic.get(path, params={"subject": "tags.user:alice"})
     assert answer.status_code == 400 and "audit.master_key" in answer.json()["detail"], answer.text
+
+
+# --- a workflow's steps in its record (issue 60, item 6) ----------------------------------------------------------
+
+FLOW = """
+name: flow
+access: {roles: [caller]}
+stages:
+  - id: classify
+    type: llm
+    stream: true
+    retry: {attempts: 2, on: [invalid_output]}
+    with:
+      system: "Classify."
+      temperature: 0
+      output: {json_schema: {type: object, properties: {intent: {enum: [refund, tech]}}, required: [intent]}}
+  - id: refund
+    type: llm
+    when: "steps.classify.output.intent == 'refund'"
+    with: {system: "Refunds.", temperature: 0}
+  - {id: log, type: audit, always: true, with: {content: CONTENT}}
+"""
+
+
+class FirstAnswerInvalid(FakeEngine):
+    """Answers "not json" to its first call (the classify step's retry runs it again), then the intent."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        self.calls += 1
+        self.reply = b"not json" if self.calls == 1 else b'{"intent": "tech"}'
+        return await super().submit(prompt_ids, sampling, cache_salt, hints=hints)
+
+
+@pytest.mark.parametrize("content", ["hash", "full"])
+def test_a_workflow_record_holds_each_attempt_of_each_step(tmp_path, monkeypatch, capsys, content):
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_workspace(tmp_path, auth=False)
+    (tmp_path / "pipelines" / "flow.yaml").write_text(FLOW.replace("CONTENT", content))
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FirstAnswerInvalid()))
+    with TestClient(app) as client:
+        answer = client.post("/pipelines/flow", json={"input": "my router is down"})
+        assert answer.status_code == 200 and answer.json()["output"] == '{"intent": "tech"}'
+        (listed,) = client.get("/audit/records", params={"pipeline": "flow"}).json()["records"]
+        record = client.get(f"/audit/records/{listed['id']}").json()
+        assert client.get("/audit/verify").json()["ok"] is True
+        page = client.get(f"/ui/audit/records/{listed['id']}").text
+    stages = [(s["stage_id"], s["status"], s["step"]["attempt"]) for s in record["stages"]]
+    assert stages == [("classify", "failed", 1), ("classify", "ok", 2), ("refund", "skipped", 1)]
+    first, second, skipped = (s["step"] for s in record["stages"])
+    assert skipped["skip_reason"] == "when" and "input_tokens" not in skipped
+    assert first["started_ms"] <= second["started_ms"] <= skipped["started_ms"]
+    assert first["input_tokens"] == second["input_tokens"] > 0 and second["output_tokens"] > first["output_tokens"]
+    assert first["definition_sha256"] == second["definition_sha256"] and len(second["output_sha256"]) == 64
+    assert first["inputs_sha256"] == second["inputs_sha256"] and "output_sha256" not in first  # it failed
+    if content == "full":  # the values, as hashed: what a replay reuses
+        assert second["output"]["output"] == {"intent": "tech"}
+        assert second["inputs"]["input"] == "my router is down"
+        assert digest(second["output"]) == second["output_sha256"]
+        assert digest(first["inputs"]) == first["inputs_sha256"]
+    else:  # hashes only
+        assert {"inputs", "output"}.isdisjoint({*first, *second, *skipped})
+        assert "my router is down" not in json.dumps(record["stages"])
+    # The console's record page: attempt, start, tokens and skip reason per stage row.
+    rows = page.split('id="record-stages"')[1].split("<tbody>")[1].split("</tbody>")[0].split("<tr>")[1:]
+    assert [row.count("<td") for row in rows] == [12, 12, 12]
+    assert ">2</td>" in rows[1] and ">when</td>" in rows[2]
+    assert f"{second['started_ms']:.1f} ms" in rows[1]
+    assert f"{second['input_tokens']} / {second['output_tokens']}" in rows[1]
+    # inferline audit show: the record as JSON, each stage with its step.
+    assert main(["audit", "show", listed["id"], "--config", str(config)]) == 0
+    assert [s["step"] for s in json.loads(capsys.readouterr().out)["stages"]] == [first, second, skipped]
