@@ -34,6 +34,14 @@ def start_eagerly(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     return task
 
 
+def finished_eagerly(task: asyncio.Task[Any]) -> bool:
+    """Whether *task*'s coroutine, started by :func:`start_eagerly`, already returned during its start: its work
+    is done, and only the loop's first step of the task, which ends it, is left. (One that raised is not:
+    waiting for its task raises it.)"""
+    coro = task.get_coro()
+    return isinstance(coro, _Started) and isinstance(coro._outcome, StopIteration)
+
+
 def swap_current_task(loop: asyncio.AbstractEventLoop, leaving: asyncio.Task | None,
                       entering: asyncio.Task | None) -> None:
     """Make *entering* the loop's ``current_task()`` in place of *leaving* (None: no task).

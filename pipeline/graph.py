@@ -66,10 +66,14 @@ class Graph:
     streaming: tuple[str, ...] = ()
     #: Loops by the step that closes them: the steps of each, in order (the first is its ``repeat.from``).
     loops: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _loop_of: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop_of.update({step: closer for closer, body in self.loops.items() for step in body})
 
     def loop_of(self, step: str) -> str | None:
         """The step closing the loop *step* runs in, or None."""
-        return next((closer for closer, body in self.loops.items() if step in body), None)
+        return self._loop_of.get(step)
 
     @property
     def fallback_only(self) -> frozenset[str]:

@@ -32,7 +32,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from pipeline import tracing as attr
 from pipeline.context import CURRENT_ITEM, RequestContext, StageRecord, TokenLogprob, step_key
 from pipeline.digest import digest, jsonable
-from pipeline.eager import start_eagerly
+from pipeline.eager import finished_eagerly, start_eagerly
 from pipeline.errors import (
     EmptyOutput,
     ExpressionError,
@@ -220,9 +220,14 @@ async def run_steps(pipeline: Steps, ctx: RequestContext, emit: Emit, clock: Clo
                 cancelled = _cancelled(ctx)
             finished(step)
             continue
-        while ready:
+        if ready:  # one at a time: the last one ready, with nothing running, runs in this task (above)
             step = ready.pop(0)
-            running[start_eagerly(_step(run, pipeline.step(step)))] = step
+            task = start_eagerly(_step(run, pipeline.step(step)))
+            if finished_eagerly(task):
+                finished(step)  # it ran to its end during its start (a step that waits on nothing)
+            else:
+                running[task] = step
+            continue
         try:
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
