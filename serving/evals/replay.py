@@ -1,6 +1,6 @@
 """Replay: audited requests run again through a candidate version, old answer against new.
 
-    results = await replay(workspace, candidate, records, engines=None, concurrency=4)
+    results = await replay(workspace, candidate, records, engines=None, concurrency=4, full=False, skipped=skipped)
     totals = summarize_replay(results, skipped)                       # skipped: [{"record_id", "why"}]
 
     server = ReplayServer("http://10.0.0.5:8000", key)                 # or against a running server
@@ -15,6 +15,13 @@ real models; what the record does not keep is named per record (``not_restored``
 hash or redacted are skipped, each with why. The candidate's own audit stage runs, but its
 records are not written: a replay is an experiment, not a request anyone made, and the log stays the
 record of what was served.
+
+In-process, a replay goes by step (serving/evals/replay_steps.py): where a record keeps its steps (``stages``
+with their ``step``, as ``AuditReader.get`` gives them), each step whose definition and inputs are the same
+in the candidate reuses its recorded output, and only the steps that changed, and those after them that read
+something new, run again; each comparison says per step how it ran, old against new. ``full=True`` reruns
+every step. A record skipped for keeping hashes only (or redacted or encrypted content) still tells which
+steps the candidate changed, when its skipped entry carries its ``stages``.
 
 Against a server (:class:`ReplayServer`), each request goes to ``POST /pipelines/NAME`` pinned to the
 candidate (``X-Pipeline-Version``), on the server's models, tagged ``replay_of: <record id>``. Those
@@ -38,8 +45,10 @@ from pipeline.context import ChatMessage, RequestContext
 from pipeline.events import Done, Error
 from pipeline.loader import LoadedPipeline
 from pipeline.protocols import EngineProvider
-from serving.evals.replay_report import NOT_A_REQUEST
+from pipeline.runner import Pipeline
+from serving.evals.replay_report import CONTENT_KEPT, NOT_A_REQUEST
 from serving.evals.replay_request import ReplayRequest, generate_config, rebuild
+from serving.evals.replay_steps import NOT_REUSED, compare_steps, reusable, reuse_summary, step_changes
 from serving.runtime.resources import Runtime, RuntimeOptions
 from serving.runtime.workspace import Workspace
 from stages.audit import output_content, strongest_action
@@ -56,7 +65,7 @@ def replayable(record: dict[str, Any]) -> str | None:
         return NOT_A_REQUEST  # a checkpoint, or a deploy action (serving/http/deploy_routes.py)
     mode = record.get("content_mode")
     if mode != "full":
-        return f"content kept as {mode or 'nothing'}"
+        return f"{CONTENT_KEPT} {mode or 'nothing'}"
     if not record.get("input_content"):
         return "no input kept"
     return None
@@ -74,12 +83,18 @@ def sort_out(page: Sequence[dict[str, Any]], records: list[dict[str, Any]], skip
 
 
 async def replay(workspace: Workspace, candidate: LoadedPipeline, records: Sequence[dict[str, Any]], *,
-                 engines: EngineProvider | None = None, concurrency: int = 4) -> list[dict[str, Any]]:
-    """Each replayable record run through *candidate*; one comparison per record, in order."""
+                 engines: EngineProvider | None = None, concurrency: int = 4, full: bool = False,
+                 skipped: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Each replayable record run through *candidate*, reusing the outputs of the steps it did not change
+    (*full*: rerunning every step); one comparison per record, in order. Each entry of *skipped* that carries
+    its record's ``stages`` gets, in their place, which steps the candidate changed (``steps``) and why none
+    was reused (``reuse``)."""
     gate = asyncio.Semaphore(max(1, concurrency))
     async with Runtime(workspace, [candidate], RuntimeOptions(engines=engines)) as runtime:
         runtime.resources.audit = _NotWritten()
         pipeline = runtime.pipelines[candidate.spec.name]
+        for entry in skipped:
+            _describe_skipped(pipeline, entry)
         served = {} if runtime.db is None else await asyncio.to_thread(_served_configs, PipelineVersions(runtime.db),
                                                                        records)
         ours = generate_config(candidate.text)
@@ -89,9 +104,10 @@ async def replay(workspace: Workspace, candidate: LoadedPipeline, records: Seque
             async with gate:
                 messages = [ChatMessage(m["role"], m["content"]) for m in request.messages] or \
                     [ChatMessage("user", request.text)]
-                ctx = RequestContext(candidate.spec.name, messages, tags=request.tags, params=request.params)
+                ctx = RequestContext(candidate.spec.name, messages, tags=request.tags, params=request.params,
+                                     reuse={} if full else reusable(record))
                 final = await runtime.runner.run(pipeline, ctx)
-            return compare(record, final, ctx, request)
+            return compare(record, final, ctx, request, full=full)
 
         return list(await asyncio.gather(*(one(record) for record in records)))
 
@@ -107,6 +123,17 @@ def _served_configs(versions: PipelineVersions, records: Sequence[dict[str, Any]
     return found
 
 
+def _describe_skipped(pipeline: Pipeline, entry: dict[str, Any]) -> None:
+    """*entry* (a record skipped, with its ``stages``): which steps *pipeline* changed, and why nothing of the
+    record could be reused."""
+    stages = entry.pop("stages", None)
+    mode = entry.pop("content_mode", None)
+    changes = step_changes(pipeline, {"stages": stages or ()})
+    if changes is not None:
+        entry["steps"] = changes
+        entry["reuse"] = NOT_REUSED.get(str(mode), f"content kept as {mode}: nothing to reuse")
+
+
 class _NotWritten:
     """The audit sink of a replay: the candidate's records are built (the stage runs as served), not kept."""
 
@@ -115,10 +142,13 @@ class _NotWritten:
 
 
 def compare(record: dict[str, Any], final: Done | Error, ctx: RequestContext,
-            request: ReplayRequest) -> dict[str, Any]:
+            request: ReplayRequest, *, full: bool = False) -> dict[str, Any]:
     """The old answer (the audit record) against the new one (the candidate's), each as the record keeps an
-    answer (with ``n`` above 1, every answer's text as a JSON list)."""
+    answer (with ``n`` above 1, every answer's text as a JSON list); with the record's steps, each step old
+    against new (``steps``) and what reusing them saved (``reuse``)."""
     summary, new_output = final.summary, output_content(ctx)
+    steps = compare_steps(record, ctx.stages) if record.get("stages") else None
+    by_step = {} if steps is None else {"steps": steps, "reuse": reuse_summary(steps, full=full)}
     return {
         **_sides(record, request, new_output),
         "new": {"version": summary.pipeline_version, "status": "ok" if isinstance(final, Done) else final.status,
@@ -127,6 +157,7 @@ def compare(record: dict[str, Any], final: Done | Error, ctx: RequestContext,
                 "output_tokens": summary.usage.output_tokens, "cost_usd": summary.cost_usd,
                 "policy_action": strongest_action(list(ctx.facts.get("policy", []))), "output": new_output,
                 **({"error": f"{final.kind}: {final.message}"} if isinstance(final, Error) else {})},
+        **by_step,
     }
 
 
@@ -310,7 +341,8 @@ def _ms(value: float | None) -> float | None:
 
 def summarize_replay(results: Sequence[dict[str, Any]], skipped: Sequence[dict[str, str]]) -> dict[str, Any]:
     """Totals: how many answers stayed the same, and old against new latency, tokens, cost and policy; the
-    records skipped, by why."""
+    records skipped, by why; for a replay by step, ``steps``: how many steps were reused, rerun and skipped, what
+    reusing saved, and how many skipped records told which steps changed."""
     def median(side: str, key: str) -> float | None:
         values = [r[side][key] for r in results if r[side][key] is not None]
         return round(statistics.median(values), 3) if values else None
@@ -320,7 +352,8 @@ def summarize_replay(results: Sequence[dict[str, Any]], skipped: Sequence[dict[s
 
     missing = Counter(note["what"] for r in results for note in r["not_restored"])
     reasons = Counter(s["why"] for s in skipped)
-    return {
+    by_step = [r["reuse"] for r in results if "reuse" in r]
+    return {**({"steps": _step_totals(by_step, skipped)} if by_step or any("steps" in s for s in skipped) else {}),
         "replayed": len(results), "identical": sum(r["identical"] for r in results),
         "normalized_identical": sum(r["normalized_identical"] for r in results),
         "status_changed": sum(r["old"]["status"] != r["new"]["status"] for r in results),
@@ -331,3 +364,12 @@ def summarize_replay(results: Sequence[dict[str, Any]], skipped: Sequence[dict[s
         "output_tokens": {"old": total("old", "output_tokens"), "new": total("new", "output_tokens")},
         "cost_usd": {"old": total("old", "cost_usd"), "new": total("new", "cost_usd")},
     }
+
+
+def _step_totals(reuses: Sequence[dict[str, Any]], skipped: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Steps reused, rerun and skipped over every request replayed by step, and what reusing saved."""
+    saved = {name: round(sum(r["saved"][name] for r in reuses), 9 if name == "cost_usd" else 3)
+             for name in ("input_tokens", "output_tokens", "cost_usd", "duration_ms")}
+    return {"mode": reuses[0]["mode"] if reuses else "step",
+            **{run: sum(r[run] for r in reuses) for run in ("reused", "rerun", "skipped")},
+            "saved": saved, "changes_only": sum("steps" in s for s in skipped)}

@@ -129,5 +129,6 @@ def test_replay_reuse_replays_the_recorded_drafts_by_step_and_in_full(tmp_path, 
     assert figures["replay_requests"] == figures["replay_drafts_reused"] == figures["replay_answers_identical"] == 3
     assert figures["replay_reused_identical"] is True
     assert figures["replay_output_tokens"]["step"] < figures["replay_output_tokens"]["full"]
-    assert figures["replay_steps_rerun"] == {"step": 3 * 2, "full": 3 * 3}  # the judge and the audit step; the draft
+    # By step, the judge and the audit step (the reply reads what it read before); in full, the draft and reply too.
+    assert figures["replay_steps_rerun"] == {"step": 3 * 2, "full": 3 * 4}
     assert isinstance(figures["replay_reuse_speedup"], float)
