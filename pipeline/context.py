@@ -51,6 +51,8 @@ class Document:
     source: str = ""
     title: str = ""
     score: float = 0.0
+    #: The page the passage starts on, for a paged source (a PDF); None otherwise.
+    page: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ class Source:
     #: The file the passage comes from (``Document.source``).
     path: str
     score: float
+    #: The page of *path* the passage starts on (a PDF's), so that it can be cited as "p. 4"; None otherwise.
+    page: int | None = None
 
     @property
     def citation(self) -> str:
@@ -74,7 +78,7 @@ def sources_of(documents: Sequence[Document]) -> tuple[Source, ...]:
 
     The one numbering the ``prompt`` stage writes into the prompt and the answer's ``sources`` report.
     """
-    return tuple(Source(n, d.id, d.title, d.source, d.score) for n, d in enumerate(documents, start=1))
+    return tuple(Source(n, d.id, d.title, d.source, d.score, d.page) for n, d in enumerate(documents, start=1))
 
 
 @dataclass(slots=True)

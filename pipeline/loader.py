@@ -176,8 +176,9 @@ class _PipelineChecker:
 
     def _refs(self, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
         known = {"model": sorted(self.catalog.models), "index": sorted(self.catalog.indexes),
-                 "embedding_model": sorted(self.catalog.embedding_models)}
-        plural = {"model": "models", "index": "indexes", "embedding_model": "embedding_models"}
+                 "embedding_model": sorted(self.catalog.embedding_models), "reranker": sorted(self.catalog.rerankers)}
+        plural = {"model": "models", "index": "indexes", "embedding_model": "embedding_models",
+                  "reranker": "rerankers"}
         problems = []
         for loc, kind, name in find_refs(config):
             if name not in known[kind]:

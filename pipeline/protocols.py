@@ -29,11 +29,26 @@ OutputCheck = Callable[[str, Any], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
+class RerankerInfo:
+    """A reranker of ``inferline.yaml`` (``rerankers:``), as the loader and the ``retrieve`` stage know it."""
+
+    name: str
+    #: cross_encoder: a sentence-transformers CrossEncoder folder; llm: one of the server's models, asked.
+    kind: str = "cross_encoder"
+    #: kind llm: the model that scores.
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Catalog:
     """What a pipeline may refer to, and how the server would compile it: checked at load time."""
 
     models: Mapping[str, ModelInfo] = field(default_factory=dict)
     indexes: frozenset[str] = frozenset()
+    #: Each index's declared metadata fields and their types (string, number, date, list), for its filters.
+    index_fields: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: The rerankers a ``retrieve`` stage's ``rerank:`` may name.
+    rerankers: Mapping[str, RerankerInfo] = field(default_factory=dict)
     #: The sentence-embedding models (``embedding_models:``), with their prices.
     embedding_models: Mapping[str, ModelInfo] = field(default_factory=dict)
     #: The engines' own compile check of a pipeline's ``output:`` (serving wires it in); None: only what
@@ -203,8 +218,32 @@ class SearchHit(Protocol):
     def score(self) -> float: ...
 
 
+class Retrieval(Protocol):
+    """One search of an index: its hits and what each side found before they were fused."""
+
+    @property
+    def mode(self) -> str:
+        """dense, keyword or hybrid: what ran."""
+        ...
+
+    @property
+    def hits(self) -> Sequence[SearchHit]:
+        """Best first (the fused order in hybrid mode)."""
+        ...
+
+    @property
+    def dense(self) -> Sequence[tuple[str, float]]:
+        """The dense side's candidates, ``(id, cosine similarity)``, best first; empty when it did not search."""
+        ...
+
+    @property
+    def keyword(self) -> Sequence[tuple[str, float]]:
+        """The keyword side's candidates, ``(id, BM25 score)``, best first; empty when it did not search."""
+        ...
+
+
 class VectorIndex(Protocol):
-    """Nearest-neighbour search over embedded documents (blocking: stages call it in a thread)."""
+    """Dense, keyword and hybrid search over indexed documents (blocking: stages call it in a thread)."""
 
     @property
     def name(self) -> str: ...
@@ -214,6 +253,36 @@ class VectorIndex(Protocol):
 
     def search(self, query: str, top_k: int = 4, *, min_score: float | None = None,
                filters: Mapping[str, str | list[str]] | None = None) -> Sequence[SearchHit]: ...
+
+    def retrieve(self, query: str, top_k: int = 4, *, mode: str | None = None, min_score: float | None = None,
+                 where: Mapping[str, Any] | None = None, fusion: str = "rrf", rrf_k: int = 60,
+                 weights: Mapping[str, float] | None = None, candidates: int = 50) -> Retrieval:
+        """The *top_k* hits for *query* by *mode* (None: the index's default, hybrid when it has a keyword side).
+
+        *where* is a metadata filter as plain data (``{"and": [...]}``, ``{"or": [...]}``, or ``{"field", "op":
+        eq | in | range | glob, "value"}`` with typed values), applied inside each side's search; *min_score*
+        drops candidates whose cosine similarity is below it; hybrid mode fuses *candidates* from each side by
+        *fusion* (``rrf`` with *rrf_k*, or ``weighted``), with *weights* by side. Raises ValueError for a mode
+        the index cannot search.
+        """
+        ...
+
+
+@runtime_checkable
+class Reranker(Protocol):
+    """A model that scores how well passages answer a query (a cross-encoder), off the event loop."""
+
+    name: str
+
+    async def score(self, query: str, passages: Sequence[str]) -> list[float]:
+        """One score per passage, higher is better, in the passages' order."""
+        ...
+
+
+class RerankerProvider(Protocol):
+    """Gives stages the cross-encoder reranker of a name (loading it on first use)."""
+
+    async def get(self, name: str) -> Reranker: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,3 +447,5 @@ class Resources:
     pipelines: PipelineCaller | None = None
     #: The sentence-embedding models of the ``embed`` stage; None: that stage fails (and says so).
     embedders: EmbedderProvider | None = None
+    #: The cross-encoder rerankers of ``retrieve``'s ``rerank:``; None: such a rerank fails (and says so).
+    rerankers: RerankerProvider | None = None

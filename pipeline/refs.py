@@ -29,6 +29,7 @@ class Ref:
 ModelRef = Annotated[str, Ref("model")]
 IndexRef = Annotated[str, Ref("index")]
 EmbeddingModelRef = Annotated[str, Ref("embedding_model")]
+RerankerRef = Annotated[str, Ref("reranker")]
 
 
 def find_refs(config: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], str, str]]:

@@ -148,7 +148,8 @@ def sources_block(heading: str, documents: list[Document]) -> str:
     lines = [heading]
     for cited, doc in zip(sources_of(documents), documents, strict=True):  # the numbers answers report
         title = f" {doc.title}" if doc.title else ""
-        source = f" ({doc.source})" if doc.source else ""
+        where = ", ".join(part for part in (doc.source, f"p. {doc.page}" if doc.page else "") if part)
+        source = f" ({where})" if where else ""
         lines.append(f"{cited.citation}{title}{source}\n{doc.text}")
     return "\n\n".join(lines)
 

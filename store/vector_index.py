@@ -1,153 +1,77 @@
-"""Vector indexes on disk: chunked documents, their embeddings and a FAISS index, versioned.
+"""Indexes on disk: chunked documents, their embeddings in FAISS and their words in BM25, versioned.
 
 Layout of an index folder::
 
     indexes/handbook/
       CURRENT                  # the live version's id (replaced atomically)
       20261130T001500-1a2b3c4d/
-        manifest.json          # name, version, model, settings, documents (path, hash, title, chunk ids)
-        chunks.jsonl           # one chunk per line: id, doc_id, path, title, char and token span, text
+        manifest.json          # name, version, settings, declared metadata fields, documents (path, hash, title,
+                               # chunk ids, metadata), the files skipped and why
+        chunks.jsonl           # one chunk per line: id, doc_id, path, title, char and token span, text, page
         vectors.npy            # the embeddings (float32, unit length), kept so `add` re-embeds only changes
         index.faiss            # flat (exact inner product), IVF or HNSW
+        keywords/              # BM25 over the same chunks (bm25s)
 
-A build or an ``add`` writes a new version folder, then points ``CURRENT`` at
-it; readers that loaded the old version keep it until they let it go, so a
-server swaps indexes without failing a request. The last two versions are kept.
+A build, an ``add`` or a ``remove`` writes a new version folder, then points ``CURRENT`` at it; readers
+that loaded the old version keep it until they let it go, so a server swaps indexes without failing a
+request. The last two versions are kept. :meth:`VectorStore.retrieve` searches dense, keyword or hybrid
+(both sides, fused), with metadata filters applied inside each side's search, before its top k.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from fnmatch import fnmatch
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import faiss
 import numpy as np
 
-from store.embeddings import DEFAULT_MODEL, Embedder
+from store.documents import BUILTIN_FIELDS, Document, Scan, read_documents
+from store.embeddings import Embedder
+from store.fusion import reciprocal_rank_fusion, weighted_fusion
+from store.index_version import (
+    CURRENT,
+    KEYWORDS,
+    Chunk,
+    Hit,
+    IndexSettings,
+    Retrieval,
+    chunk_all,
+    chunk_document,
+    document_entry,
+    embed,
+    make_faiss_index,
+    write_version,
+)
+from store.keyword_index import KeywordIndex
+from store.metadata_filter import globs, matches
+from store.readers import SUFFIXES
 
-#: Files read by ``build`` and ``add``: text formats that need no converter.
-TEXT_SUFFIXES = (".md", ".markdown", ".txt", ".rst", ".text")
-KEEP_VERSIONS = 2
-CURRENT = "CURRENT"
-
-
-@dataclass(frozen=True, slots=True)
-class IndexSettings:
-    """How an index is chunked and searched (``indexes.NAME`` in ``inferline.yaml``)."""
-
-    type: Literal["flat", "ivf", "hnsw"] = "flat"
-    model: str = DEFAULT_MODEL
-    chunk_tokens: int = 200
-    overlap: int = 40
-    nlist: int = 1024          # ivf: clusters
-    nprobe: int = 32           # ivf: clusters searched per query
-    m: int = 32                # hnsw: links per node
-    ef_construction: int = 200
-    ef_search: int = 128
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.overlap < self.chunk_tokens:
-            raise ValueError(f"overlap ({self.overlap}) must be at least 0 and below chunk_tokens "
-                             f"({self.chunk_tokens})")
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    id: int
-    doc_id: str
-    path: str
-    title: str
-    start: int          # character span in the document
-    end: int
-    token_start: int    # token span (the embedding model's tokens)
-    token_end: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """One search result (``pipeline.protocols.SearchHit``)."""
-
-    id: str
-    text: str
-    source: str
-    title: str
-    score: float
-    doc_id: str
-
-
-@dataclass(slots=True)
-class Document:
-    doc_id: str
-    path: str
-    title: str
-    text: str
-    sha256: str
-
-
-def read_documents(root: Path) -> list[Document]:
-    """Every text file under *root* (or *root* itself), sorted; ids are paths without suffix."""
-    root = Path(root)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES)
-    if not files:
-        raise FileNotFoundError(f"no {', '.join(TEXT_SUFFIXES)} files under {root}")
-    base = root.parent if root.is_file() else root
-    docs = []
-    for path in files:
-        data = path.read_bytes()
-        text = data.decode("utf-8", errors="replace")
-        rel = path.relative_to(base).as_posix()
-        docs.append(Document(rel.rsplit(".", 1)[0], rel, _title(text, path), text, hashlib.sha256(data).hexdigest()))
-    return docs
-
-
-def _title(text: str, path: Path) -> str:
-    for line in text.splitlines():
-        if line.startswith("# "):
-            return line[2:].strip()
-        if line.strip():
-            break
-    return path.stem.replace("-", " ").replace("_", " ")
-
-
-def chunk_document(doc: Document, tokenizer: Any, chunk_tokens: int, overlap: int,
-                   first_id: int = 0) -> list[Chunk]:
-    """Windows of *chunk_tokens* tokens, *overlap* tokens shared with the previous one; the chunk text is
-    the document's own text between the first and last token of the window."""
-    offsets = tokenizer(doc.text, add_special_tokens=False, return_offsets_mapping=True,
-                        verbose=False)["offset_mapping"]
-    if not offsets:
-        return []
-    chunks, start, step = [], 0, chunk_tokens - overlap
-    while True:
-        end = min(start + chunk_tokens, len(offsets))
-        char_start, char_end = offsets[start][0], offsets[end - 1][1]
-        chunks.append(Chunk(first_id + len(chunks), doc.doc_id, doc.path, doc.title, char_start, char_end,
-                            start, end, doc.text[char_start:char_end]))
-        if end == len(offsets):
-            return chunks
-        start += step
+Mode = Literal["dense", "keyword", "hybrid"]
+MODES: tuple[str, ...] = ("dense", "keyword", "hybrid")
 
 
 class VectorStore:
-    """One version of one index, loaded: search it, or derive the next version with ``add``."""
+    """One version of one index, loaded: search it, or derive the next version with ``add`` or ``remove``."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], chunks: list[Chunk], vectors: np.ndarray,
-                 index: faiss.Index, embedder: Embedder | None):
+                 index: faiss.Index, embedder: Embedder | None, keywords: KeywordIndex | None = None):
         self.folder = folder
         self.manifest = manifest
         self.chunks = chunks
         self.vectors = vectors
         self.index = index
+        #: The BM25 side; None for a version built before indexes had one (dense search only).
+        self.keywords = keywords
         self._embedder = embedder
+        # Filters are evaluated per document, then spread to its chunks through this row -> document map.
+        documents = manifest.get("documents", {})
+        first = {c.doc_id: c for c in reversed(chunks)}  # each document's first chunk
+        ordinal = {doc_id: n for n, doc_id in enumerate(first)}
+        self._chunk_doc = np.fromiter((ordinal[c.doc_id] for c in chunks), np.int64, len(chunks))
+        self._doc_values = [_values(chunk, documents.get(doc_id)) for doc_id, chunk in first.items()]
 
     @property
     def name(self) -> str:
@@ -162,6 +86,16 @@ class VectorStore:
         return IndexSettings(**self.manifest["settings"])
 
     @property
+    def fields(self) -> dict[str, str]:
+        """The metadata fields the index was built with, by type (the built-in ones too)."""
+        return {**BUILTIN_FIELDS, **self.manifest.get("fields", {})}
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        """The files the build or ``add`` that made this version could not read, with the reason."""
+        return [(s["path"], s["reason"]) for s in self.manifest.get("skipped", [])]
+
+    @property
     def embedder(self) -> Embedder:
         if self._embedder is None:
             from store.embeddings import shared_embedder
@@ -172,43 +106,75 @@ class VectorStore:
     # --- building ------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, root: Path, name: str, docs: Path, settings: IndexSettings,
-              embedder: Embedder | None = None) -> VectorStore:
-        """Index every document under *docs* from scratch, as a new version of *root*."""
+    def build(cls, root: Path, name: str, docs: Path, settings: IndexSettings, embedder: Embedder | None = None,
+              *, fields: Mapping[str, str] | None = None) -> VectorStore:
+        """Index every document under *docs* from scratch, as a new version of *root*; *fields* are the
+        declared metadata fields and their types. Files that cannot be read are skipped (``skipped``)."""
         from store.embeddings import shared_embedder
 
         embedder = embedder or shared_embedder(settings.model)
-        documents = read_documents(docs)
-        chunks = _chunk_all(documents, embedder, settings, first_id=0)
-        vectors = _embed(embedder, chunks)
-        return _write_version(root, name, settings, documents, chunks, vectors, embedder)
+        scan = _readable(read_documents(docs, fields), docs)
+        chunks = chunk_all(scan.documents, embedder, settings, first_id=0)
+        documents = {d.doc_id: document_entry(d) for d in scan.documents}
+        return cls._write(Path(root), name, settings, documents, chunks, embed(embedder, chunks), embedder,
+                          fields or {}, scan.skipped)
 
-    def add(self, docs: Path) -> tuple[VectorStore, dict[str, list[str]]]:
+    def add(self, docs: Path, *, keep_missing: bool = False,
+            fields: Mapping[str, str] | None = None) -> tuple[VectorStore, dict[str, list[str]]]:
         """A new version with new and changed documents (re)embedded and the rest reused.
 
-        Documents are matched by id; a changed content hash replaces the old chunks. Documents not
-        under *docs* stay. Returns the new version and what changed: added, changed, unchanged.
+        Documents are matched by id; a changed content hash (of the file and its metadata) replaces the old
+        chunks. A document whose file is gone from *docs* is removed, unless *keep_missing*. Returns the new
+        version and what changed: added, changed, unchanged, removed, and skipped (``path: reason``).
         """
-        incoming = read_documents(docs)
+        fields = self.manifest.get("fields", {}) if fields is None else fields
+        scan = read_documents(docs, fields)
         known = self.manifest["documents"]
-        changes: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": []}
-        for doc in incoming:
+        changes: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": [], "removed": [],
+                                         "skipped": [f"{path}: {reason}" for path, reason in scan.skipped]}
+        for doc in scan.documents:
             entry = known.get(doc.doc_id)
             kind = "added" if entry is None else "unchanged" if entry["sha256"] == doc.sha256 else "changed"
             changes[kind].append(doc.doc_id)
-        replaced = set(changes["added"]) | set(changes["changed"])
-        kept = [c for c in self.chunks if c.doc_id not in replaced]
+        if not keep_missing:
+            changes["removed"] = sorted(doc_id for doc_id, entry in known.items()
+                                        if not (scan.base / entry["path"]).exists())
+        fresh = [d for d in scan.documents if d.doc_id in set(changes["added"]) | set(changes["changed"])]
+        return self._derive({d.doc_id for d in fresh} | set(changes["removed"]), fresh, fields, scan.skipped), changes
+
+    def remove(self, doc_ids: list[str]) -> VectorStore:
+        """A new version without the documents *doc_ids* (ids or paths); raises KeyError naming an unknown one."""
+        known = self.manifest["documents"]
+        by_path = {entry["path"]: doc_id for doc_id, entry in known.items()}
+        wanted = set()
+        for name in doc_ids:
+            doc_id = name if name in known else by_path.get(name)
+            if doc_id is None:
+                raise KeyError(f"no document {name!r} in index {self.name!r} (ids are paths without the suffix, "
+                               f"as `inferline index info` lists them)")
+            wanted.add(doc_id)
+        return self._derive(wanted, [], self.manifest.get("fields", {}), [])
+
+    def _derive(self, dropped: set[str], fresh: list[Document], fields: Mapping[str, str],
+                skipped: list[tuple[str, str]]) -> VectorStore:
+        kept = [c for c in self.chunks if c.doc_id not in dropped]
         keep_rows = np.array([c.id for c in kept], dtype=np.int64)
-        renumbered = [Chunk(i, *_fields(c)[1:]) for i, c in enumerate(kept)]
-        fresh_docs = [d for d in incoming if d.doc_id in replaced]
-        fresh = _chunk_all(fresh_docs, self.embedder, self.settings, first_id=len(renumbered))
-        vectors = np.concatenate([self.vectors[keep_rows] if len(kept) else
-                                  np.zeros((0, self.vectors.shape[1]), np.float32), _embed(self.embedder, fresh)])
-        documents = {doc_id: entry for doc_id, entry in known.items() if doc_id not in replaced}
-        documents.update({d.doc_id: {"path": d.path, "title": d.title, "sha256": d.sha256} for d in fresh_docs})
-        store = _write_version(self.folder.parent, self.name, self.settings, documents, renumbered + fresh,
-                               vectors, self.embedder)
-        return store, changes
+        renumbered = [_renumber(c, i) for i, c in enumerate(kept)]
+        new_chunks = chunk_all(fresh, self.embedder, self.settings, first_id=len(renumbered)) if fresh else []
+        old = self.vectors[keep_rows] if len(kept) else np.zeros((0, self.vectors.shape[1]), np.float32)
+        vectors = np.concatenate([old, embed(self.embedder, new_chunks)]) if new_chunks else old
+        documents = {doc_id: {k: v for k, v in entry.items() if k != "chunks"}
+                     for doc_id, entry in self.manifest["documents"].items() if doc_id not in dropped}
+        documents.update({d.doc_id: document_entry(d) for d in fresh})
+        return self._write(self.folder.parent, self.name, self.settings, documents, renumbered + new_chunks,
+                           vectors, self.embedder, fields, skipped)
+
+    @classmethod
+    def _write(cls, root: Path, name: str, settings: IndexSettings, documents: dict[str, dict[str, Any]],
+               chunks: list[Chunk], vectors: np.ndarray, embedder: Embedder, fields: Mapping[str, str],
+               skipped: list[tuple[str, str]]) -> VectorStore:
+        files = write_version(root, name, settings, documents, chunks, vectors, fields=fields, skipped=skipped)
+        return cls(files.folder, files.manifest, chunks, vectors, files.index, embedder, files.keywords)
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -229,7 +195,8 @@ class VectorStore:
             chunks = [Chunk(**json.loads(line)) for line in lines]
         vectors = np.load(folder / "vectors.npy")
         index = faiss.read_index(str(folder / "index.faiss"))
-        return cls(folder, manifest, chunks, vectors, index, embedder)
+        keywords = KeywordIndex.load(folder / KEYWORDS) if (folder / KEYWORDS).is_dir() else None
+        return cls(folder, manifest, chunks, vectors, index, embedder, keywords)
 
     @staticmethod
     def current_version(root: Path) -> str | None:
@@ -238,125 +205,114 @@ class VectorStore:
         except FileNotFoundError:
             return None
 
-    def search(self, query: str, top_k: int = 4, *, min_score: float | None = None,
-               filters: Mapping[str, str | list[str]] | None = None) -> list[Hit]:
-        """The *top_k* chunks nearest to *query*, best first; *filters* match ``doc_id``, ``path`` or
-        ``title`` against glob patterns (a list: any of them)."""
-        return self.search_vector(self.embedder.encode([query])[0], top_k, min_score=min_score, filters=filters)
+    @property
+    def default_mode(self) -> Mode:
+        """hybrid when the index has a keyword side (every index built since it had one), else dense."""
+        return "hybrid" if self.keywords is not None else "dense"
 
-    def search_vector(self, vector: np.ndarray, top_k: int, *, min_score: float | None = None,
-                      filters: Mapping[str, str | list[str]] | None = None) -> list[Hit]:
+    def search(self, query: str, top_k: int = 4, *, min_score: float | None = None,
+               filters: Mapping[str, str | list[str]] | None = None, mode: Mode | None = None) -> list[Hit]:
+        """The *top_k* chunks best matching *query*, best first (dense search unless *mode* says otherwise);
+        *filters* match ``doc_id``, ``path`` or ``title`` against glob patterns (a list: any of them)."""
+        where = globs(filters) if filters else None
+        return self.retrieve(query, top_k, mode=mode or "dense", min_score=min_score, where=where).hits
+
+    def retrieve(self, query: str, top_k: int = 4, *, mode: Mode | None = None, min_score: float | None = None,
+                 where: Mapping[str, Any] | None = None, fusion: str = "rrf", rrf_k: int = 60,
+                 weights: Mapping[str, float] | None = None, candidates: int = 50) -> Retrieval:
+        """Search *query* by *mode* (None: :attr:`default_mode`): the *top_k* hits and each side's candidates.
+
+        *where* (a :mod:`store.metadata_filter` filter) keeps only the documents it matches, inside each
+        side's search. *min_score* drops candidates whose cosine similarity to the query is below it, in every
+        mode. Hybrid mode takes *candidates* from each side and fuses them by *fusion*: ``rrf`` (reciprocal
+        rank fusion with *rrf_k*) or ``weighted`` (min-max scaled scores); *weights* by side (dense, keyword).
+        """
+        mode = mode or self.default_mode
+        if mode not in MODES:
+            raise ValueError(f"unknown search mode {mode!r} (one of {', '.join(MODES)})")
+        if mode != "dense" and self.keywords is None:
+            raise ValueError(f"index {self.name!r} (version {self.version}) has no keyword side: it was built "
+                             "before indexes had one; rebuild it with `inferline index build` for keyword or "
+                             "hybrid search")
+        mask = self._mask(where) if where else None
+        depth = top_k if mode != "hybrid" else max(top_k, candidates)
+        needs_vector = mode != "keyword" or min_score is not None
+        vector = self.embedder.encode([query])[0] if needs_vector and len(self.chunks) else None
+        dense = self._dense(vector, depth, mask, min_score) if mode != "keyword" else []
+        keyword: list[tuple[int, float]] = []
+        if mode != "dense":
+            rows, scores = self.keywords.search(query, depth, mask)  # type: ignore[union-attr]
+            keyword = [(int(r), float(s)) for r, s in zip(rows, scores, strict=True)]
+            if min_score is not None and keyword:
+                cosines = self.vectors[[r for r, _ in keyword]] @ vector
+                keyword = [pair for pair, cos in zip(keyword, cosines, strict=True) if cos >= min_score]
+        if mode == "hybrid":
+            sides = {"dense": dense, "keyword": keyword}
+            ranked = weighted_fusion(sides, weights) if fusion == "weighted" else \
+                reciprocal_rank_fusion(sides, rrf_k, weights)
+        else:
+            ranked = dense or keyword
+        hits = [self._hit(row, score) for row, score in ranked[:top_k]]
+        return Retrieval(mode, hits, [(self._id(r), round(s, 4)) for r, s in dense],
+                         [(self._id(r), round(s, 4)) for r, s in keyword])
+
+    def _dense(self, vector: np.ndarray | None, k: int, mask: np.ndarray | None,
+               min_score: float | None) -> list[tuple[int, float]]:
         total = self.index.ntotal
-        if total == 0:
+        if vector is None or total == 0 or (mask is not None and not mask.any()):
             return []
-        fetch = min(total, top_k * 10 if filters else top_k)
-        _tune(self.index, self.settings)
-        scores, ids = self.index.search(vector.reshape(1, -1).astype(np.float32), fetch)
-        hits = []
-        for score, row in zip(scores[0], ids[0], strict=True):
-            if row < 0 or (min_score is not None and score < min_score):
-                continue
-            chunk = self.chunks[row]
-            if filters and not _matches(chunk, filters):
-                continue
-            hits.append(Hit(f"{chunk.doc_id}#{chunk.id}", chunk.text, chunk.path, chunk.title, float(score),
-                            chunk.doc_id))
-            if len(hits) == top_k:
-                break
-        return hits
+        bits = np.packbits(mask, bitorder="little") if mask is not None else None
+        selector = faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits)) if bits is not None else None
+        if isinstance(self.index, faiss.IndexHNSWFlat):
+            params = faiss.SearchParametersHNSW(sel=selector, efSearch=max(self.settings.ef_search, k))
+        elif isinstance(self.index, faiss.IndexIVF):
+            params = faiss.SearchParametersIVF(sel=selector, nprobe=self.settings.nprobe)
+        else:
+            params = faiss.SearchParameters(sel=selector) if selector is not None else None
+        scores, rows = self.index.search(vector.reshape(1, -1).astype(np.float32), min(total, k), params=params)
+        del bits  # the selector reads it until here
+        return [(int(row), float(score)) for score, row in zip(scores[0], rows[0], strict=True)
+                if row >= 0 and (min_score is None or score >= min_score)]
+
+    def _mask(self, where: Mapping[str, Any]) -> np.ndarray:
+        documents = np.fromiter((matches(where, values) for values in self._doc_values), bool,
+                                len(self._doc_values))
+        return documents[self._chunk_doc] if len(self._chunk_doc) else np.zeros(0, bool)
+
+    def _id(self, row: int) -> str:
+        chunk = self.chunks[row]
+        return f"{chunk.doc_id}#{chunk.id}"
+
+    def _hit(self, row: int, score: float) -> Hit:
+        c = self.chunks[row]
+        return Hit(f"{c.doc_id}#{c.id}", c.text, c.path, c.title, float(score), c.doc_id, c.page)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "type": self.settings.type,
                 "model": self.settings.model, "dim": int(self.vectors.shape[1]), "chunks": len(self.chunks),
                 "documents": len(self.manifest["documents"]), "created_at": self.manifest["created_at"],
+                "keyword": self.keywords is not None, "default_mode": self.default_mode,
+                "fields": self.fields, "skipped": self.manifest.get("skipped", []),
                 "settings": self.manifest["settings"], "folder": str(self.folder)}
 
 
-def make_faiss_index(vectors: np.ndarray, settings: IndexSettings) -> faiss.Index:
-    """A FAISS index over unit *vectors* with inner product (cosine) as the score."""
-    dim = vectors.shape[1]
-    if settings.type == "hnsw":
-        index = faiss.IndexHNSWFlat(dim, settings.m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = settings.ef_construction
-    elif settings.type == "ivf" and len(vectors) >= settings.nlist:
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, settings.nlist, faiss.METRIC_INNER_PRODUCT)
-        index.train(vectors)
-    else:  # flat, or IVF over fewer vectors than clusters (nothing to train on): exact
-        index = faiss.IndexFlatIP(dim)
-    if len(vectors):
-        index.add(vectors)
-    return index
+def _values(chunk: Chunk, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """What filters see of a document (one of its chunks and its manifest entry): metadata and built-in fields."""
+    metadata = (entry or {}).get("metadata", {})
+    return {**metadata, "doc_id": chunk.doc_id, "path": chunk.path, "title": chunk.title}
 
 
-def _tune(index: faiss.Index, settings: IndexSettings) -> None:
-    if isinstance(index, faiss.IndexHNSWFlat):
-        index.hnsw.efSearch = settings.ef_search
-    elif isinstance(index, faiss.IndexIVF):
-        index.nprobe = settings.nprobe
+def _renumber(chunk: Chunk, new_id: int) -> Chunk:
+    return Chunk(new_id, chunk.doc_id, chunk.path, chunk.title, chunk.start, chunk.end, chunk.token_start,
+                 chunk.token_end, chunk.text, chunk.page)
 
 
-def _matches(chunk: Chunk, filters: Mapping[str, str | list[str]]) -> bool:
-    for key, wanted in filters.items():
-        patterns = [wanted] if isinstance(wanted, str) else wanted
-        if not any(fnmatch(str(getattr(chunk, key)), pattern) for pattern in patterns):
-            return False
-    return True
+def _readable(scan: Scan, docs: Path) -> Scan:
+    if not scan.documents:
+        reasons = "; ".join(f"{path}: {reason}" for path, reason in scan.skipped)
+        raise ValueError(f"no document under {docs} could be read ({reasons})")
+    return scan
 
 
-def _fields(chunk: Chunk) -> tuple[Any, ...]:
-    return tuple(getattr(chunk, name) for name in Chunk.__slots__)  # type: ignore[attr-defined]
-
-
-def _chunk_all(docs: Iterable[Document], embedder: Embedder, settings: IndexSettings, first_id: int) -> list[Chunk]:
-    chunks: list[Chunk] = []
-    for doc in docs:
-        chunks += chunk_document(doc, embedder.tokenizer, settings.chunk_tokens, settings.overlap,
-                                 first_id + len(chunks))
-    return chunks
-
-
-def _embed(embedder: Embedder, chunks: list[Chunk]) -> np.ndarray:
-    # The title goes with every chunk: a chunk from the middle of "Billing and plans" is about billing.
-    texts = [f"{c.title}\n\n{c.text}" if c.title else c.text for c in chunks]
-    return embedder.encode(texts) if texts else np.zeros((0, embedder.dim), np.float32)
-
-
-def _write_version(root: Path, name: str, settings: IndexSettings, documents: list[Document] | dict[str, Any],
-                   chunks: list[Chunk], vectors: np.ndarray, embedder: Embedder) -> VectorStore:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    docs = documents if isinstance(documents, dict) else {
-        d.doc_id: {"path": d.path, "title": d.title, "sha256": d.sha256} for d in documents}
-    for doc_id, entry in docs.items():
-        entry["chunks"] = [c.id for c in chunks if c.doc_id == doc_id]
-    now = datetime.now(UTC)
-    digest = hashlib.sha256(json.dumps(docs, sort_keys=True).encode()).hexdigest()[:8]
-    version = f"{now:%Y%m%dT%H%M%S%f}-{digest}"
-    folder = root / version
-    tmp = root / f".{version}.tmp"
-    tmp.mkdir()
-    manifest = {"name": name, "version": version, "created_at": now.isoformat(), "settings": asdict(settings),
-                "dim": int(vectors.shape[1]), "num_chunks": len(chunks), "documents": docs}
-    index = make_faiss_index(vectors, settings)
-    faiss.write_index(index, str(tmp / "index.faiss"))
-    np.save(tmp / "vectors.npy", vectors)
-    with open(tmp / "chunks.jsonl", "w", encoding="utf-8") as out:
-        out.writelines(json.dumps(asdict(c), ensure_ascii=False) + "\n" for c in chunks)
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    tmp.rename(folder)
-    pointer = root / f".{CURRENT}.tmp"
-    pointer.write_text(version + "\n")
-    os.replace(pointer, root / CURRENT)  # the swap: atomic on POSIX
-    _prune(root, keep=version)
-    return VectorStore(folder, manifest, chunks, vectors, index, embedder)
-
-
-def _prune(root: Path, keep: str) -> None:
-    versions = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    for old in versions[:-KEEP_VERSIONS]:
-        if old.name != keep:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-__all__ = ["Chunk", "Hit", "IndexSettings", "VectorStore", "chunk_document", "make_faiss_index",
-           "read_documents"]
+__all__ = ["MODES", "SUFFIXES", "Chunk", "Document", "Hit", "IndexSettings", "Retrieval", "VectorStore",
+           "chunk_document", "make_faiss_index", "read_documents"]

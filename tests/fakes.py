@@ -275,16 +275,33 @@ class Hit:
     score: float
 
 
+@dataclass(frozen=True)
+class FakeRetrieval:
+    """One search's result (pipeline.protocols.Retrieval)."""
+
+    mode: str
+    hits: list
+    dense: list
+    keyword: list
+
+
 class FakeIndex:
-    """A ``handbook`` index with two passages; records each search."""
+    """A ``handbook`` index with two passages, searched densely; records each search."""
 
     name, version = "handbook", "v7"
 
     def __init__(self):
         self.calls = []
+        #: The keyword arguments of each ``retrieve`` (mode, where, fusion...).
+        self.options = []
 
     def search(self, query, top_k=4, *, min_score=None, filters=None):
         self.calls.append((query, top_k, min_score, filters))
         hits = [Hit("billing#3", "Plus costs $8.", "billing.md", "Billing", 0.81),
                 Hit("refunds#9", "Refunds within 21 days.", "refunds.md", "Refunds", 0.42)]
         return [h for h in hits if min_score is None or h.score >= min_score][:top_k]
+
+    def retrieve(self, query, top_k=4, *, mode=None, min_score=None, where=None, **options):
+        hits = self.search(query, top_k, min_score=min_score, filters=where)
+        self.options.append({"mode": mode, "where": where, **options})
+        return FakeRetrieval(mode or "dense", hits, [(h.id, h.score) for h in hits], [])

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from pipeline.diagnostics import validation_issues
 from pipeline.errors import SpecError
 from pipeline.loader import read_text
-from pipeline.protocols import Catalog, ModelInfo
+from pipeline.protocols import Catalog, ModelInfo, RerankerInfo
 from pipeline.yamlsrc import parse
 from serving.config.server import ServerSpec
 
@@ -41,5 +41,7 @@ def catalog_of(server: ServerSpec) -> Catalog:
     }
     embedding_models = {name: ModelInfo(name, spec.price.to_price())
                         for name, spec in server.embedding_models.items()}
-    return Catalog(models=models, indexes=frozenset(server.indexes), embedding_models=embedding_models,
-                   max_rounds=server.workflows.max_rounds)
+    index_fields = {name: dict(spec.metadata) for name, spec in server.indexes.items()}
+    rerankers = {name: RerankerInfo(name, spec.type, spec.model or "") for name, spec in server.rerankers.items()}
+    return Catalog(models=models, indexes=frozenset(server.indexes), index_fields=index_fields, rerankers=rerankers,
+                   embedding_models=embedding_models, max_rounds=server.workflows.max_rounds)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, StringConstraints, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, StringConstraints, field_validator, model_validator
 
 from pipeline.spec import NAME_PATTERN, Strict
 from serving.config.audit import AuditSpec
@@ -16,6 +16,10 @@ from serving.config.models import SELF_URL, EmbeddingModelSpec, ModelSpec, RaySp
 
 #: An index name is also a folder name (``indexes/<name>``): never a path.
 IndexName = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+#: A metadata field: a name a filter can write as a YAML key.
+FieldName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+#: Fields every indexed document has.
+BUILTIN_FIELDS = frozenset({"doc_id", "path", "title"})
 
 
 class IndexSpec(Strict):
@@ -45,6 +49,42 @@ class IndexSpec(Strict):
     ef_search: PositiveInt = 128
     #: How often a running server looks for a rebuilt version to swap in.
     reload_every_s: PositiveFloat = 2.0
+    #: The documents' metadata fields that ``retrieve`` filters may name, with their types; the values come from
+    #: YAML front matter and ``metadata.json`` files, and a value of another type skips its document at build.
+    metadata: dict[FieldName, Literal["string", "number", "date", "list"]] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _not_builtin(cls, metadata: dict[str, str]) -> dict[str, str]:
+        taken = sorted(set(metadata) & BUILTIN_FIELDS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: built-in fields of every document (doc_id, path, title); "
+                             "use another name")
+        return metadata
+
+
+class RerankerSpec(Strict):
+    """A reranker a ``retrieve`` stage's ``rerank:`` may name."""
+
+    #: cross_encoder: a sentence-transformers CrossEncoder folder; llm: one of this file's models asked whether each
+    #: passage answers the question.
+    type: Literal["cross_encoder", "llm"] = "cross_encoder"
+    #: type cross_encoder: the model's local folder, relative to this file (nothing is downloaded).
+    source: str | None = None
+    #: type llm: the model of ``models:`` that scores.
+    model: str | None = None
+    #: type cross_encoder: where it runs: auto picks CUDA when present.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: type cross_encoder: (question, passage) pairs scored per forward pass.
+    batch_size: PositiveInt = 32
+
+    @model_validator(mode="after")
+    def _source_or_model(self) -> RerankerSpec:
+        if self.type == "cross_encoder" and not self.source:
+            raise ValueError("a cross_encoder reranker needs source: its local sentence-transformers folder")
+        if self.type == "llm" and not self.model:
+            raise ValueError("an llm reranker needs model: one of this file's models")
+        return self
 
 
 class TelemetrySpec(Strict):
@@ -128,6 +168,8 @@ class ServerSpec(Strict):
     indexes: dict[IndexName, IndexSpec] = Field(default_factory=dict)
     #: Sentence-embedding models the ``embed`` stage may name, by name (``POST /v1/embeddings``).
     embedding_models: dict[str, EmbeddingModelSpec] = Field(default_factory=dict)
+    #: Rerankers the ``retrieve`` stage's ``rerank:`` may name, by name.
+    rerankers: dict[str, RerankerSpec] = Field(default_factory=dict)
     #: SQLAlchemy URL of the audit log, keys and counters: ``sqlite:///file.db`` (relative to this file) or
     #: ``postgresql+psycopg://...``.
     database: str = "sqlite:///inferline.db"
@@ -162,6 +204,14 @@ class ServerSpec(Strict):
             if model.base_url == SELF_URL and self.http.port == 0:
                 raise ValueError(f"models.{name}.base_url: {SELF_URL} needs a fixed http.port (0 lets the system "
                                  "pick one when the server binds, after its models are configured)")
+        return self
+
+    @model_validator(mode="after")
+    def _rerankers_models_exist(self) -> ServerSpec:
+        for name, reranker in self.rerankers.items():
+            if reranker.type == "llm" and reranker.model not in self.models:
+                raise ValueError(f"rerankers.{name}.model: {reranker.model!r} is not one of models: "
+                                 f"({', '.join(sorted(self.models)) or 'none'})")
         return self
 
     @model_validator(mode="after")

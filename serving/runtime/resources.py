@@ -40,6 +40,7 @@ from serving.backends.caches import StoreCaches
 from serving.backends.embedders import EmbedderPool
 from serving.backends.indexes import IndexRegistry
 from serving.backends.model_pool import ModelPool
+from serving.backends.rerankers import RerankerPool
 from serving.config.loader import catalog_of
 from serving.config.server import LimitsSpec
 from serving.runtime.calls import LocalPipelines
@@ -98,7 +99,8 @@ class Runtime:
         #: The sentence-embedding models of the ``embed`` stages, loaded on first use or by start_models.
         self.embedders = EmbedderPool(server, workspace.root)
         self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
-                                   caches=StoreCaches(), embedders=self.embedders)
+                                   caches=StoreCaches(), embedders=self.embedders,
+                                   rerankers=RerankerPool(server, workspace.root))
         self.pipelines = {item.spec.name: Pipeline(item, self.resources) for item in loaded}
         #: How a ``score`` stage or a judge calls another pipeline; the app routes it through its executor.
         self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run, self.runner.stream,

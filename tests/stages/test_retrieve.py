@@ -36,11 +36,15 @@ async def test_documents_are_retrieved_recorded_and_placed_in_the_prompt(registr
     ctx = RequestContext.from_text("rag", "How much is Plus?")
     final = await Runner().run(pipeline, ctx)
     assert isinstance(final, Done)
-    assert index.calls == [("How much is Plus?", 3, 0.3, {"path": "b*"})]
+    where = {"and": [{"field": "path", "op": "glob", "value": ["b*"]}]}
+    assert index.calls == [("How much is Plus?", 3, 0.3, where)]
     assert [(d.id, d.source, d.title, d.score) for d in ctx.documents] == [
         ("billing#3", "billing.md", "Billing", 0.81), ("refunds#9", "refunds.md", "Refunds", 0.42)]
-    assert ctx.facts["retrieval"] == {"index": "handbook", "version": "v7", "ids": ["billing#3", "refunds#9"],
-                                      "scores": [0.81, 0.42]}
+    entry = {"index": "handbook", "version": "v7", "mode": "dense", "ids": ["billing#3", "refunds#9"],
+             "scores": [0.81, 0.42], "dense": {"ids": ["billing#3", "refunds#9"], "scores": [0.81, 0.42]},
+             "keyword": {"ids": [], "scores": []}}
+    assert ctx.facts["retrieval"] == {**entry, "steps": {"context": entry}}
+    assert ctx.facts["decisions"]["context"] == {"documents": 2, "mode": "dense", "filtered_on": ["path"]}
     system = ctx.messages[0].content
     assert "[1] Billing (billing.md)\nPlus costs $8." in system and "[2] Refunds" in system
     assert build_record(ctx, AuditConfig())["retrieval"]["ids"] == ["billing#3", "refunds#9"]

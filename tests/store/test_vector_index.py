@@ -118,7 +118,8 @@ def test_add_embeds_only_new_and_changed_documents(tmp_path, embedder, monkeypat
     original = embedder.encode
     monkeypatch.setattr(embedder, "encode", lambda texts: embedded.extend(texts) or original(texts))
     new, changes = store.add(docs)
-    assert changes == {"added": ["export"], "changed": ["sync"], "unchanged": ["billing", "shortcuts"]}
+    assert changes == {"added": ["export"], "changed": ["sync"], "unchanged": ["billing", "shortcuts"],
+                       "removed": [], "skipped": []}
     assert len(embedded) == 2 and all("Export" in t or "900" in t for t in embedded)
     assert new.version != store.version and VectorStore.current_version(tmp_path / "index") == new.version
     assert "900 notes" in new.search("How many notes are kept offline?", 1)[0].text
