@@ -40,7 +40,7 @@ from serving.config.loader import load_server
 from serving.config.models import ModelSpec
 from serving.config.server import ServerSpec
 from serving.evals.dataset import EvalCase, load_dataset
-from serving.runtime.calls import check_calls
+from serving.runtime.pipeline_set import PipelineSet
 from serving.runtime.workspace import Workspace, open_workspace
 from stages import register_builtins
 
@@ -258,9 +258,9 @@ def load_stages_example(block: Block, data: list[dict[str, Any]], at: Context) -
 
 
 def _load(at: Context, file: Path) -> None:
-    """As ``inferline validate`` loads a file: the workspace's loader, then the judges it calls."""
-    loaded = at.workspace.load_pipeline(file)
-    check_calls([loaded], [*at.served, loaded.spec.name])
+    """As ``inferline validate`` loads a file: the workspace's loader, then beside the pipelines served (the
+    judges and sub-pipelines it calls)."""
+    PipelineSet.load(at.workspace.load_pipeline, [file], beside=at.served).checked()
 
 
 def load_server_example(block: Block, data: dict[str, Any], at: Context) -> None:

@@ -20,7 +20,7 @@ from pipeline.loader import LoadedPipeline
 from serving.evals.dataset import Dataset, load_dataset
 from serving.evals.progress import Progress
 from serving.evals.report import compare, summarize, write_reports
-from serving.runtime.calls import check_calls
+from serving.runtime.pipeline_set import PipelineSet
 from serving.runtime.workspace import Workspace, open_workspace
 from store.eval_runs import EvalRunStore, UnknownRun
 
@@ -73,7 +73,7 @@ def _eval(args: argparse.Namespace) -> int:
     dataset = load_dataset(args.dataset)  # bad lines are reported before any model loads
     loaded = workspace.load_pipeline(workspace.resolve(args.pipeline))
     judges = _judges(workspace, loaded, dataset)
-    check_calls([loaded, *judges])
+    PipelineSet.of([loaded, *judges]).checked()
     store = _store(workspace)
     baseline_id = None
     try:
@@ -142,7 +142,7 @@ def _judges(workspace: Workspace, loaded: LoadedPipeline, dataset: Dataset) -> l
 def score_judges(workspace: Workspace, loaded: LoadedPipeline) -> list[LoadedPipeline]:
     """The judge pipelines *loaded*'s score stages name (for running it in-process), checked and loaded."""
     judges = _load_judges(workspace, loaded, set())
-    check_calls([loaded, *judges])
+    PipelineSet.of([loaded, *judges]).checked()
     return judges
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError
-from pipeline.loader import LoadedPipeline, name_clash
 from serving.cli.audit import add_audit_parser
 from serving.cli.capacity import add_capacity_parsers
 from serving.cli.eval import add_eval_parser
@@ -33,7 +32,7 @@ from serving.cli.pipelines import add_pipelines_parser
 from serving.cli.replay import add_replay_parser
 from serving.cli.run import add_run_parser
 from serving.cli.schema import add_schema_parser
-from serving.runtime.calls import check_calls
+from serving.runtime.pipeline_set import PipelineSet, declared_names, pipeline_files
 from serving.runtime.workspace import open_workspace
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -185,58 +184,35 @@ def _validate(args: argparse.Namespace) -> int:
     if not files:
         print("inferline: no .yaml files found in " + " ".join(args.paths), file=sys.stderr)
         return EXIT_FAILED
-    failed = 0
-    by_name: dict[str, LoadedPipeline] = {}  # serve refuses two pipelines of one name: so does validate
+    named: dict[Path, Path] = {}  # a file named twice (a folder and one of its files) is checked once
     for path in files:
-        try:
-            loaded = workspace.load_pipeline(path)
-            earlier = by_name.setdefault(loaded.spec.name, loaded)
-            if Path(earlier.file).resolve() != Path(loaded.file).resolve():  # not the same file named twice
-                raise SpecError([name_clash(loaded, earlier)])
-        except SpecError as exc:
+        named.setdefault(path.resolve(), path)
+    # What the files may reference (a score stage's judges, a pipeline step's callee): the pipelines served
+    # beside them (the pipelines folder), and each other, even those that do not load.
+    beside = declared_names([*files, *pipeline_files(workspace.pipelines_dir)]).values()
+    checked = PipelineSet.load(workspace.load_pipeline, named.values(), beside)
+    failed = 0
+    for path in files:
+        first = named[path.resolve()]
+        loaded, issues = checked.loaded_from(first), checked.issues_of(first)
+        if str(first) in checked.unreadable:
+            print(f"{path}: {checked.unreadable[str(first)]}", file=sys.stderr)
+        for issue in issues if str(first) not in checked.unreadable else ():
+            print(issue, file=sys.stderr)
+        if issues or loaded is None:
             failed += 1
-            for issue in exc.issues:
-                print(issue, file=sys.stderr)
-        except OSError as exc:
-            failed += 1
-            print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
         else:
-            try:  # a score stage's judges: pipelines served beside it (the pipelines folder, or these files)
-                check_calls([loaded], _names([*files, *_expand([str(workspace.pipelines_dir)])]))
-            except SpecError as exc:
-                failed += 1
-                for issue in exc.issues:
-                    print(issue, file=sys.stderr)
-                continue
             print(f"ok {path} ({loaded.spec.name}, {len(loaded.plans)} stages)")
     if failed:
         print(f"{failed} of {len(files)} file(s) invalid", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _names(files: Sequence[Path]) -> set[str]:
-    """The pipeline names *files* declare (those that read as YAML mappings with a name)."""
-    import yaml
-
-    names = set()
-    for path in files:
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("name"), str):
-            names.add(data["name"])
-    return names
-
-
 def _expand(paths: Sequence[str]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            files += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
-        else:
-            files.append(path)
+        files += pipeline_files(path) if path.is_dir() else [path]
     return files
 
 

@@ -32,7 +32,8 @@ async def run(name: FromPath[str], data: JSONBody[PipelineRequest], request: Req
     console = Console.of(request)
     session = await console.session(request)
     console.sessions.check_csrf(request, session, request.headers.get(CSRF_HEADER))
-    return await pipeline_routes.run_pipeline.fn(name=name, data=data, request=as_bearer(request, session.key))
+    return await pipeline_routes.run_pipeline.fn(name=name, data=data, request=as_bearer(request, session.key),
+                                                 services=console.services)
 
 
 def as_bearer(request: Request, key: str) -> Request:
@@ -56,15 +57,13 @@ async def metrics(request: Request) -> dict[str, Any]:
     await console.session(request, ("auditor",), "read metrics")
     sampler = console.sampler
     return {"interval_s": sampler.interval_s, "window_s": sampler.window_s, "points": sampler.points(),
-            "in_flight": console.state.executor.in_flight, "ready": console.state.ready}
+            "in_flight": console.services.executor.in_flight, "ready": console.state.ready}
 
 
 def _login_required(request: Request, exc: LoginRequired) -> Response[Any]:
     problem = Problem(401, "Unauthorized", exc.reason or "sign in to the console first (/ui/login)",
                       "unauthorized")
-    refusals = AppState.of(request).refusals
-    if refusals is not None:
-        refusals.note(request, problem)  # as the API's own 401s are (serving/http/refusals.py)
+    AppState.of(request).note_refusal(request, problem)  # as the API's own 401s are (serving/http/refusals.py)
     return pipeline_routes.problem_response(problem, request.url.path)
 
 

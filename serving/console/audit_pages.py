@@ -75,14 +75,12 @@ async def reviewer(console: Console, request: Request, action: str, query: Mappi
                    session: Session | None = None) -> tuple[AuditReader, Session]:
     """The store's reader, for a reviewer's session, with this read written to the access log (as the API does)."""
     session = session or await console.session(request, _ROLES, _WHAT)
-    if console.state.audit is None:
-        raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
-    reader = console.state.audit.reader
+    reader = console.services.audit.reader
     principal = session.principal
     logged = {k: v for k, v in query.items() if v not in (None, "")} | {"via": "console"}
     await asyncio.to_thread(reader.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, logged)
-    await console.state.audit_read_barrier()
+    await console.services.audit_read_barrier()
     return reader, session
 
 
@@ -113,7 +111,7 @@ async def audit_page(request: Request, filters: NamedDependency[AuditFilters], s
                for fmt in ("jsonl", "csv")}
     return console.page(request, session, "audit.html", records=page.records, filters=echo, sort=sort,
                         limit=page_size, sorts=SORTS, statuses=STATUSES, policy_actions=POLICY_ACTIONS,
-                        pipelines=sorted(console.state.executor.pipelines), is_first_page=cursor is None,
+                        pipelines=sorted(console.services.executor.pipelines), is_first_page=cursor is None,
                         next_url=("/ui/audit?" + urlencode({**kept, "cursor": page.next_cursor})
                                   if page.next_cursor else None),
                         first_url="/ui/audit?" + urlencode(kept), exports=exports)

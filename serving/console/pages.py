@@ -58,9 +58,8 @@ async def pipelines_page(request: Request) -> Response[str]:
     """Every served pipeline with its stage chain."""
     console = Console.of(request)
     session = await console.session(request, _PIPELINE_ROLES, "list pipelines")
-    served = [describe(p) for p in console.state.executor.pipelines.values()]
-    reloader = console.state.reloader
-    errors = sorted(reloader.errors.values(), key=lambda e: e.file) if reloader else []
+    served = [describe(p) for p in console.services.executor.pipelines.values()]
+    errors = sorted(console.services.reloader.errors.values(), key=lambda e: e.file)
     return console.page(request, session, "pipelines.html", pipelines=sorted(served, key=lambda p: p["name"]),
                         ready=console.state.ready, reload_errors=errors)
 
@@ -70,13 +69,13 @@ async def pipeline_page(request: Request, name: FromPath[str]) -> Response[str]:
     """One pipeline: its stages as a chain with their config, and the playground."""
     console = Console.of(request)
     session = await console.session(request, _PIPELINE_ROLES, "describe pipelines")
-    pipeline = console.state.executor.get(name)
+    pipeline = console.services.executor.get(name)
     described = describe(pipeline)
     for stage in described["stages"]:
         stage["config_yaml"] = yaml.safe_dump(stage["with"], sort_keys=False, allow_unicode=True).strip() \
             if stage["with"] else ""
     roles = pipeline.spec.access.roles
-    reload_error = console.state.reloader.error_for(name) if console.state.reloader else None
+    reload_error = console.services.reloader.error_for(name)
     return console.page(request, session, "pipeline.html", pipeline=described,
                         may_call=session.can(*roles), call_roles=roles, reload_error=reload_error)
 
@@ -102,7 +101,7 @@ async def trace_page(request: Request, ident: FromPath[str]) -> Response[str]:
     own = session.principal is not None and entry is not None and entry.key_id == session.principal.key_id
     if entry is not None and (own or session.can("auditor")):
         return console.page(request, session, "trace.html", trace=from_entry(entry))
-    if session.can("auditor") and console.state.audit is not None:
+    if session.can("auditor"):
         record = await find_record(console, request, session, ident)
         if record is not None:
             return console.page(request, session, "trace.html", trace=from_record(record))
@@ -138,7 +137,7 @@ async def login(request: Request) -> Response[Any]:
     form = await request.form()
     console.sessions.check_csrf(request, session, _field(form, CSRF_FIELD))
     target = safe_next(_field(form, "next"))
-    if not console.state.auth.enabled:
+    if not console.services.auth.enabled:
         return Redirect(target, status_code=303, headers=SECURITY_HEADERS)
     key = (_field(form, "api_key") or "").strip()
     principal = await console.sessions.verify(key) if key else None

@@ -2,7 +2,8 @@
 
 ``serving.server.create_server`` adds ``ConsolePlugin(state)``; the plugin then
 
-* wraps the executor's runner so that every request's trace lands in the console's ring;
+* wraps the runner of the app's requests (``AppState.runner_layers``) so that every request's trace lands in
+  the console's ring;
 * mounts the pages (``/ui/...``, errors as HTML pages), their JSON routes (``/ui/api/...``, errors as
   problem details) and the static files (``/ui/static``);
 * adds a lifespan that samples the metrics registry every few seconds.
@@ -46,9 +47,7 @@ def page_errors(request: Request, exc: Exception) -> Response[Any]:
     if isinstance(exc, LoginRequired):
         return login_redirect(request, exc.reason)
     status, title, detail, kind = error_status(exc)
-    refusals = AppState.of(request).refusals
-    if refusals is not None:
-        refusals.note(request, Problem(status, title, detail, kind))
+    AppState.of(request).note_refusal(request, Problem(status, title, detail, kind))
     console = Console.of(request)
     # The session, when it was resolved before the error: the page keeps its nav and logout form.
     session = request.state.get(SESSION_KEY) if status != 401 else None
@@ -69,9 +68,9 @@ class ConsolePlugin(InitPlugin):
 
     def __init__(self, state: AppState, **options: Any):
         self.console = Console(state, **options)
-        if state.refusals is not None:  # a refused console request names the key of its session cookie
-            state.refusals.key_cookie = (COOKIE_PATH, KEY_COOKIE)
-        state.executor.runner = RecordingRunner(state.executor.runner, self.console.ring)  # type: ignore[assignment]
+        state.key_cookie = (COOKIE_PATH, KEY_COOKIE)  # a refused console request names its session's key
+        ring = self.console.ring
+        state.runner_layers.append(lambda runner: RecordingRunner(runner, ring))  # type: ignore[arg-type,return-value]
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         app_config.state[STATE_KEY] = self.console

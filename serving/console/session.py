@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -76,11 +77,16 @@ class Session:
 class SessionManager:
     """Reads sessions from cookies, checks CSRF tokens, and makes the cookies."""
 
-    def __init__(self, auth: Authenticator, secret: bytes | None = None):
-        self.auth = auth
+    def __init__(self, auth: Callable[[], Authenticator], secret: bytes | None = None):
+        #: The app's authenticator, once it has started (before, a 503).
+        self._auth = auth
         # Per process: a restart only invalidates the forms already on screen (reloading fixes them);
         # the login itself is the key cookie and survives.
         self._secret = secret or secrets.token_bytes(32)
+
+    @property
+    def auth(self) -> Authenticator:
+        return self._auth()
 
     async def session(self, request: Request, *, optional: bool = False) -> Session:
         """The session of *request*; raises LoginRequired when auth is on and no valid key is held

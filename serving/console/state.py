@@ -1,4 +1,5 @@
-"""What the console's handlers share (:class:`Console`): the app's state, sessions, traces, metrics, templates."""
+"""What the console's handlers share (:class:`Console`): the app's state and services, sessions, traces, metrics,
+templates."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from serving.console.metrics_sampler import MetricsSampler
 from serving.console.render import html, make_environment
 from serving.console.session import Session, SessionManager
 from serving.console.trace_ring import TraceRing
+from serving.http.services import Services
 from serving.http.state import AppState
 
 #: Where the app's state keeps the console.
@@ -26,10 +28,15 @@ class Console:
 
     def __init__(self, state: AppState, *, ring_size: int = 500, sample_interval_s: float = 2.0):
         self.state = state
-        self.sessions = SessionManager(state.auth)
+        self.sessions = SessionManager(lambda: state.services.auth)
         self.ring = TraceRing(ring_size)
         self.sampler = MetricsSampler(state.registry, interval_s=sample_interval_s)
         self.templates = make_environment()
+
+    @property
+    def services(self) -> Services:
+        """The app's services (a 503 before it has started)."""
+        return self.state.services
 
     @staticmethod
     def of(request: Request) -> Console:
@@ -56,7 +63,7 @@ class Console:
              **values: Any) -> Response[str]:
         """Render *template* with what every page shows: who is signed in, the nav, the CSRF token."""
         body = self.templates.get_template(template).render(
-            session=session, auth_enabled=self.state.auth.enabled, path=request.url.path,
+            session=session, auth_enabled=self.state.workspace.server.auth.enabled, path=request.url.path,
             csrf_token=self.sessions.token(session) if session is not None else "",
             can_review=session is not None and session.can("auditor"), **values)
         cookies = self.sessions.cookies(request, session) if session is not None else []

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import Response
 
@@ -44,14 +45,12 @@ from serving.http.openapi import JsonOrEventStream, anthropic_errors
 from serving.http.pipeline_routes import PIN_HEADER, answered, response_headers, start_request, started
 from serving.http.problems import Problem, from_final
 from serving.http.served import event_stream, sse_event
-from serving.http.state import AppState
+from serving.http.services import Services
 from serving.http.tokenize_routes import tokenizer_of
 from serving.http.tool_replies import HeldReply, call_of, is_cut_call, may_call, offer_tools
 from stages import tools
 from stages.prompt import PromptStage
 
-#: The paths whose errors come in Anthropic's shape.
-PATH_PREFIX = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -60,29 +59,29 @@ _STATUSES = (400, 401, 403, 404, 413, 429, 503, 504)
 
 @post("/v1/messages", summary="Anthropic-compatible message", tags=["anthropic"], status_code=200,
       operation_class=JsonOrEventStream, responses=anthropic_errors(*_STATUSES))
-async def create_message(data: JSONBody[MessagesRequest], request: Request) -> Response[Any]:
+async def create_message(data: JSONBody[MessagesRequest], request: Request,
+                         services: NamedDependency[Services]) -> Response[Any]:
     chat = conversation(data)
-    state = AppState.of(request)
     user = data.metadata.user_id if data.metadata else None
-    pipeline, ctx = await start_request(state, request, data.model, chat.messages, data.overrides(),
+    pipeline, ctx = await start_request(services, request, data.model, chat.messages, data.overrides(),
                                         {"user": user} if user else None, stop=data.stop_sequences)
     offer_tools(ctx, chat.tools, chat.tool_choice)
     if data.stream:
-        return event_stream(_events(await started(state, pipeline, ctx), ctx, data), _headers(ctx))
-    return Response(_message(await answered(state, pipeline, ctx), ctx, data), headers=_headers(ctx))
+        return event_stream(_events(await started(services.executor, pipeline, ctx), ctx, data), _headers(ctx))
+    return Response(_message(await answered(services.executor, pipeline, ctx), ctx, data), headers=_headers(ctx))
 
 
 @post("/v1/messages/count_tokens", summary="Anthropic-compatible token count", tags=["anthropic"],
       status_code=200, responses=anthropic_errors(400, 401, 403, 404, 503))
-async def count_tokens(data: JSONBody[CountTokensRequest], request: Request) -> dict[str, int]:
+async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
+                       services: NamedDependency[Services]) -> dict[str, int]:
     chat = conversation(data)
-    state = AppState.of(request)
     name, _, pin = data.model.partition("@")
     pin = pin or request.headers.get(PIN_HEADER, "")
-    pipeline = await state.pinned(name, pin) if pin else state.executor.get(name)
-    principal = await state.auth.principal(request)
-    state.auth.require(principal, pipeline.spec.access.roles, f"count tokens for pipeline {name!r}")
-    tokenizer, _ = await tokenizer_of(state, pipeline)
+    pipeline = await services.pinned(name, pin) if pin else services.executor.get(name)
+    principal = await services.auth.principal(request)
+    services.auth.require(principal, pipeline.spec.access.roles, f"count tokens for pipeline {name!r}")
+    tokenizer, _ = await tokenizer_of(services, pipeline)
     ctx = RequestContext(pipeline=name, input_messages=chat.messages, principal=principal,
                          tools=chat.tools, tool_choice=chat.tool_choice)
     prompt = next((b.stage for b in pipeline.stages if isinstance(b.stage, PromptStage)), None)

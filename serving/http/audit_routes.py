@@ -22,7 +22,7 @@ from pipeline.context import Principal
 from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query, time_range
 from serving.http.openapi import JsonLinesOrCsv, problems
 from serving.http.problems import Problem
-from serving.http.state import AppState
+from serving.http.services import Services
 from store.audit import MAX_LIMIT, SORT_FIELDS, AccessFilters, AuditFilters, AuditReader
 from store.pipeline_versions import PipelineVersion, PipelineVersions
 
@@ -31,18 +31,17 @@ _ROLES = ("auditor",)
 _Sort = Annotated[str, QueryParameter(schema_extra={"enum": [f"{sign}{name}" for name in SORT_FIELDS
                                                             for sign in ("", "-")]})]
 _Limit = Annotated[int, QueryParameter(schema_extra={"minimum": 1, "maximum": MAX_LIMIT})]
+_Services = NamedDependency[Services]
 
 
-async def _reviewer(request: Request, action: str, query: dict[str, Any]) -> tuple[AuditReader, Principal | None]:
-    state = AppState.of(request)
-    principal = await state.auth.authorize(request, _ROLES, "read the audit log")
-    if state.audit is None:
-        raise Problem(503, "Backend unavailable", "the audit store is not open", "backend_error")
-    reader = state.audit.reader
+async def _reviewer(request: Request, services: Services, action: str,
+                    query: dict[str, Any]) -> tuple[AuditReader, Principal | None]:
+    principal = await services.auth.authorize(request, _ROLES, "read the audit log")
+    reader = services.audit.reader
     clean = {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in query.items() if v is not None}
     await asyncio.to_thread(reader.log_access, principal.key_id if principal else None,
                             principal.role if principal else None, action, clean)
-    await state.audit_read_barrier()
+    await services.audit_read_barrier()
     return reader, principal
 
 
@@ -58,17 +57,19 @@ _ROUTE = {"tags": ["audit"], "guards": [refuse_unknown_query]}
 
 @get("/audit/records", summary="Query audit records (filters, sorting, cursor pagination)", **_ROUTE,
      dependencies={"filters": audit_filters}, responses=problems(400, 401, 403, 422, 503))
-async def records(request: Request, filters: NamedDependency[AuditFilters], sort: _Sort = "-received_at",
-                  cursor: FromQuery[str | None] = None, limit: _Limit = 50) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "query", {**filters.given(), "sort": sort, "cursor": cursor, "limit": limit})
+async def records(request: Request, services: _Services, filters: NamedDependency[AuditFilters],
+                  sort: _Sort = "-received_at", cursor: FromQuery[str | None] = None,
+                  limit: _Limit = 50) -> dict[str, Any]:
+    store, _ = await _reviewer(request, services, "query",
+                               {**filters.given(), "sort": sort, "cursor": cursor, "limit": limit})
     page = await _call(store.query, filters, sort=sort, cursor=cursor, limit=limit)
     return {"records": page.records, "next_cursor": page.next_cursor}
 
 
 @get("/audit/records/{record_id:str}", summary="One audit record with its stages", **_ROUTE,
      responses=problems(400, 401, 403, 404, 503))
-async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
-    store, principal = await _reviewer(request, "show", {"record_id": record_id})
+async def record(request: Request, services: _Services, record_id: FromPath[str]) -> dict[str, Any]:
+    store, principal = await _reviewer(request, services, "show", {"record_id": record_id})
     found = await _call(store.get, record_id)
     if found is None:
         raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
@@ -79,8 +80,8 @@ async def record(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
 
 @get("/audit/records/{record_id:str}/spec", summary="The pipeline file (YAML) that served one record", **_ROUTE,
      responses=problems(400, 401, 403, 404, 503))
-async def record_spec(request: Request, record_id: FromPath[str]) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "show spec", {"record_id": record_id})
+async def record_spec(request: Request, services: _Services, record_id: FromPath[str]) -> dict[str, Any]:
+    store, _ = await _reviewer(request, services, "show spec", {"record_id": record_id})
     found = await _call(store.get, record_id)
     if found is None:
         raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
@@ -106,16 +107,16 @@ def version_json(version: PipelineVersion) -> dict[str, Any]:
 
 @get("/audit/summary", summary="Counts, block rate, tokens and cost, grouped", **_ROUTE,
      dependencies={"filters": audit_filters}, responses=problems(400, 401, 403, 422, 503))
-async def summary(request: Request, filters: NamedDependency[AuditFilters],
+async def summary(request: Request, services: _Services, filters: NamedDependency[AuditFilters],
                   group_by: FromQuery[Literal["pipeline", "model", "key_id", "day"]] = "pipeline") -> dict[str, Any]:
-    store, _ = await _reviewer(request, "summary", {"group_by": group_by, **filters.given()})
+    store, _ = await _reviewer(request, services, "summary", {"group_by": group_by, **filters.given()})
     return {"group_by": group_by, "groups": await _call(store.summary, filters, group_by)}
 
 
 @get("/audit/verify", summary="Recompute the hash chain and report any tampering", **_ROUTE,
      dependencies={"filters": time_range}, responses=problems(400, 401, 403, 422, 503))
-async def verify(request: Request, filters: NamedDependency[AuditFilters]) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "verify", filters.given())
+async def verify(request: Request, services: _Services, filters: NamedDependency[AuditFilters]) -> dict[str, Any]:
+    store, _ = await _reviewer(request, services, "verify", filters.given())
     report = await _call(store.verify, filters.since, filters.until)
     tail = report.uncovered  # the newest records no signed checkpoint covers yet
     return {"ok": report.ok, "checked": report.checked, "head_seq": report.head_seq,
@@ -128,9 +129,9 @@ async def verify(request: Request, filters: NamedDependency[AuditFilters]) -> di
 @get("/audit/export", summary="Export records as JSON Lines or CSV, streamed", **_ROUTE,
      dependencies={"filters": audit_filters}, operation_class=JsonLinesOrCsv,
      responses=problems(400, 401, 403, 422, 503))
-async def export(request: Request, filters: NamedDependency[AuditFilters],
+async def export(request: Request, services: _Services, filters: NamedDependency[AuditFilters],
                  format: FromQuery[Literal["jsonl", "csv"]] = "jsonl") -> Response[Any]:
-    store, _ = await _reviewer(request, "export", {"format": format, **filters.given()})
+    store, _ = await _reviewer(request, services, "export", {"format": format, **filters.given()})
     lines = await _call(store.export, filters, format)  # a filter it cannot apply is a 400 before the stream
     media = "application/x-ndjson" if format == "jsonl" else "text/csv"
     return Stream(_async_lines(lines), media_type=media,
@@ -139,9 +140,9 @@ async def export(request: Request, filters: NamedDependency[AuditFilters],
 
 @get("/audit/access", summary="The reviewers' access log: who read the audit log, newest first", **_ROUTE,
      dependencies={"filters": access_filters}, responses=problems(400, 401, 403, 422, 503))
-async def access(request: Request, filters: NamedDependency[AccessFilters], cursor: FromQuery[str | None] = None,
-                 limit: _Limit = 50) -> dict[str, Any]:
-    store, _ = await _reviewer(request, "access", {**filters.given(), "cursor": cursor, "limit": limit})
+async def access(request: Request, services: _Services, filters: NamedDependency[AccessFilters],
+                 cursor: FromQuery[str | None] = None, limit: _Limit = 50) -> dict[str, Any]:
+    store, _ = await _reviewer(request, services, "access", {**filters.given(), "cursor": cursor, "limit": limit})
     page = await _call(store.access, filters, cursor=cursor, limit=limit)
     return {"entries": page.records, "next_cursor": page.next_cursor}
 

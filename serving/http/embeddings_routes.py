@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 from litestar import Request, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,7 +31,7 @@ from serving.http.openapi import openai_errors
 from serving.http.pipeline_routes import failure, response_headers, start_request
 from serving.http.problems import Problem, bad_request
 from serving.http.served import encode_json
-from serving.http.state import AppState
+from serving.http.services import Services
 
 #: The most texts one request may send (OpenAI's limit); a pipeline's embed stage may allow fewer.
 MAX_INPUTS = 2048
@@ -68,16 +69,16 @@ def _texts(value: str | list[str] | list[int] | list[list[int]]) -> list[str]:
 
 @post("/v1/embeddings", summary="OpenAI-compatible embeddings", tags=["openai"], status_code=200,
       responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
-async def create_embeddings(data: JSONBody[EmbeddingRequest], request: Request) -> Response[Any]:
+async def create_embeddings(data: JSONBody[EmbeddingRequest], request: Request,
+                            services: NamedDependency[Services]) -> Response[Any]:
     refuse(sorted(data.model_extra or {}))
-    state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
     params = {"dimensions": data.dimensions} if data.dimensions is not None else {}
-    pipeline, ctx = await start_request(state, request, data.model, [], params, tags, operation="embeddings")
+    pipeline, ctx = await start_request(services, request, data.model, [], params, tags, operation="embeddings")
     texts = _texts(data.input)
     ctx.input_messages = [ChatMessage("user", text) for text in texts]
     ctx.facts["input_texts"] = texts
-    final = await state.executor.run(pipeline, ctx)
+    final = await services.executor.run(pipeline, ctx)
     if isinstance(final, Error):
         problem = failure(final, ctx)
         param = problem.detail.partition(":")[0].partition("[")[0] if problem.status == 400 else ""

@@ -30,11 +30,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, get, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import Response
 
 from pipeline.context import ChatMessage, RequestContext, TokenLogprob
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.http.auth import Authenticator
 from serving.http.openai_common import (
     chat_turns,
     check_choice,
@@ -63,31 +65,33 @@ from serving.http.schemas import (
     NamedToolChoice,
     OpenAIRequest,
 )
-from serving.http.served import encode_json, event_stream
-from serving.http.state import AppState
+from serving.http.served import Executor, encode_json, event_stream
+from serving.http.services import Services
 from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
 
 
 @post("/v1/chat/completions", summary="OpenAI-compatible chat completion", tags=["openai"], status_code=200,
       operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
-async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Response[Any]:
-    return await _complete(request, data, chat_turns(data.messages), "chat.completion")
+async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request,
+                           services: NamedDependency[Services]) -> Response[Any]:
+    return await _complete(services, request, data, chat_turns(data.messages), "chat.completion")
 
 
 @post("/v1/completions", summary="OpenAI-compatible text completion", tags=["openai"], status_code=200,
       operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
-async def completions(data: JSONBody[CompletionRequest], request: Request) -> Response[Any]:
-    return await _complete(request, data, [ChatMessage("user", data.prompt)], "text_completion")
+async def completions(data: JSONBody[CompletionRequest], request: Request,
+                      services: NamedDependency[Services]) -> Response[Any]:
+    return await _complete(services, request, data, [ChatMessage("user", data.prompt)], "text_completion")
 
 
 @get("/v1/models", summary="The pipelines, as OpenAI models", tags=["openai"],
      responses=openai_errors(401, 403, 503))
-async def list_models(request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    await state.auth.authorize(request, ("caller", "auditor"), "list models")
+async def list_models(request: Request, auth: NamedDependency[Authenticator],
+                      executor: NamedDependency[Executor]) -> dict[str, Any]:
+    await auth.authorize(request, ("caller", "auditor"), "list models")
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "inferline"}
-                                       for name in sorted(state.executor.pipelines)]}
+                                       for name in sorted(executor.pipelines)]}
 
 
 def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
@@ -110,7 +114,8 @@ def _offer_tools(ctx: RequestContext, data: ChatCompletionRequest) -> None:
     constrain_output(ctx, schema)
 
 
-async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMessage], kind: str) -> Response[Any]:
+async def _complete(services: Services, request: Request, data: OpenAIRequest, messages: list[ChatMessage],
+                    kind: str) -> Response[Any]:
     refuse(data.refused_fields())
     if isinstance(data, ChatCompletionRequest) and data.top_logprobs is not None and not data.logprobs:
         raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
@@ -120,9 +125,8 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     if data.n > 1 and isinstance(data, ChatCompletionRequest) and data.tools:
         raise bad_request(f"n: tools are offered one answer at a time here; send n: 1 with tools (this request "
                            f"asked for {data.n})", "n")
-    state = AppState.of(request)
     tags = {"user": data.user} if data.user else None
-    pipeline, ctx = await start_request(state, request, data.model, messages, data.overrides(), tags,
+    pipeline, ctx = await start_request(services, request, data.model, messages, data.overrides(), tags,
                                         stop=data.stops(), operation="chat" if kind == "chat.completion"
                                         else "text_completion")
     if isinstance(data, ChatCompletionRequest):
@@ -130,10 +134,10 @@ async def _complete(request: Request, data: OpenAIRequest, messages: list[ChatMe
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         continuous = bool(data.stream_options and data.stream_options.continuous_usage_stats)
-        chunks = _chunks(await started(state, pipeline, ctx), ctx, data.model, kind, include_usage, continuous, data.n,
-                         data.num_logprobs() is not None)
+        chunks = _chunks(await started(services.executor, pipeline, ctx), ctx, data.model, kind, include_usage,
+                         continuous, data.n, data.num_logprobs() is not None)
         return event_stream(chunks, response_headers(ctx))
-    final = await answered(state, pipeline, ctx)
+    final = await answered(services.executor, pipeline, ctx)
     return Response(_body(final, ctx, data.model, kind, data.num_logprobs() is not None), headers=response_headers(ctx))
 
 

@@ -17,18 +17,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import Response
 
 from pipeline.context import ChatMessage, RequestContext, Source, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
+from serving.http.auth import Authenticator
 from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, bad_request, from_final, limit_headers
 from serving.http.refusals import RUNS_PIPELINE, attempt_of
 from serving.http.schemas import PipelineRequest
-from serving.http.served import event_stream, head_of_stream, sse_event, with_head
-from serving.http.state import AppState
+from serving.http.served import Executor, event_stream, head_of_stream, sse_event, with_head
+from serving.http.services import Services
+from serving.runtime.reloader import PipelineReloader
 
 
 def stage_json(stage: StageRecord) -> dict[str, Any]:
@@ -75,29 +78,30 @@ def answered_by(ctx: RequestContext) -> dict[str, Any]:
     return {"model": ctx.model or None, "fallbacks_tried": [t["model"] for t in tried]}
 
 
-async def start_request(state: AppState, request: Request, name: str, messages: list[ChatMessage],
+async def start_request(services: Services, request: Request, name: str, messages: list[ChatMessage],
                         params: dict[str, Any], tags: dict[str, str] | None = None,
                         stop: list[str] | None = None, operation: str = "chat") -> tuple[Pipeline, RequestContext]:
     """Authorize the caller for pipeline *name* and build its request context. ``name@version`` (the
     OpenAI API's ``model``) or an ``X-Pipeline-Version`` header pins a kept version of it."""
     name, _, pin = name.partition("@")
     pin = pin or request.headers.get(PIN_HEADER, "")
-    pipeline = await state.pinned(name, pin) if pin else state.executor.get(name)
+    pipeline = await services.pinned(name, pin) if pin else services.executor.get(name)
     attempt = attempt_of(request)  # what the server's record of a refusal names (serving/http/refusals.py)
     attempt.pipeline = pipeline
-    attempt.principal = principal = await state.auth.principal(request)
+    attempt.principal = principal = await services.auth.principal(request)
     sticky = principal.key_id if principal else (request.client.host if request.client else "")
-    if not pin and (split := state.split_choice(name, sticky)):  # a canary: each caller key sticks to a version
-        attempt.pipeline = pipeline = await state.pinned(name, split)
-    state.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
+    # A canary: each caller key sticks to a version.
+    if not pin and (split := services.deployments.split_choice(name, sticky)):
+        attempt.pipeline = pipeline = await services.pinned(name, split)
+    services.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
     if (operation == "embeddings") != embeds(pipeline):
         if operation == "embeddings":
-            others = sorted(name for name, p in state.executor.pipelines.items() if embeds(p))
+            others = sorted(name for name, p in services.executor.pipelines.items() if embeds(p))
             raise bad_request(f"model: pipeline {pipeline.name!r} makes no embeddings (it has no embed stage); "
                               f"embeddings pipelines: {', '.join(others) or 'none'}", "model")
         raise bad_request(f"model: pipeline {pipeline.name!r} makes embeddings, not text: call POST /v1/embeddings",
                           "model")
-    if state.audit is not None and state.audit.mode == "required" and not state.audit.is_durable():
+    if services.audit.mode == "required" and not services.audit.is_durable():
         raise Problem(503, "Backend unavailable", "audit records cannot be made durable right now "
                       "(audit.mode: required); retry shortly", "audit_unavailable", {"Retry-After": "5"})
     ctx = RequestContext(pipeline=name, input_messages=messages, principal=principal, tags=dict(tags or {}),
@@ -116,16 +120,16 @@ def embeds(pipeline: Pipeline) -> bool:
 @post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200, operation_class=JsonOrEventStream,
       responses=problems(400, 401, 403, 404, 413, 422, 429, 503, 504), opt={RUNS_PIPELINE: "name"},
       description="JSON answer, or Server-Sent Events with `\"stream\": true` or `Accept: text/event-stream`.")
-async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request) -> Response[Any]:
-    state = AppState.of(request)
-    pipeline, ctx = await start_request(state, request, name, data.chat(), data.overrides(), data.tags)
+async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request,
+                       services: NamedDependency[Services]) -> Response[Any]:
+    pipeline, ctx = await start_request(services, request, name, data.chat(), data.overrides(), data.tags)
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
-        events = state.executor.stream(pipeline, ctx)
+        events = services.executor.stream(pipeline, ctx)
         head = await head_of_stream(events)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
         return event_stream(_sse(head, events, ctx), response_headers(ctx))
-    final = await answered(state, pipeline, ctx)
+    final = await answered(services.executor, pipeline, ctx)
     return Response(summary_json(final.summary, ctx), headers=response_headers(ctx))
 
 
@@ -141,18 +145,18 @@ def response_headers(ctx: RequestContext) -> dict[str, str]:
             **limit_headers(ctx.facts.get("limits"))}
 
 
-async def answered(state: AppState, pipeline: Pipeline, ctx: RequestContext) -> Done:
+async def answered(executor: Executor, pipeline: Pipeline, ctx: RequestContext) -> Done:
     """The request run to its end; the HTTP error status its failure or refusal means, raised."""
-    final = await state.executor.run(pipeline, ctx)
+    final = await executor.run(pipeline, ctx)
     if isinstance(final, Error):
         raise failure(final, ctx)
     return final
 
 
-async def started(state: AppState, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
+async def started(executor: Executor, pipeline: Pipeline, ctx: RequestContext) -> AsyncIterator[Event]:
     """The request's events, once its first text (or its end) has come: a request refused or failed
     before any text raises its HTTP error status rather than starting a 200 stream."""
-    events = state.executor.stream(pipeline, ctx)
+    events = executor.stream(pipeline, ctx)
     head = await head_of_stream(events)
     if isinstance(head[-1], Error):
         raise failure(head[-1], ctx)
@@ -201,25 +205,24 @@ def _message(event: Event, ctx: RequestContext) -> bytes:
 
 
 @get("/pipelines", summary="List the served pipelines", responses=problems(401, 403, 503))
-async def list_pipelines(request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    await state.auth.authorize(request, ("caller", "auditor"), "list pipelines")
-    metrics, reloader = state.executor.metrics, state.reloader
-    errors = [error.to_json() for error in reloader.errors.values()] if reloader else []
-    return {"pipelines": [describe(p, metrics.slo_report(name), _reload_error(state, name))
-                          for name, p in state.executor.pipelines.items()],
-            "reload_errors": errors}
+async def list_pipelines(request: Request, auth: NamedDependency[Authenticator], executor: NamedDependency[Executor],
+                         reloader: NamedDependency[PipelineReloader]) -> dict[str, Any]:
+    await auth.authorize(request, ("caller", "auditor"), "list pipelines")
+    return {"pipelines": [describe(p, executor.metrics.slo_report(name), _reload_error(reloader, name))
+                          for name, p in executor.pipelines.items()],
+            "reload_errors": [error.to_json() for error in reloader.errors.values()]}
 
 
 @get("/pipelines/{name:str}", summary="Describe one pipeline", responses=problems(400, 401, 403, 404, 503))
-async def get_pipeline(name: FromPath[str], request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    await state.auth.authorize(request, ("caller", "auditor"), "describe pipelines")
-    return describe(state.executor.get(name), state.executor.metrics.slo_report(name), _reload_error(state, name))
+async def get_pipeline(name: FromPath[str], request: Request, auth: NamedDependency[Authenticator],
+                       executor: NamedDependency[Executor], reloader: NamedDependency[PipelineReloader]
+                       ) -> dict[str, Any]:
+    await auth.authorize(request, ("caller", "auditor"), "describe pipelines")
+    return describe(executor.get(name), executor.metrics.slo_report(name), _reload_error(reloader, name))
 
 
-def _reload_error(state: AppState, name: str) -> dict[str, Any] | None:
-    error = state.reloader.error_for(name) if state.reloader else None
+def _reload_error(reloader: PipelineReloader, name: str) -> dict[str, Any] | None:
+    error = reloader.error_for(name)
     return None if error is None else error.to_json()
 
 

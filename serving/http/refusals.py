@@ -4,7 +4,7 @@ A refusal that a pipeline's ``audit`` stage recorded (a policy's 403 or 429) is 
 other refusal, of any route the app serves, is recorded here, once, in the same log and hash chain: no key
 or a bad one (401), a role the route or the pipeline does not allow (403), a body over
 ``http.max_body_bytes`` (413), a limit or a full queue in a pipeline without an audit stage (429). Which
-routes are covered is not a list: the app's exception handler hands every answer here (the console's
+routes are covered is not a list: every router's exception handler hands every answer here (the console's
 handlers too), and the status decides. The record has status ``denied`` (or the run's own status), the
 HTTP status, the reason's code as ``error_type``, and one ``policy`` entry from stage ``server`` with its
 rule, category, message and route; the key's id and role when it verified, never the key, and no content.
@@ -112,16 +112,16 @@ class RefusalRecorder:
     """Writes an audit record for each refused request, within ``audit.refusals``' buckets."""
 
     def __init__(self, spec: RefusalsSpec, auth: Authenticator, pipelines: Mapping[str, Pipeline],
-                 registry: CollectorRegistry):
+                 registry: CollectorRegistry, sink: StoreSink, key_cookie: tuple[str, str] | None = None):
         self.spec = spec
         self.auth = auth
         self.pipelines = pipelines
         self.clock = time.monotonic
-        #: The server's audit sink, once the app's lifespan has opened it.
-        self.sink: StoreSink | None = None
+        #: The server's audit sink, which the records go to.
+        self.sink = sink
         #: (path prefix, cookie name): where a key comes as a cookie rather than a header (the web console's
-        #: session, which its plugin sets), so that a refusal there names the key that was tried.
-        self.key_cookie: tuple[str, str] | None = None
+        #: session, which its plugin names), so that a refusal there names the key that was tried.
+        self.key_cookie = key_cookie
         self.dropped = Counter("inferline_audit_refusals_dropped", "Refused requests (401, 403, 413, 429) not "
                                "recorded in the audit log because audit.refusals' bound was reached, by reason.",
                                ["reason"], registry=registry)
@@ -138,7 +138,7 @@ class RefusalRecorder:
             logger.exception("audit: the refusal of %s %s could not be recorded", request.method, request.url.path)
 
     def _note(self, request: Request, problem: Problem) -> None:
-        if problem.status not in REFUSED_STATUSES or self.sink is None:
+        if problem.status not in REFUSED_STATUSES:
             return
         attempt: Attempt = request.scope.get(_SCOPE_KEY) or Attempt()  # type: ignore[misc,assignment]
         ctx = attempt.ctx

@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from litestar import Request, delete, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import Response
 from sqlalchemy.exc import SQLAlchemyError
@@ -65,7 +66,7 @@ from serving.http.schemas import (
     ResponsesText,
 )
 from serving.http.served import event_stream, sse_event
-from serving.http.state import AppState
+from serving.http.services import Services
 from serving.http.tool_replies import HeldReply, call_of, constrain_output, is_cut_call
 from stages import tools
 from store.db import utcnow
@@ -81,16 +82,16 @@ _CHOICES = """'auto', 'none', 'required' or {"type": "function", "name": ...}"""
 
 @post("/v1/responses", summary="OpenAI Responses API: create a response", tags=["openai"], status_code=200,
       operation_class=JsonOrEventStream, responses=openai_errors(400, 401, 403, 404, 413, 422, 429, 503, 504))
-async def create_response(data: JSONBody[ResponsesRequest], request: Request) -> Response[Any]:
+async def create_response(data: JSONBody[ResponsesRequest], request: Request,
+                          services: NamedDependency[Services]) -> Response[Any]:
     refuse(sorted(data.model_extra or {}))
     items = input_items(data.input)
     text = checked(RESPONSES_TEXT, data.text, "text") or ResponsesText()
     offered = checked(RESPONSES_TOOLS, data.tools, "tools") or []
     choice = checked(RESPONSES_TOOL_CHOICE, data.tool_choice, "tool_choice", _CHOICES)
-    state = AppState.of(request)
-    pipeline, ctx = await start_request(state, request, data.model, [], data.overrides(),
+    pipeline, ctx = await start_request(services, request, data.model, [], data.overrides(),
                                         {"user": data.user} if data.user else None)
-    earlier = await _continued(state, data.previous_response_id, ctx.principal)
+    earlier = await _continued(services.responses, data.previous_response_id, ctx.principal)
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     ctx.input_messages = system + chat_turns(chat_messages(earlier + items))
     ctx.tools = check_functions([_chat_tool(t.model_dump()) for t in offered], ".parameters")
@@ -104,20 +105,21 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
                      fmt.schema_ if isinstance(fmt, ResponsesJsonSchemaFormat) else None)
     made = _Made(data, ctx, int(time.time()), earlier + items, text, [t.model_dump() for t in offered])
     if data.stream:
-        return event_stream(_events(await started(state, pipeline, ctx), made, state), response_headers(ctx))
-    final = await answered(state, pipeline, ctx)
+        return event_stream(_events(await started(services.executor, pipeline, ctx), made, services),
+                            response_headers(ctx))
+    final = await answered(services.executor, pipeline, ctx)
     output, status = _output(ctx, final.summary.output_text, final.summary.finish_reason)
     body = made.body(status, output, final)
-    await _keep(state, made, body, output)
+    await _keep(services, made, body, output)
     return Response(body, headers=response_headers(ctx))
 
 
 @get("/v1/responses/{response_id:str}", summary="OpenAI Responses API: a stored response", tags=["openai"],
      responses=openai_errors(401, 403, 404, 503))
-async def get_response(response_id: FromPath[str], request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    principal = await state.auth.authorize(request, ("caller",), "read responses")
-    stored = await asyncio.to_thread(_store(state).get, response_id, _owner(principal))
+async def get_response(response_id: FromPath[str], request: Request,
+                       services: NamedDependency[Services]) -> dict[str, Any]:
+    principal = await services.auth.authorize(request, ("caller",), "read responses")
+    stored = await asyncio.to_thread(services.responses.get, response_id, _owner(principal))
     if stored is None:
         raise _not_found(response_id, None)
     return stored.body
@@ -125,10 +127,10 @@ async def get_response(response_id: FromPath[str], request: Request) -> dict[str
 
 @delete("/v1/responses/{response_id:str}", summary="OpenAI Responses API: delete a stored response",
         tags=["openai"], status_code=200, responses=openai_errors(401, 403, 404, 503))
-async def delete_response(response_id: FromPath[str], request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    principal = await state.auth.authorize(request, ("caller",), "delete responses")
-    if not await asyncio.to_thread(_store(state).delete, response_id, _owner(principal)):
+async def delete_response(response_id: FromPath[str], request: Request,
+                          services: NamedDependency[Services]) -> dict[str, Any]:
+    principal = await services.auth.authorize(request, ("caller",), "delete responses")
+    if not await asyncio.to_thread(services.responses.delete, response_id, _owner(principal)):
         raise _not_found(response_id, None)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -159,11 +161,12 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
         **({"strict": True} if tool.get("strict") else {})}}
 
 
-async def _continued(state: AppState, previous_id: str | None, principal: Principal | None) -> list[dict[str, Any]]:
+async def _continued(store: ResponseStore, previous_id: str | None,
+                     principal: Principal | None) -> list[dict[str, Any]]:
     """The conversation that *previous_id* ends (none without one); 404 if the caller cannot see it."""
     if previous_id is None:
         return []
-    stored = await asyncio.to_thread(_store(state).get, previous_id, _owner(principal))
+    stored = await asyncio.to_thread(store.get, previous_id, _owner(principal))
     if stored is None:
         raise _not_found(previous_id, "previous_response_id")
     return stored.conversation
@@ -238,13 +241,13 @@ def _usage(final: Done) -> dict[str, Any]:
             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-async def _keep(state: AppState, made: _Made, body: dict[str, Any], output: list[dict[str, Any]]) -> None:
+async def _keep(services: Services, made: _Made, body: dict[str, Any], output: list[dict[str, Any]]) -> None:
     """Store the response (``store: true``) with its conversation, until the retention runs out; a 503 when
     the database cannot take it (a response said to be stored is one)."""
     if not made.data.store:
         return
     created = utcnow()
-    days = state.workspace.server.responses.retention_days
+    days = services.runtime.workspace.server.responses.retention_days
     conversation = made.conversation + [
         {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
         if item["type"] == "function_call" else
@@ -253,14 +256,14 @@ async def _keep(state: AppState, made: _Made, body: dict[str, Any], output: list
     stored = StoredResponse(made.id, _owner(made.ctx.principal), made.ctx.pipeline, conversation, body, created,
                             None if days is None else created + timedelta(days=days))
     try:
-        await asyncio.to_thread(_store(state).save, stored)
+        await asyncio.to_thread(services.responses.save, stored)
     except SQLAlchemyError as exc:
         logger.warning("response %s not stored: %s", made.id, exc)
         raise Problem(503, "Backend unavailable", "the response was made but could not be stored; retry, or send "
                       "store: false", "backend_error", {"Retry-After": "5"}) from exc
 
 
-async def _events(events: AsyncIterator[Event], made: _Made, state: AppState) -> AsyncIterator[bytes]:
+async def _events(events: AsyncIterator[Event], made: _Made, services: Services) -> AsyncIterator[bytes]:
     """The response as OpenAI's stream of events, each with its ``sequence_number``."""
     ctx = made.ctx
     numbers = itertools.count()
@@ -302,7 +305,7 @@ async def _events(events: AsyncIterator[Event], made: _Made, state: AppState) ->
                     yield message.done(output[0])
                 body = made.body(status, output, event)
                 try:
-                    await _keep(state, made, body, output)
+                    await _keep(services, made, body, output)
                 except Problem as problem:
                     yield _error(send, problem)
                     continue
@@ -350,12 +353,6 @@ class _MessageEvents:
 def _owner(principal: Principal | None) -> str | None:
     """Whose responses a caller sees: its key's; None (everyone's) with auth off."""
     return principal.key_id if principal is not None else None
-
-
-def _store(state: AppState) -> ResponseStore:
-    if state.responses is None:
-        raise Problem(503, "Backend unavailable", "the response store is not open", "backend_error")
-    return state.responses
 
 
 def _not_found(response_id: str, param: str | None) -> Problem:

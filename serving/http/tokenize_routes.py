@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,7 +25,7 @@ from serving.http.openapi import openai_errors
 from serving.http.pipeline_routes import embeds
 from serving.http.problems import Problem
 from serving.http.schemas import ChatMessageIn
-from serving.http.state import AppState
+from serving.http.services import Services
 
 #: The most token ids one /detokenize takes, and the longest text one /tokenize takes.
 MAX_TOKENS = 1 << 17
@@ -68,55 +69,53 @@ class _Tokenizer:
     texts_only: bool = False
 
 
-async def _tokenizer(state: AppState, request: Request, name: str) -> _Tokenizer:
+async def _tokenizer(services: Services, request: Request, name: str) -> _Tokenizer:
     """The tokenizer *name* means (a pipeline's model, or a model), after checking the caller may use it."""
-    server = state.workspace.server
-    pipeline = state.executor.pipelines.get(name)
-    principal = await state.auth.principal(request)
+    server = services.runtime.workspace.server
+    pipeline = services.executor.pipelines.get(name)
+    principal = await services.auth.principal(request)
     if pipeline is not None:
-        state.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
+        services.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
         if embeds(pipeline):
-            return await _embedder_tokenizer(state, pipeline)
-        model = _model_of(state, pipeline)
-        tokenizer, _ = await _model_tokenizer(state, model)
+            return await _embedder_tokenizer(services, pipeline)
+        model = _model_of(services, pipeline)
+        tokenizer, _ = await _model_tokenizer(services, model)
         return _Tokenizer(tokenizer, model, server.models[model].context_window)
     if name not in server.models:
         raise Problem(404, "Not found", f"no pipeline or model {name!r}; pipelines: "
-                      f"{', '.join(sorted(state.executor.pipelines))}; models: {', '.join(server.models)}",
+                      f"{', '.join(sorted(services.executor.pipelines))}; models: {', '.join(server.models)}",
                       "model_not_found")
-    state.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
-    tokenizer, _ = await _model_tokenizer(state, name)
+    services.auth.require(principal, ("caller",), f"tokenize for model {name!r}")
+    tokenizer, _ = await _model_tokenizer(services, name)
     return _Tokenizer(tokenizer, name, server.models[name].context_window)
 
 
-async def _embedder_tokenizer(state: AppState, pipeline: Pipeline) -> _Tokenizer:
+async def _embedder_tokenizer(services: Services, pipeline: Pipeline) -> _Tokenizer:
     """The tokenizer of the embedding model *pipeline*'s ``embed`` stage names: what counts its texts."""
     stage = next(s for s in pipeline.spec.stages if s.type == "embed")
     model = str((stage.with_ or {}).get("model") or "")
-    embedders = state.reloader.runtime.resources.embedders if state.reloader is not None else None
-    backend = await embedders.get(model) if embedders is not None else None  # BackendError: a 503
+    backend = await services.runtime.embedders.get(model)  # BackendError: a 503
     tokenizer = getattr(backend, "tokenizer", None)
     if backend is None or tokenizer is None:
         raise Problem(400, "Bad request", f"embedding model {model!r} has no tokenizer here", "invalid_request")
     return _Tokenizer(tokenizer, model, backend.max_input_tokens, texts_only=True)
 
 
-async def tokenizer_of(state: AppState, pipeline: Pipeline) -> tuple[Any, str]:
+async def tokenizer_of(services: Services, pipeline: Pipeline) -> tuple[Any, str]:
     """The tokenizer of *pipeline*'s ``tokenize`` stage's model (else the server's first), and that model:
     what encodes its prompts."""
-    return await _model_tokenizer(state, _model_of(state, pipeline), "encode_chat")
+    return await _model_tokenizer(services, _model_of(services, pipeline), "encode_chat")
 
 
-def _model_of(state: AppState, pipeline: Pipeline) -> str:
+def _model_of(services: Services, pipeline: Pipeline) -> str:
     stage = next((s for s in pipeline.spec.stages if s.type == "tokenize"), None)
     model = str((stage.with_ or {}).get("model") or "") if stage is not None else ""
-    return model or next(iter(state.workspace.server.models), "")
+    return model or next(iter(services.runtime.workspace.server.models), "")
 
 
-async def _model_tokenizer(state: AppState, model: str, needs: str = "tokenize") -> tuple[Any, str]:
+async def _model_tokenizer(services: Services, model: str, needs: str = "tokenize") -> tuple[Any, str]:
     """*model*'s tokenizer, which must have the method *needs* (a remote model's has none)."""
-    engines = state.engines
-    engine = await engines.get(model) if engines is not None else None
+    engine = await services.runtime.engines.get(model)
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, needs):
         raise Problem(400, "Bad request", f"model {model!r} is served remotely: it has no tokenizer here",
@@ -126,9 +125,9 @@ async def _model_tokenizer(state: AppState, model: str, needs: str = "tokenize")
 
 @post("/tokenize", summary="Token ids of a text or a chat, as vLLM's /tokenize", tags=["openai"], status_code=200,
       responses=openai_errors(400, 401, 403, 404, 422, 503))
-async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    found = await _tokenizer(state, request, data.model)
+async def tokenize(data: JSONBody[TokenizeRequest], request: Request,
+                   services: NamedDependency[Services]) -> dict[str, Any]:
+    found = await _tokenizer(services, request, data.model)
     tokenizer = found.tokenizer
     if found.texts_only and data.messages is not None:
         raise Problem(400, "Bad request", f"messages: pipeline {data.model!r} makes embeddings of texts, each "
@@ -144,9 +143,9 @@ async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[st
 
 @post("/detokenize", summary="The text of token ids, as vLLM's /detokenize", tags=["openai"], status_code=200,
       responses=openai_errors(400, 401, 403, 404, 422, 503))
-async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dict[str, Any]:
-    state = AppState.of(request)
-    found = await _tokenizer(state, request, data.model)
+async def detokenize(data: JSONBody[DetokenizeRequest], request: Request,
+                     services: NamedDependency[Services]) -> dict[str, Any]:
+    found = await _tokenizer(services, request, data.model)
     size = found.tokenizer.vocab_size()
     bad = [token for token in data.tokens if not 0 <= token < size]
     if bad:
@@ -155,6 +154,5 @@ async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dic
     return {"prompt": found.tokenizer.decode(data.tokens)}
 
 
+#: Their errors come in the OpenAI shape, as vLLM's (the OpenAI router's: serving/http/routers.py).
 ROUTES = [tokenize, detokenize]
-#: Their errors come in the OpenAI shape, as vLLM's.
-PATHS = frozenset({"/tokenize", "/detokenize"})

@@ -1,20 +1,18 @@
 """Requests from one pipeline to another in the same process: the judges of ``score`` stages and evals, and
-the sub-pipelines of ``pipeline`` steps."""
+the sub-pipelines of ``pipeline`` steps. Whether the pipelines they name are served is checked when the files
+load (serving/runtime/pipeline_set.py)."""
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Protocol
 
 from pipeline.context import RequestContext
-from pipeline.diagnostics import suggest
-from pipeline.errors import BackendError, PolicyDenied, SpecError, SpecIssue
+from pipeline.errors import BackendError, PolicyDenied
 from pipeline.events import Done, Error, Event, TextDelta
-from pipeline.loader import LoadedPipeline
 from pipeline.protocols import PipelineResult
 from pipeline.runner import Pipeline
-from pipeline.yamlsrc import format_loc, parse
 from store.pipeline_versions import version_matches
 
 #: How deep calls may nest: a judge may not call a judge (nor a pipeline itself, through its score stage).
@@ -23,6 +21,13 @@ _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("inferline_pipeline
 #: How deep sub-pipelines may nest (calls to themselves do not load; a pin to another version could still loop).
 MAX_NESTED = 8
 _NESTED: contextvars.ContextVar[int] = contextvars.ContextVar("inferline_sub_pipeline_depth", default=0)
+
+
+class Requests(Protocol):
+    """What runs one request of a pipeline to its end: a bare :class:`~pipeline.runner.Runner`, or the app's
+    executor, which counts it in the app's metrics."""
+
+    async def run(self, pipeline: Pipeline, ctx: RequestContext) -> Done | Error: ...
 
 
 class LocalPipelines:
@@ -106,32 +111,3 @@ class LocalPipelines:
             return PipelineResult(final.status, summary.output_text, summary.cost_usd, summary.request_id,
                                   final.message)
         return PipelineResult("ok", summary.output_text, summary.cost_usd, summary.request_id)
-
-
-def check_calls(loaded: Sequence[LoadedPipeline], available: Collection[str] | None = None) -> None:
-    """Every judge a ``score`` stage names is among *available* (default: the *loaded* pipelines) and is not
-    the pipeline itself; raises :class:`SpecError` with each problem located in its file."""
-    names = set(available if available is not None else (p.spec.name for p in loaded))
-    issues: list[SpecIssue] = []
-    for item in loaded:
-        for index, plan in enumerate(item.plans):
-            for number, check in enumerate(getattr(plan.config, "checks", ()) if plan.spec.type == "score" else ()):
-                target = getattr(check, "pipeline", None)
-                if target is None or (target in names and target != item.spec.name):
-                    continue
-                why = ("a pipeline cannot judge itself" if target == item.spec.name else
-                       f"no pipeline {target!r} is served beside it{suggest(target, sorted(names))} "
-                       f"(pipelines: {', '.join(sorted(names))})")
-                issues.append(_locate(item.file, ("stages", index, "with", "checks", number, "pipeline"), why))
-    if issues:
-        raise SpecError(issues)
-
-
-def _locate(file: str, loc: tuple[str | int, ...], message: str) -> SpecIssue:
-    try:
-        src, _ = parse(file, Path(file).read_text(encoding="utf-8"))
-    except OSError:
-        src = None
-    if src is None:
-        return SpecIssue(file, 1, 1, format_loc(loc), message)
-    return src.issue(loc, message)

@@ -1,8 +1,9 @@
 """Hot reload: the served pipelines follow the ``pipelines:`` folder without a restart.
 
-A changed file is validated as at start (YAML, stages, options, models, ``when:``), built beside the
-running version and swapped in: the served map is updated in one step, so a request that already
-holds the old pipeline finishes on it and the next one gets the new. The old version is closed once
+A changed file is validated as at start (YAML, stages, options, models, ``when:``, and beside the other
+pipelines: serving/runtime/pipeline_set.py), built beside the running version and swapped in
+(``ServedPipelines.swap``, one step), so a request that already holds the old pipeline finishes on it and the
+next one gets the new. The old version is closed once
 its last request ends. A new file adds a pipeline; a deleted file retires its pipeline the same way
 (new requests then get 404). A file that fails to load changes nothing: the running version keeps
 serving, and the error, with file, line and column, is logged, counted in
@@ -27,10 +28,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pipeline.errors import SpecError, SpecIssue
-from pipeline.loader import LoadedPipeline, name_clash
+from pipeline.loader import LoadedPipeline
 from pipeline.runner import Pipeline
 from pipeline.spec import PIPELINE_NAME_RULE, is_pipeline_name
-from serving.runtime.calls import check_calls
+from serving.runtime.pipeline_set import PipelineSet, pipeline_files
 from serving.runtime.resources import Runtime
 
 logger = logging.getLogger(__name__)
@@ -109,9 +110,9 @@ class PipelineReloader:
 
     async def reload(self) -> list[str]:
         """One pass over the folder; the names of the pipelines added, changed or retired."""
-        await self.runtime.refresh_traffic()
+        await self.runtime.deployments.refresh_traffic()
         async with self._lock:
-            files = {path.resolve() for path in self.folder.glob("*.y*ml") if path.suffix in (".yaml", ".yml")}
+            files = {path.resolve() for path in pipeline_files(self.folder)}
             changed: list[str] = []
             for path in sorted(set(self._served) - files):
                 changed.append(self._retire_file(path))
@@ -158,12 +159,12 @@ class PipelineReloader:
         async with self._lock:
             loaded = await self.check(name, text)
             path = Path(loaded.file)
-            await self.runtime.record_version(loaded, deployed_by)
+            await self.runtime.deployments.record_version(loaded, deployed_by)
             staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.yaml: the watcher skips it
             await asyncio.to_thread(staged.write_text, text)
             await asyncio.to_thread(os.replace, staged, path)
         await self.reload()
-        await self.runtime.announce()
+        await self.runtime.deployments.announce()
         return loaded
 
     async def remove(self, name: str) -> bool:
@@ -174,7 +175,7 @@ class PipelineReloader:
                 return False
             await asyncio.to_thread(path.unlink, True)
         await self.reload()
-        await self.runtime.announce()
+        await self.runtime.deployments.announce()
         return True
 
     def error_for(self, name: str) -> ReloadError | None:
@@ -216,22 +217,17 @@ class PipelineReloader:
         took_s = time.perf_counter() - started
         self.reload_seconds.observe(took_s)
         self.reloads.labels("loaded").inc()
-        await self.runtime.record_version(loaded)
+        await self.runtime.deployments.record_version(loaded)
         logger.info("pipelines: %s %s from %s in %.1f ms (version %s, sha256 %s)",
                     "loaded" if seen is None else "reloaded", name, path.name, took_s * 1e3,
                     loaded.spec.version or "-", loaded.sha256[:12])
         return name
 
     def _check_beside_the_others(self, loaded: LoadedPipeline, path: Path) -> None:
-        pipelines = self.runtime.pipelines
-        served_from = {name: file for file, name in self._served.items()}
-        other = served_from.get(loaded.spec.name)
-        if other is not None and other != path:
-            raise SpecError([name_clash(loaded, pipelines[loaded.spec.name].loaded)])
-        others = [p.loaded for name, p in pipelines.items() if name != self._served.get(path)]
-        check_calls([loaded], available={*(p.spec.name for p in others), loaded.spec.name})
-        # The pipelines that call this one must still find it under its (possibly new) name.
-        check_calls(others, available={*(p.spec.name for p in others), loaded.spec.name})
+        # The set as it would serve: its name is its own, what it calls is served, and the pipelines that call
+        # it still find it under its (possibly new) name.
+        others = [p.loaded for name, p in self.runtime.pipelines.items() if name != self._served.get(path)]
+        PipelineSet.of([*others, loaded]).checked()
 
     def _failed(self, path: Path, exc: SpecError) -> None:
         served = self._served.get(path, "")
@@ -245,11 +241,10 @@ class PipelineReloader:
         name = loaded.spec.name
         fresh = Pipeline(loaded, self.runtime.resources)
         before = self._served.get(path)
-        old = pipelines.get(name)
-        pipelines[name] = fresh  # one step: the next request finds the new version
+        old = pipelines.swap(fresh)  # one step: the next request finds the new version
         self._served[path] = name
         if before is not None and before != name:  # the file's name: changed; its old endpoint goes
-            self._retire(before, pipelines.pop(before, None))
+            self._retire(before, pipelines.retire(before))
         if old is not None:
             self._close_when_idle(old)
         if self.on_swap is not None:
@@ -258,7 +253,7 @@ class PipelineReloader:
 
     def _retire_file(self, path: Path) -> str:
         name = self._served.pop(path)
-        self._retire(name, self.runtime.pipelines.pop(name, None))
+        self._retire(name, self.runtime.pipelines.retire(name))
         logger.info("pipelines: %s retired (%s was deleted)", name, path.name)
         return name
 

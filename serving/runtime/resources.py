@@ -5,24 +5,23 @@
         final = await runtime.runner.run(runtime.pipelines["rag"], ctx)
 
 The app's lifespan (``inferline serve``, the Ray ingress), ``inferline run`` and ``inferline eval``
-all run their pipelines over a :class:`Runtime`. It is built in two steps because the app needs its
-pipelines when its routes are built, before its lifespan opens anything: constructing a runtime
-builds the pipelines and the objects that hold no connection (model pool, index registry, tracer);
-``async with`` opens the database, the audit store and sink, the counters and the indexes, and
-starts the models when asked. Everything opened is closed in reverse order on an
-:class:`~contextlib.AsyncExitStack`, each close attempted even when an earlier one raises.
+all run their pipelines over a :class:`Runtime`. Constructing one builds the pipelines and the objects
+that hold no connection (model pool, index registry, tracer, :class:`~serving.runtime.deployments.
+Deployments`); ``async with`` opens the database, the audit store and sink, the counters and the
+indexes, keeps the pipelines' versions when asked, and starts the models when asked. Everything opened
+is closed in reverse order on an :class:`~contextlib.AsyncExitStack`, each close attempted even when an
+earlier one raises. Which versions serve (pins, splits, shadows) is :class:`Deployments`' business;
+which pipelines serve is :class:`~serving.runtime.served_pipelines.ServedPipelines`'.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 import sqlalchemy as sa
@@ -43,13 +42,13 @@ from serving.backends.model_pool import ModelPool
 from serving.backends.rerankers import RerankerPool
 from serving.config.loader import catalog_of
 from serving.config.server import LimitsSpec
-from serving.runtime.calls import LocalPipelines
+from serving.runtime.calls import LocalPipelines, Requests
 from serving.runtime.database import open_engine
+from serving.runtime.deployments import Deployments
+from serving.runtime.served_pipelines import ServedPipelines
 from serving.runtime.workspace import Workspace
 from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
-from store.notify import announce
-from store.pipeline_versions import PipelineShadows, PipelineTraffic, PipelineVersions, Shadow, version_matches
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,8 @@ class Runtime:
     """Pipelines over live resources: models, indexes, caches, database, audit sink, counters, tracer."""
 
     def __init__(self, workspace: Workspace, loaded: Sequence[LoadedPipeline],
-                 options: RuntimeOptions = RuntimeOptions()):
+                 options: RuntimeOptions = RuntimeOptions(), *,
+                 requests: Callable[[Runtime], Requests] | None = None):
         server = workspace.server
         self.workspace = workspace
         self.options = options
@@ -101,23 +101,20 @@ class Runtime:
         self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
                                    caches=StoreCaches(), embedders=self.embedders,
                                    rerankers=RerankerPool(server, workspace.root))
-        self.pipelines = {item.spec.name: Pipeline(item, self.resources) for item in loaded}
-        #: How a ``score`` stage or a judge calls another pipeline; the app routes it through its executor.
-        self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.runner.run, self.runner.stream,
-                                                               self.pinned)
+        #: The pipelines served, by name: the hot reload swaps versions in and out (serving/runtime/reloader.py).
+        self.pipelines = ServedPipelines(Pipeline(item, self.resources) for item in loaded)
+        #: The versions kept, pins, canary splits and shadows (kept in the database once open, when asked).
+        self.deployments = Deployments(workspace, self.pipelines, self.resources)
+        #: Runs one request: the runner, or what *requests* made of this runtime (the app's executor, which
+        #: counts each request in its metrics).
+        self.requests: Requests = requests(self) if requests is not None else self.runner
+        #: How a ``score`` stage's judge or a ``pipeline`` step calls another pipeline.
+        self.calls = self.resources.pipelines = LocalPipelines(self.pipelines, self.requests.run, self.runner.stream,
+                                                               self.deployments.pinned)
         self.db: sa.Engine | None = None
         self.audit: AuditStore | None = None
         self.audit_sink: StoreSink | None = None
         self.counters: SqlCounters | RedisCounters | None = None
-        self.versions: PipelineVersions | None = None
-        #: Kept versions a caller pinned (``name@version``), by spec hash: served beside the active ones.
-        self._pinned: dict[str, Pipeline] = {}
-        #: Canary splits by pipeline name (spec hash -> weight), as the database last said.
-        self.traffic: dict[str, dict[str, int]] = {}
-        self._traffic_table: PipelineTraffic | None = None
-        #: Shadows by pipeline name (a candidate version and the share of requests it mirrors).
-        self.shadows: dict[str, Shadow] = {}
-        self._shadow_table: PipelineShadows | None = None
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> Runtime:
@@ -147,12 +144,7 @@ class Runtime:
         self.db = db = open_engine(self.workspace.database_url)
         stack.callback(db.dispose)
         if options.record_versions:
-            self.versions = PipelineVersions(db)
-            self._traffic_table = PipelineTraffic(db)
-            self._shadow_table = PipelineShadows(db)
-            await self.refresh_traffic()
-            for pipeline in self.pipelines.values():
-                await self.record_version(pipeline.loaded)
+            await self.deployments.open(db)
         # A serving process signs with the config's key or, failing that, its own (made on first start); it
         # seals the newest records with a checkpoint every few seconds and delivers their digests.
         signer = await asyncio.to_thread(serving_signer, server, db.url) if options.journal \
@@ -181,6 +173,7 @@ class Runtime:
             stack.callback(watcher.cancel)
         elif used := self._indexes_read():
             await asyncio.to_thread(self.indexes.refresh, used)
+        stack.push_async_callback(self.deployments.aclose)
         stack.push_async_callback(self._close_pipelines)
         stack.push_async_callback(self.pool.close)
         if options.start_models and options.engines is None:
@@ -188,107 +181,13 @@ class Runtime:
         if options.start_models:
             await self.embedders.start(self._refs_read("embedding_model"))
 
-    async def pinned(self, name: str, version: str) -> Pipeline | None:
-        """Pipeline *name* at *version* (its ``version:`` label, or a prefix of its spec hash, at least six
-        characters): the one serving when it matches, else a kept version, loaded on first use and kept
-        beside the serving one. None when there is no such version."""
-        serving = self.pipelines.get(name)
-        if serving is not None and version_matches(serving.spec.version, serving.loaded.sha256, version):
-            return serving
-        if self.versions is None:
-            return None
-        kept = await asyncio.to_thread(self.versions.list, name)
-        found = next((v for v in kept if version_matches(v.label, v.spec_sha256, version)), None)
-        if found is None:
-            return None
-        pipeline = self._pinned.get(found.spec_sha256)
-        if pipeline is None:
-            loaded = await asyncio.to_thread(self.workspace.load_pipeline_text, found.text, found.source)
-            pipeline = self._pinned.setdefault(found.spec_sha256, Pipeline(loaded, self.resources))
-        return pipeline
-
-    async def refresh_traffic(self) -> None:
-        """Read the canary splits and shadows again (every reload pass: another process may have changed
-        them)."""
-        if self._traffic_table is None or self._shadow_table is None:
-            return
-        try:
-            self.traffic = await asyncio.to_thread(self._traffic_table.all)
-            self.shadows = await asyncio.to_thread(self._shadow_table.all)
-        except Exception as exc:  # the split stays as it was; requests are served all the same
-            logger.error("pipelines: traffic splits not read (%s: %s)", type(exc).__name__, exc)
-
-    async def set_shadow(self, name: str, shadow: Shadow | None, updated_by: str) -> None:
-        if self._shadow_table is None:
-            raise RuntimeError("this runtime keeps no versions")
-        await asyncio.to_thread(self._shadow_table.set, name, shadow, updated_by)
-        await self.refresh_traffic()
-        await self.announce()
-
-    async def announce(self) -> None:
-        """Tell the other processes on this database to look at the folder and the traffic tables now
-        (PostgreSQL ``NOTIFY``; store/notify.py). A failure is logged: they still poll."""
-        if self.db is None:
-            return
-        try:
-            await asyncio.to_thread(announce, self.db)
-        except Exception as exc:
-            logger.warning("pipelines: change notice not sent (%s: %s); other processes see the change "
-                           "within reload.poll_s", type(exc).__name__, exc)
-
-    def shadow_choice(self, name: str, request_id: str) -> str | None:
-        """The candidate (spec hash) that request *request_id* of *name* also runs on, or None: a share of
-        ``percent`` of the requests, picked by the request id (so the same request is always in or out)."""
-        shadow = self.shadows.get(name)
-        if shadow is None or shadow.percent <= 0:
-            return None
-        point = int.from_bytes(hashlib.sha256(f"shadow\0{request_id}".encode()).digest()[:8], "big") % 10_000
-        return shadow.spec_sha256 if point < shadow.percent * 100 else None
-
-    async def set_traffic(self, name: str, weights: dict[str, int] | None, updated_by: str) -> None:
-        if self._traffic_table is None:
-            raise RuntimeError("this runtime keeps no versions")
-        await asyncio.to_thread(self._traffic_table.set, name, weights, updated_by)
-        await self.refresh_traffic()
-        await self.announce()
-
-    def split_choice(self, name: str, sticky: str) -> str | None:
-        """The spec hash a request of *name* goes to under its split (None: no split), the same for every
-        request of one *sticky* value (the caller's key): a canary's users stay on it."""
-        weights = {sha: weight for sha, weight in self.traffic.get(name, {}).items() if weight > 0}
-        if not weights:
-            return None
-        total = sum(weights.values())
-        point = int.from_bytes(hashlib.sha256(f"{name}\0{sticky}".encode()).digest()[:8], "big") % total
-        for sha, weight in sorted(weights.items()):
-            if point < weight:
-                return sha
-            point -= weight
-        return None
-
     async def _close_pipelines(self) -> None:
         # Those served at close: a hot reload may have replaced the ones opened here (and closed those).
-        for pipeline in [*reversed(list(self.pipelines.values())), *self._pinned.values()]:
+        for pipeline in reversed(list(self.pipelines.values())):
             try:
                 await pipeline.aclose()
             except Exception:
                 logger.exception("pipeline %s: closing failed", pipeline.name)
-
-    async def record_version(self, loaded: LoadedPipeline, deployed_by: str = "file") -> None:
-        """Keep *loaded* as a version (when this runtime records them); a database error is logged, not
-        raised: the pipeline serves all the same."""
-        if self.versions is None:
-            return
-        source = Path(loaded.file)
-        if source.is_absolute() and source.is_relative_to(self.workspace.root.resolve()):
-            source = source.relative_to(self.workspace.root.resolve())
-        try:
-            await asyncio.to_thread(self.versions.record, name=loaded.spec.name, label=loaded.spec.version,
-                                    sha256=loaded.sha256, text=loaded.text, source=str(source),
-                                    deployed_by=deployed_by)
-        except Exception as exc:
-            logger.error("pipelines: version %s of %s not recorded (%s: %s)", loaded.sha256[:12],
-                         loaded.spec.name, type(exc).__name__, exc)
 
     def _indexes_read(self) -> set[str]:
         return self._refs_read("index")

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pipeline.context import RequestContext
 from pipeline.events import Done, Error
-from pipeline.runner import Pipeline
-from serving.runtime.resources import Runtime
+from pipeline.runner import Pipeline, Runner
+from serving.runtime.deployments import Deployments
 from stages.audit import strongest_action
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,12 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Shadows:
-    """Mirrors picked requests onto their pipeline's shadow candidate (``runtime.shadows``)."""
+    """Mirrors picked requests onto their pipeline's shadow candidate (``deployments.shadows``), run by *runner*."""
 
-    def __init__(self, runtime: Runtime, *, registry: CollectorRegistry | None = None, max_in_flight: int = 8):
-        self.runtime = runtime
+    def __init__(self, deployments: Deployments, runner: Runner, *, registry: CollectorRegistry | None = None,
+                 max_in_flight: int = 8):
+        self.deployments = deployments
+        self.runner = runner
         self.max_in_flight = max_in_flight
         self._tasks: set[asyncio.Task[None]] = set()
         self.runs = Counter("inferline_shadow_runs", "Shadow runs on a candidate version, by how its output "
@@ -68,7 +70,7 @@ class Shadows:
         if a shadow run was started."""
         if ctx.shadow_of:
             return False  # no shadow of a shadow
-        candidate = self.runtime.shadow_choice(ctx.pipeline, ctx.request_id)
+        candidate = self.deployments.shadow_choice(ctx.pipeline, ctx.request_id)
         if candidate is None or candidate == pipeline.loaded.sha256:
             return False
         if len(self._tasks) >= self.max_in_flight:
@@ -96,7 +98,7 @@ class Shadows:
         name, summary = served.pipeline, final.summary
         label = candidate[:12]
         try:
-            pipeline = await self.runtime.pinned(name, candidate)
+            pipeline = await self.deployments.pinned(name, candidate)
             if pipeline is None:
                 raise LookupError(f"version {candidate[:12]} is not kept")
             label = pipeline.spec.version or label
@@ -116,7 +118,7 @@ class Shadows:
                 "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
                 "output_tokens": summary.usage.output_tokens, "cost_usd": summary.cost_usd,
                 "policy_action": served_policy}
-            result = await self.runtime.runner.run(pipeline, shadow)
+            result = await self.runner.run(pipeline, shadow)
         except Exception as exc:  # a shadow must never take anything down with it
             logger.warning("shadow of %s on %s failed (%s: %s)", name, label, type(exc).__name__, exc)
             self.runs.labels(name, label, "failed").inc()

@@ -6,14 +6,13 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from pipeline.errors import InvalidInput, SpecError, SpecIssue
-from pipeline.loader import LoadedPipeline, load_pipeline, load_pipeline_text, name_clash
+from pipeline.loader import LoadedPipeline, load_pipeline, load_pipeline_text
 from pipeline.registry import StageRegistry
 from serving.config.environment import apply_environment
 from serving.config.loader import catalog_of, load_server
 from serving.config.server import ServerSpec
+from serving.runtime.pipeline_set import PIPELINE_SUFFIXES, PipelineSet, declared_names, pipeline_files
 from stages import register_builtins
 
 DEFAULT_CONFIG = "inferline.yaml"
@@ -52,31 +51,16 @@ class Workspace:
         return load_pipeline_text(text, file, self.registry, catalog)
 
     def load_pipelines(self) -> list[LoadedPipeline]:
-        """Every pipeline of the pipelines folder; the errors of all files together in one SpecError."""
-        files = sorted(p for p in self.pipelines_dir.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
-        loaded: list[LoadedPipeline] = []
-        issues: list[SpecIssue] = []
-        by_name: dict[str, LoadedPipeline] = {}
-        for path in files:
-            try:
-                pipeline = self.load_pipeline(path)
-            except SpecError as exc:
-                issues += exc.issues
-                continue
-            earlier = by_name.setdefault(pipeline.spec.name, pipeline)
-            if earlier is not pipeline:
-                issues.append(name_clash(pipeline, earlier))
-            loaded.append(pipeline)
-        if issues:
-            raise SpecError(issues)
-        return loaded
+        """Every pipeline of the pipelines folder, checked as a set (serving/runtime/pipeline_set.py); the issues
+        of all files together in one SpecError."""
+        return PipelineSet.load(self.load_pipeline, pipeline_files(self.pipelines_dir)).checked()
 
     def resolve(self, pipeline: str) -> Path:
         """A pipeline given as a file path, or one of the pipelines folder by its file name or its ``name:``."""
         candidate = Path(pipeline)
-        if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        if candidate.suffix in PIPELINE_SUFFIXES or candidate.exists():
             return candidate
-        declared = _declared_names(self.pipelines_dir)
+        declared = declared_names(pipeline_files(self.pipelines_dir))
         matches = [path for path, name in declared.items() if pipeline in (path.stem, name)]
         if len(matches) == 1:
             return matches[0]
@@ -88,19 +72,6 @@ class Workspace:
                                + "; give the file's path instead")
         raise FileNotFoundError(f"no pipeline {pipeline!r}: not a file, and no pipeline of {self.pipelines_dir} "
                                 f"has that file name or name: (there: {known})")
-
-
-def _declared_names(folder: Path) -> dict[Path, str]:
-    """Each pipeline file of *folder* with its ``name:`` (its file name when it has none it can read)."""
-    files = sorted(p for p in folder.glob("*.y*ml") if p.suffix in (".yaml", ".yml")) if folder.is_dir() else []
-    names = {}
-    for path in files:
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            data = None
-        names[path] = data["name"] if isinstance(data, dict) and isinstance(data.get("name"), str) else path.stem
-    return names
 
 
 def build_registry(server: ServerSpec) -> StageRegistry:

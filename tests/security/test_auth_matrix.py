@@ -244,7 +244,7 @@ def test_every_refusal_leaves_one_audit_record(secured, monkeypatch):
     """A 401 (no key) and a 403 (each role not declared) on every route of ``app.routes``: one record each,
     naming the route, the reason, the key refused, and a pipeline only where the call runs one. The
     console's pages send a caller without a key to the login page: that is no refusal, and no record."""
-    refusals = secured.app.state.inferline.refusals
+    refusals = secured.app.state.inferline.services.refusals
     ticks = itertools.count(time.monotonic() + 60.0, 60.0)  # a minute before each refusal: its buckets are full
     monkeypatch.setattr(refusals, "clock", lambda: next(ticks))
     seq = max([r["seq"] for r in denied_after(secured, -1)], default=-1)

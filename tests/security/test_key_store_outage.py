@@ -18,7 +18,7 @@ def test_a_key_store_outage_keeps_recently_verified_keys_working(secured: App, m
     def down(plaintext: str):
         raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
 
-    monkeypatch.setattr(state.auth.keys, "verify", down)
+    monkeypatch.setattr(state.services.auth.keys, "verify", down)
     assert secured.client.get("/pipelines", headers=secured.auth("caller")).status_code == 200
     run = secured.client.post("/pipelines/chat", json={"input": "hi"}, headers=secured.auth("caller"))
     assert run.status_code == 200

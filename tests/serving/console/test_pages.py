@@ -149,7 +149,7 @@ def test_verify_needs_its_csrf_token(client):
 def test_verify_reports_a_broken_chain(client):
     client.post("/pipelines/chat", json={"input": "one"})
     client.post("/pipelines/chat", json={"input": "two"})
-    store = client.app.state.inferline.audit
+    store = client.app.state.inferline.services.audit
     with store.engine.begin() as conn:
         conn.exec_driver_sql("UPDATE audit_records SET cost_usd = 99 WHERE seq = 1")
     token = csrf_of(client.get("/ui/audit").text)
@@ -274,7 +274,7 @@ def test_roles_for_the_playground_and_traces(auth_client, keys):
     sign_in(auth_client, auditor)
     assert auth_client.get(f"/ui/traces/{done['trace_id']}").status_code == 200
     assert auth_client.get("/ui/audit").status_code == 200
-    store = auth_client.app.state.inferline.audit
+    store = auth_client.app.state.inferline.services.audit
     actions = [(a["action"], a["query"].get("via")) for a in store.access_log()]
     assert ("query", "console") in actions  # the console's reads are in the access log
 

@@ -22,7 +22,7 @@ def request(scheme: str = "http", headers: dict[str, str] | None = None, cookies
 
 
 def manager(enabled: bool = True) -> SessionManager:
-    return SessionManager(Authenticator(None, enabled), secret=b"s" * 32)
+    return SessionManager(lambda: Authenticator(None, enabled), secret=b"s" * 32)
 
 
 def test_the_token_is_bound_to_the_nonce_the_key_and_the_secret():

@@ -160,7 +160,7 @@ def test_bad_dataset_lines_are_located(tmp_path, capsys, workspace):
 
 
 def test_a_score_stage_must_name_a_served_judge(workspace, tmp_path):
-    from serving.runtime.calls import check_calls
+    from serving.runtime.pipeline_set import PipelineSet
 
     (workspace.root / "pipelines" / "scored.yaml").write_text(
         "name: scored\nstages:\n  - {id: prompt, type: prompt}\n  - {id: tok, type: tokenize}\n"
@@ -168,6 +168,6 @@ def test_a_score_stage_must_name_a_served_judge(workspace, tmp_path):
         "    with:\n      sample_rate: 1\n      checks:\n        - {type: judge, pipeline: gradr}\n")
     scored = workspace.load_pipeline(workspace.root / "pipelines" / "scored.yaml")
     with pytest.raises(SpecError) as caught:
-        check_calls([scored, workspace.load_pipeline(workspace.root / "pipelines" / "grader.yaml")])
+        PipelineSet.of([scored, workspace.load_pipeline(workspace.root / "pipelines" / "grader.yaml")]).checked()
     assert str(caught.value).endswith("scored.yaml:12:35: stages[4].with.checks[0].pipeline: no pipeline 'gradr' is "
                                       "served beside it; did you mean 'grader'? (pipelines: grader, scored)")

@@ -98,7 +98,7 @@ def test_reviewer_roles_and_access_log(auth_client, keys):
     assert page.status_code == 200
     (record,) = page.json()["records"]
     assert record["role"] == "caller" and record["key_id"] and "il_" not in json.dumps(record)
-    store = auth_client.app.state.inferline.audit
+    store = auth_client.app.state.inferline.services.audit
     log = store.access_log(10)
     assert any(entry["action"] == "query" and entry["role"] == "auditor" for entry in log)
 
@@ -112,7 +112,7 @@ GHOST_KEY = "ghostghost12"  # a key that is not (or no longer) in the keys table
 def seeded(client, keys):
     """Twelve records over three named keys, an unknown key, two models, one per hour of 2026-12-05."""
     key_ids = [keys.create(name, "caller")[0].id for name in ("alpha bot", "beta bot", "gamma bot")] + [GHOST_KEY]
-    store = client.app.state.inferline.audit
+    store = client.app.state.inferline.services.audit
     records = [{"pipeline": "chat", "key_id": key_ids[i % 4], "model": "big" if i % 3 == 0 else "small",
                 "received_at": datetime(2026, 12, 5, i, tzinfo=UTC), "cost_usd": i / 10, "request_id": f"r{i}"}
                for i in range(12)]

@@ -102,11 +102,11 @@ def test_a_canary_split_is_sticky_per_caller_and_promotes(tmp_path, monkeypatch)
             "/pipelines/chat/versions").json()["versions"][1]["spec_sha256"]}).json()["version"] == "1"
         split = client.put("/pipelines/chat/traffic", json={"weights": {"1": 95, "2": 5}})
         assert split.status_code == 200 and sorted(split.json()["weights"].values()) == [5, 95]
-        runtime = app.state.inferline.reloader.runtime
-        chosen = [runtime.split_choice("chat", f"key-{n}") for n in range(2000)]
+        deployments = app.state.inferline.services.deployments
+        chosen = [deployments.split_choice("chat", f"key-{n}") for n in range(2000)]
         canary = next(sha for sha, weight in split.json()["weights"].items() if weight == 5)
         assert abs(chosen.count(canary) / 2000 - 0.05) <= 0.03  # within 3 points of its weight
-        assert [runtime.split_choice("chat", "key-7")] * 3 == [runtime.split_choice("chat", "key-7") for _ in range(3)]
+        assert [deployments.split_choice("chat", "key-7")] * 3 == [deployments.split_choice("chat", "key-7") for _ in range(3)]
         versions = {client.post("/pipelines/chat", json={"input": "q"}).json()["pipeline_version"] for _ in range(20)}
         assert len(versions) == 1  # one caller, one version
         bad = client.put("/pipelines/chat/traffic", json={"weights": {"7": 100}})
@@ -195,10 +195,10 @@ def test_a_shadow_picks_its_share_of_requests_and_identical_candidates_compare_s
     with TestClient(app) as client:
         assert client.post("/pipelines/chat/versions", json={"yaml": v("2"), "activate": False}).status_code == 201
         assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 30}).status_code == 200
-        runtime = app.state.inferline.reloader.runtime
-        picked = [runtime.shadow_choice("chat", uuid.uuid4().hex) for _ in range(2000)]
+        deployments = app.state.inferline.services.deployments
+        picked = [deployments.shadow_choice("chat", uuid.uuid4().hex) for _ in range(2000)]
         assert abs(sum(p is not None for p in picked) / 2000 - 0.30) <= 0.03
-        assert runtime.shadow_choice("chat", "r-1") == runtime.shadow_choice("chat", "r-1")
+        assert deployments.shadow_choice("chat", "r-1") == deployments.shadow_choice("chat", "r-1")
         assert client.put("/pipelines/chat/shadow", json={"version": "2", "percent": 100}).status_code == 200
         client.post("/pipelines/chat", json={"input": "Capital?"})
         _wait_for(lambda: _metric(

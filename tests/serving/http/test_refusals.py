@@ -68,12 +68,12 @@ def server(tmp_path, monkeypatch, fake_engines):
         for role in ("caller", "auditor"):
             info, keys[role] = store.create(f"the {role}", role)
             ids[role] = info.id
-        client.app.state.inferline.refusals.clock = lambda: 1000.0  # no refill while a test runs
+        client.app.state.inferline.services.refusals.clock = lambda: 1000.0  # no refill while a test runs
         yield Server(client, keys, ids)
 
 
 def served_sha(server: Server, name: str) -> str:
-    return server.client.app.state.inferline.executor.pipelines[name].loaded.sha256
+    return server.client.app.state.inferline.services.executor.pipelines[name].loaded.sha256
 
 
 def only(records: list[dict]) -> dict:
@@ -216,7 +216,7 @@ def test_a_flood_is_recorded_up_to_the_bound_and_counted_beyond_it(tmp_path, mon
         monkeypatch.delenv(name, raising=False)
     config = write_workspace(tmp_path, auth=True)
     with TestClient(create_server(open_workspace(str(config)), engines=fake_engines)) as client:
-        client.app.state.inferline.refusals.clock = lambda: 1000.0
+        client.app.state.inferline.services.refusals.clock = lambda: 1000.0
         _, auditor = KeyStore(make_engine(f"sqlite:///{tmp_path / 'keys.db'}")).create("reviewer", "auditor")
         server = Server(client, {"auditor": auditor}, {})
         body = CHAT_BODY if method == "POST" else None
@@ -242,7 +242,7 @@ def test_a_bucket_refills_at_its_rate_a_minute():
 
 
 def test_a_failure_to_record_never_turns_a_refusal_into_a_500(server, monkeypatch):
-    refusals = server.client.app.state.inferline.refusals
+    refusals = server.client.app.state.inferline.services.refusals
 
     async def broken_write(record):
         raise RuntimeError("the sink is broken")

@@ -50,9 +50,9 @@ async def test_an_edit_is_swapped_in_and_recorded_as_a_version(runtime):
     after = runtime.pipelines["chat"]
     assert after is not before and after.spec.version == "2"
     assert (await ask(runtime)).summary.pipeline_version == "2"
-    version = runtime.versions.by_sha256(after.loaded.sha256)
+    version = runtime.deployments.versions.by_sha256(after.loaded.sha256)
     assert version is not None and version.label == "2" and "version: '2'" in version.text
-    assert [v.label for v in runtime.versions.list("chat")] == ["2", "1"]
+    assert [v.label for v in runtime.deployments.versions.list("chat")] == ["2", "1"]
     assert await reloader.reload() == []  # nothing changed since
 
 
