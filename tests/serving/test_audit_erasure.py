@@ -145,7 +145,7 @@ def test_a_held_record_refuses_erasure_and_a_wrong_master_key_stops_the_server(t
     assert main(["audit", "erase", "--subject", "tags.user:carol", "--config", str(config)]) == 1
     assert "legal hold" in capsys.readouterr().err
     monkeypatch.setenv("INFERLINE_AUDIT__MASTER_KEY", base64.b64encode(os.urandom(32)).decode())
-    with pytest.raises(ExceptionGroup) as caught:  # the lifespan opens the database, where the data keys are
-        with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine()))):
-            pass
+    app = create_server(open_workspace(str(config)), engines=FakeEngines(smol=FakeEngine()))
+    with pytest.raises(ExceptionGroup) as caught, TestClient(app):  # the lifespan opens the database, with its keys
+        pass
     assert caught.group_contains(SpecError, match="does not unwrap the audit data keys")
