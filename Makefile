@@ -100,7 +100,7 @@ schemas: $(STAMP)
 	$(PY) -m serving.cli.main schema pipeline --builtin --output schemas/pipeline.schema.json
 	$(PY) -m serving.cli.main schema server --output schemas/server.schema.json
 
-# ruff, and the layers of DESIGN.md as import-linter contracts (pyproject.toml).
+# ruff, and the layers of docs/design.md as import-linter contracts (pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md hold: import-linter's contracts (pyproject.toml) pass on the project, and
+"""The layers of docs/design.md hold: import-linter's contracts (pyproject.toml) pass on the project, and
 fail when a wrong import or a cycle is added to a copy of it."""
 
 from __future__ import annotations
