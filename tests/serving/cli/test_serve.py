@@ -41,6 +41,7 @@ class Server:
             .replace("source: models/", f"source: {ROOT}/models/")
             .replace("auth: {enabled: false}", f"auth: {{enabled: {str(auth).lower()}}}")
             .replace("pipelines: pipelines/", f"pipelines: {pipelines}/")
+            .replace("path: indexes/", f"path: {ROOT}/indexes/")  # the indexes `make install` built
             .replace("database: sqlite:///inferline.db", f"database: sqlite:///{tmp}/server.db") + extra)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

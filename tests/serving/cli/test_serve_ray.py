@@ -1,5 +1,5 @@
 """``inferline serve --ray`` from the command line: it starts a local Ray, deploys the engine, answers HTTP
-(JSON and SSE), and on SIGTERM drains, exits 0 and takes its Ray with it."""
+(JSON and SSE; a chain and the triage workflow), and on SIGTERM drains, exits 0 and takes its Ray with it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _free_port() -> int:
 
 def _workspace(root: Path) -> Path:
     (root / "pipelines").mkdir()
-    (root / "pipelines" / "chat.yaml").write_text((ROOT / "pipelines" / "chat.yaml").read_text())
+    for name in ("chat", "triage"):  # a chain, and a workflow of three model calls in its branches
+        (root / "pipelines" / f"{name}.yaml").write_text((ROOT / "pipelines" / f"{name}.yaml").read_text())
     config = root / "inferline.yaml"
     config.write_text(yaml.safe_dump({
         "models": {"smol": {"backend": "ray", "source": str(ROOT / "models" / "smollm2-135m-instruct"),
@@ -83,6 +84,15 @@ def test_serve_ray_answers_then_exits_0_on_sigterm_and_stops_its_ray(tmp_path):
             text, done = _sse_done(response.read().decode())
         assert text == done["output"] == answer.json()["output"]
         assert "Paris" in text and done["usage"]["output_tokens"] > 0
+        # The triage workflow on the same Ray engine: its classifier's JSON (constrained decoding in the
+        # replica), one branch answering, the others skipped.
+        triaged = httpx.post(f"{url}/pipelines/triage", json={"input": "The app crashes when I open settings."},
+                             timeout=120)
+        assert triaged.status_code == 200, triaged.text
+        statuses = {stage["id"]: stage["status"] for stage in triaged.json()["stages"]}
+        assert statuses["classify"] == "ok" and triaged.json()["output"].strip()
+        assert sorted(statuses[b] for b in ("escalate", "refund", "tech", "other")) == ["ok", "skipped", "skipped",
+                                                                                       "skipped"]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, (tmp_path / "serve.log").read_text()
