@@ -400,12 +400,14 @@ async def _attempt(run: _Run, bound: BoundStage, attempt: int, fallback_for: str
     ctx, spec = run.ctx, bound.plan.spec
     covered = spec.retry.on if spec.retry is not None and more else ()
     run.emit(StageStarted(spec.id, spec.type, attempt))
-    with _span(run, spec) as span:
+    loop = run.pipeline.graph.loop_of(spec.id)
+    loop_round = run.rounds.get(loop, 1) if loop else None
+    with _span(run, spec, attempt, item, loop_round) as span:
         started = time.perf_counter()
         scope = Scope(ctx, spec.id, span, run.emit, run.clock, bound.streams,
                       bound.streams and bool({"invalid_output", "empty"} & set(covered)), run.answer)
         status, error, retrying, outputs = "ok", "", False, {}
-        key = step_key(spec.id, item, run.rounds.get(run.pipeline.graph.loop_of(spec.id) or "", 1))
+        key = step_key(spec.id, item, loop_round or 1)
         reusable = ctx.reuse.get(key) if bound.plan.cls.Outputs is not None else None
         inputs = bound.inputs(ctx) if bound.records_io or reusable is not None else None
         reused = reusable is not None and reusable.definition_sha256 == bound.definition_sha256 and \
@@ -459,14 +461,20 @@ def _is_empty(outputs: dict[str, Any]) -> bool:
     return isinstance(text, str) and not text.strip()
 
 
-def _span(run: _Run, spec: StageSpec) -> AbstractContextManager[Span]:
-    """The step's span, current while it runs. Under a request span that records nothing (no exporter), the
-    request's own no-op span: a step span would record nothing either, and still cost the loop's time."""
+def _span(run: _Run, spec: StageSpec, attempt: int, item: int | None,
+          loop_round: int | None) -> AbstractContextManager[Span]:
+    """The step's span, current while it runs: its attempt, and in a loop its item or round. Under a request span
+    that records nothing (no exporter), the request's own no-op span: a step span would record nothing either,
+    and still cost the loop's time."""
     if not run.request_span.is_recording():
         return nullcontext(run.request_span)
-    return run.tracer.start_as_current_span(f"stage {spec.id}",
-                                            attributes={attr.STAGE_ID: spec.id, attr.STAGE_TYPE: spec.type},
-                                            record_exception=False, set_status_on_exception=False)
+    attributes: dict[str, str | int] = {attr.STAGE_ID: spec.id, attr.STAGE_TYPE: spec.type, attr.STAGE_ATTEMPT: attempt}
+    if item is not None:
+        attributes[attr.STAGE_ITEM] = item
+    if loop_round is not None:
+        attributes[attr.STAGE_ROUND] = loop_round
+    return run.tracer.start_as_current_span(f"stage {spec.id}", attributes=attributes, record_exception=False,
+                                            set_status_on_exception=False)
 
 
 async def _call(stage: Stage, ctx: RequestContext, scope: Scope, timeout_s: float | None) -> Any:

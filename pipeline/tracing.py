@@ -39,6 +39,11 @@ REQUEST_STATUS = "inferline.request.status"
 STAGE_ID = "inferline.stage.id"
 STAGE_TYPE = "inferline.stage.type"
 STAGE_STATUS = "inferline.stage.status"
+#: A step's attempt (1, then each retry), and in a loop its item (for_each) and round (repeat): a loop's runs are
+#: spans side by side under the request, told apart by these.
+STAGE_ATTEMPT = "inferline.stage.attempt"
+STAGE_ITEM = "inferline.stage.item"
+STAGE_ROUND = "inferline.stage.round"
 COST_USD = "inferline.cost_usd"
 
 

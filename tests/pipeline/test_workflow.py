@@ -429,3 +429,32 @@ async def test_a_replay_reuses_a_steps_output_where_its_definition_and_inputs_ar
     again = RequestContext.from_text(p.name, "my order never came", reuse=kept)
     await Runner().run(changed, again)
     assert {r.id for r in again.stages if r.reused} == {"classify"}  # the answer read a new tech output
+
+
+async def test_a_loops_runs_are_spans_told_apart_by_item_and_round(registry):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pipeline import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = tracing.make_tracer_provider("none")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        runner = Runner(provider.get_tracer("test"))
+        mapped = pipeline(registry, MAP.replace("CONCURRENCY", "2").replace("ON_ERROR", "fail"), EchoEngine())
+        await runner.run(mapped, RequestContext.from_text(mapped.name, text_of(3)))
+        looped = pipeline(registry, LOOP.replace("MAX", "5"), JudgeEngine(passes_at=2))
+        await runner.run(looped, RequestContext.from_text(looped.name, "q"))
+    finally:
+        provider.shutdown()
+    spans = exporter.get_finished_spans()
+    requests = {span.name: span.context.span_id for span in spans if span.name.startswith("pipeline ")}
+    items = [span for span in spans if span.name == "stage each"]
+    assert sorted(span.attributes[tracing.STAGE_ITEM] for span in items) == [0, 1, 2]
+    assert {span.parent.span_id for span in items} == {requests["pipeline mapped"]}  # side by side
+    rounds = sorted((span.name, span.attributes[tracing.STAGE_ROUND]) for span in spans
+                    if span.name in ("stage draft", "stage judge"))
+    assert rounds == [("stage draft", 1), ("stage draft", 2), ("stage judge", 1), ("stage judge", 2)]
+    assert all(span.attributes[tracing.STAGE_ATTEMPT] == 1 for span in spans if span.name.startswith("stage "))
+    assert tracing.STAGE_ROUND not in next(s for s in spans if s.name == "stage answer").attributes
