@@ -1,7 +1,8 @@
 """Workflows (issue 60): steps side by side against the same steps chained, the runner's cost per step on a graph
 against a chain, and a triage workflow against a single-call chain, measured in one run.
 
-    .venv/bin/python bench/workflow.py [--quick] [--config FILE] [--runs N] [--rounds R] [--replays N]
+    .venv/bin/python bench/workflow.py [--quick] [--config FILE] [--runs N] [--rounds R] [--replays N] [--maps N]
+                                       [--only overhead|model|replay|map ...]
 
 Model figures run in-process on the config's default model (``inferline.yaml``: the bundled SmolLM2-135M), over a
 ``Runtime`` as ``inferline run`` builds one, with a database of its own in a temporary folder; greedy, and every
@@ -38,6 +39,16 @@ answer exactly ``max_tokens`` long (``ignore_eos``). OMP_WAIT_POLICY=PASSIVE, se
                      ``replay_reused_identical``: every reused draft is the text ``--full`` wrote again;
                      ``replay_answers_identical`` how many answers the two replays share; where the time goes:
                      ``replay_output_tokens`` (the judge and redraft by step; the draft besides with --full).
+  map_speedup        ``pipelines/summarize_long.yaml`` as shipped (greedy, up to 80 tokens a summary) over the same
+                     8 chunks of the handbook's text, at ``concurrency: 8`` (the engine batches the chunks) against
+                     ``concurrency: 1``: p50 / p50 of N (5; 2 with --quick) requests of each, one at a time,
+                     interleaved (target >= 3); ``map_items_in_flight`` the most chunks summarized at once at each.
+                     ``map_step_speedup`` is the same for the map step alone (its first item's start to its last
+                     item's end: the combining step, the same on both, left out), and ``map_engine_speedup`` its
+                     bound: the 8 chunks' prompts straight to the engine, one after the other against all at once,
+                     N times (p50s); ``map_engine_speedup_no_spec`` the same without speculative decoding (which
+                     the engine applies to batches of at most its ``max_batch``: one chunk at a time, not eight).
+                     ``map_outputs_identical``: both gave the same summary.
 
 The last line of stdout is one JSON object: these figures and the raw latencies (``*_ms``, one per request).
 """
@@ -442,6 +453,131 @@ async def replay_reuse(workspace: Workspace, num_requests: int,
                                    "full": sum(r["reuse"]["rerun"] for r in results[True])}}
 
 
+# Map (issue 61): summarize_long's chunks summarized eight at a time against one at a time.
+
+SUMMARIZE_LONG = Path(__file__).resolve().parents[1] / "pipelines" / "summarize_long.yaml"
+HANDBOOK = SUMMARIZE_LONG.parent / "data" / "handbook"
+MAP_CHUNKS, MAP_CONCURRENCY = 8, 8
+MAP_RUNS, MAP_RUNS_QUICK = 5, 2
+#: Each part of the long text: a paragraph this long, so that split (chunk_chars: 1500) gives one chunk per part.
+MAP_PART_CHARS = (1000, 1300)
+
+
+def map_yaml(concurrency: int) -> str:
+    """``summarize_long`` as shipped, but for its map's ``concurrency`` (and its name, which says it)."""
+    text = SUMMARIZE_LONG.read_text()
+    shipped = f"concurrency: {MAP_CONCURRENCY}"
+    if shipped not in text:
+        raise SystemExit(f"{SUMMARIZE_LONG}: its map no longer says {shipped!r}")
+    return text.replace(shipped, f"concurrency: {concurrency}").replace(
+        "name: summarize_long", f"name: summarize_long_c{concurrency}")
+
+
+def map_input(num_parts: int = MAP_CHUNKS) -> str:
+    """*num_parts* paragraphs of the handbook's text (its pages in name order, whitespace made single spaces),
+    each cut at a sentence's end between :data:`MAP_PART_CHARS` characters."""
+    text = " ".join(" ".join(page.read_text().split()) for page in sorted(HANDBOOK.glob("*.md")))
+    low, high = MAP_PART_CHARS
+    parts, start = [], 0
+    for _ in range(num_parts):
+        end = text.rfind(". ", start + low, start + high) + 1
+        if end <= 0:
+            raise SystemExit(f"{HANDBOOK}: no sentence ends {low}-{high} characters after character {start}")
+        parts.append(text[start:end])
+        start = end + 1
+    return "\n\n".join(parts)
+
+
+def _map_items(final: Done) -> tuple[float, int]:
+    """From the map's first item starting to its last one ending, in ms; and the most items that ran at once."""
+    items = [s for s in final.summary.stages if s.id == "summarize" and s.status == "ok"]
+    if len(items) != MAP_CHUNKS:
+        raise SystemExit(f"{final.summary.pipeline}: {len(items)} chunks summarized, not {MAP_CHUNKS}")
+    # An item's end sorts before a start at the same instant: the two did not overlap.
+    edges = sorted([(s.started_s + s.duration_s, -1) for s in items] + [(s.started_s, 1) for s in items])
+    running = most = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return (max(s.started_s + s.duration_s for s in items) - min(s.started_s for s in items)) * 1e3, most
+
+
+async def _engine_map(engine: Engine, prompts: list[list[int]], max_tokens: int, num_runs: int,
+                      speculative: bool) -> dict[str, float]:
+    """The map's prompts straight to the engine, one after the other, then all at once, *num_runs* times: the
+    bound the engine's batching sets on the map (the pipeline's sampling: greedy, each ends where the model ends
+    it); p50 ms of each and their ratio."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculative=speculative)
+
+    async def one(ids: list[int]) -> None:
+        stream = await engine.submit(ids, sampling)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
+
+    sequential_ms, batched_ms = [], []
+    for _ in range(num_runs):
+        started = time.perf_counter()
+        for ids in prompts:
+            await one(ids)
+        sequential_ms.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        await asyncio.gather(*(one(ids) for ids in prompts))
+        batched_ms.append((time.perf_counter() - started) * 1e3)
+    return {"speedup": round(statistics.median(sequential_ms) / statistics.median(batched_ms), 3),
+            "sequential_ms_p50": _p50(sequential_ms), "batched_ms_p50": _p50(batched_ms)}
+
+
+async def map_figures(workspace: Workspace, num_runs: int, options: RuntimeOptions | None = None) -> dict[str, Any]:
+    """``summarize_long`` over the same 8 chunks at ``concurrency: 8`` and at ``concurrency: 1``, *num_runs*
+    requests of each, one at a time, interleaved: the ratio of their p50 wall times (``map_speedup``), and of the
+    map step's own (``map_step_speedup``: the combining step, the same on both, left out); whether both gave the
+    same summaries; the engine's bound on the map (its 8 prompts sent straight to it)."""
+    names = {concurrency: f"summarize_long_c{concurrency}" for concurrency in (MAP_CONCURRENCY, 1)}
+    loaded = [workspace.load_pipeline_text(map_yaml(c), f"{name}.yaml") for c, name in names.items()]
+    text = map_input()
+    ms: dict[int, list[float]] = {c: [] for c in names}
+    window: dict[int, list[float]] = {c: [] for c in names}
+    in_flight = dict.fromkeys(names, 0)
+    outputs: dict[int, Any] = {}
+    async with Runtime(workspace, loaded, options or RuntimeOptions()) as runtime:
+        for name in names.values():  # warm-up: kernels and the prefix cache (the chunks' shared system prompt)
+            await _request(runtime, name, text)
+        for run in range(num_runs):
+            for concurrency, name in list(names.items())[:: 1 if run % 2 else -1]:
+                elapsed_ms, final = await _request(runtime, name, text)
+                ms[concurrency].append(round(elapsed_ms, 1))
+                window_ms, most = _map_items(final)
+                window[concurrency].append(round(window_ms, 1))
+                in_flight[concurrency] = max(in_flight[concurrency], most)
+                outputs[concurrency] = final.summary.output_text
+        engine = await runtime.engines.get(runtime.engines.default_model)
+        step = next(s for s in loaded[0].spec.stages if s.id == "summarize").with_
+        prompts = [engine.tokenizer.encode_chat([{"role": "system", "content": step["system"]},
+                                                 {"role": "user", "content": chunk}]) for chunk in text.split("\n\n")]
+        bound = {f"map_engine_{key}{suffix}": value
+                 for suffix, speculative in (("", True), ("_no_spec", False))
+                 for key, value in (await _engine_map(engine, prompts, step["max_tokens"], num_runs,
+                                                      speculative)).items()}
+    wide, narrow = MAP_CONCURRENCY, 1
+    return {"map_speedup": round(_p50(ms[narrow]) / _p50(ms[wide]), 3),
+            "map_step_speedup": round(_p50(window[narrow]) / _p50(window[wide]), 3), **bound,
+            "map_chunks": MAP_CHUNKS, "map_outputs_identical": outputs[wide] == outputs[narrow],
+            "map_items_in_flight": {f"concurrency_{c}": most for c, most in in_flight.items()},
+            "map_ms_p50": _p50(ms[wide]), "map_serial_ms_p50": _p50(ms[narrow]),
+            "map_step_ms_p50": _p50(window[wide]), "map_step_serial_ms_p50": _p50(window[narrow]),
+            "map_ms": ms[wide], "map_serial_ms": ms[narrow]}
+
+
+#: What ``--only`` picks, with the headline figures of each (and their engine bounds).
+PARTS = {"overhead": ("step_overhead_ratio",),
+         "model": ("parallel_speedup", "engine_pair_speedup", "triage_vs_chain_ms_p50"),
+         "replay": ("replay_reuse_speedup",),
+         "map": ("map_speedup", "map_step_speedup", "map_engine_speedup")}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (make bench, CI)")
@@ -450,20 +586,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, help="rounds of 32 clients per side (default 3; 1 with --quick)")
     parser.add_argument("--replays", type=int, help="draft_check requests recorded and replayed (default 50; 12 "
                                                     "with --quick)")
+    parser.add_argument("--maps", type=int, help="summarize_long requests at each concurrency (default 5; 2 with "
+                                                 "--quick)")
+    parser.add_argument("--only", action="append", choices=PARTS,
+                        help="measure only this part (again for several): " + ", ".join(
+                            f"{part} ({', '.join(keys)})" for part, keys in PARTS.items()))
     args = parser.parse_args(argv)
+    parts = args.only or list(PARTS)
     sizes = QUICK if args.quick else FULL
     sizes = Sizes(args.runs or sizes.num_runs, sizes.num_repeats, sizes.num_requests, args.rounds or sizes.num_rounds,
                   sizes.answer_tokens)
     started = time.perf_counter()
-    figures = asyncio.run(step_overhead(sizes.num_requests, sizes.num_repeats))
+    figures = asyncio.run(step_overhead(sizes.num_requests, sizes.num_repeats)) if "overhead" in parts else {}
     workspace = open_workspace(args.config)
     with tempfile.TemporaryDirectory(prefix="bench-workflow-") as folder:
         # A database of its own: nothing of the bench's lands in the server's.
         database = f"sqlite:///{Path(folder) / 'bench.db'}"
         workspace = replace(workspace, server=workspace.server.model_copy(update={"database": database}))
-        figures |= asyncio.run(model_figures(workspace, sizes))
-        figures |= asyncio.run(replay_reuse(workspace, args.replays or (REPLAY_REQUESTS_QUICK if args.quick
-                                                                        else REPLAY_REQUESTS)))
+        if "model" in parts:
+            figures |= asyncio.run(model_figures(workspace, sizes))
+        if "replay" in parts:
+            figures |= asyncio.run(replay_reuse(workspace, args.replays or (REPLAY_REQUESTS_QUICK if args.quick
+                                                                            else REPLAY_REQUESTS)))
+        if "map" in parts:
+            figures |= asyncio.run(map_figures(workspace, args.maps or (MAP_RUNS_QUICK if args.quick else MAP_RUNS)))
     figures["quick"] = args.quick
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     return figures
@@ -471,8 +617,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     result = main()
-    print(f"parallel_speedup {result['parallel_speedup']} (engine bound {result['engine_pair_speedup']}), "
-          f"step_overhead_ratio {result['step_overhead_ratio']}, "
-          f"triage_vs_chain_ms_p50 {result['triage_vs_chain_ms_p50']}, "
-          f"replay_reuse_speedup {result['replay_reuse_speedup']}", file=sys.stderr)
+    print(", ".join(f"{key} {result[key]}" for keys in PARTS.values() for key in keys if key in result),
+          file=sys.stderr)
     print(json.dumps(result))

@@ -40,6 +40,7 @@ from pydantic import Field
 from pipeline.context import ChatMessage, RequestContext, StageRecord, chat_turns
 from pipeline.errors import BackendError, InferlineError
 from pipeline.stage import NoConfig, Stage, StageScope
+from pipeline.step_results import differing_steps, step_results
 from stages.detectors import Redactor, find_pii
 
 #: ctx.status -> the record's status.
@@ -156,7 +157,9 @@ def tags_content(tags: dict[str, str], mode: str) -> str | None:
 
 def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
     """On a shadow run, one more stage row, ``shadow``: which request it mirrors, that request as served
-    (its version, latency, tokens, cost, policy decision), and whether the outputs are identical."""
+    (its version, latency, tokens, cost, policy decision), whether the outputs are identical, and which runs of
+    steps gave something else (``steps_differing``). The served run's per-step results are compared, not kept:
+    they are hashes of content, which the record keeps only where its ``content:`` mode says so."""
     served = ctx.facts.get("shadow")
     if not ctx.shadow_of or served is None:
         return []
@@ -164,7 +167,8 @@ def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
     return [{"stage_id": "shadow", "type": "shadow", "status": "ok", "duration_ms": 0.0, "cost_usd": 0.0,
              "decision": {"of": ctx.shadow_of, "output_identical": identical,
                           "policy_identical": served.get("policy_action") == strongest_action(
-                              list(ctx.facts.get("policy", []))), "served": served}}]
+                              list(ctx.facts.get("policy", []))), "served": served,
+                          "steps_differing": differing_steps(served_steps, step_results(ctx))}}]
 
 
 def _content(ctx: RequestContext, mode: str) -> tuple[str, str, str]:

@@ -13,10 +13,15 @@ What is recorded, old (the version that served) against new (the candidate):
 - metrics: ``inferline_shadow_runs_total{pipeline, candidate, output}`` (identical, different, failed,
   dropped), ``inferline_shadow_policy_total{pipeline, candidate, decision}`` (same, different),
   ``inferline_shadow_duration_seconds{pipeline, side}``, ``inferline_shadow_output_tokens_total`` and
-  ``inferline_shadow_cost_usd_total`` by ``side`` (served, shadow);
+  ``inferline_shadow_cost_usd_total`` by ``side`` (served, shadow), and, step by step (a workflow's steps,
+  a chain's stages), ``inferline_shadow_steps_differing_total{pipeline, candidate, step}``: the shadow runs
+  in which the step gave something else than in the served run (any of its items or rounds; one that ran
+  on one side only counts too), so that a team sees which step a candidate changes
+  (pipeline/step_results.py);
 - audit: the candidate's own audit stage writes the shadow run's record (its version, output,
   latency, tokens, cost and policy decision, in the candidate's ``content:`` mode), with one more stage
-  row, ``shadow``, naming the request it mirrors and that request as served (stages/audit.py).
+  row, ``shadow``, naming the request it mirrors and that request as served, and which runs of steps
+  differ from it (``steps_differing``; stages/audit.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pipeline.context import RequestContext
 from pipeline.events import Done, Error
 from pipeline.runner import Pipeline, Runner
+from pipeline.step_results import differing_steps, step_of, step_results
 from serving.runtime.deployments import Deployments
 from stages.audit import strongest_action
 
@@ -60,6 +66,9 @@ class Shadows:
                               "served one and its shadow.", ["pipeline", "side"], registry=registry)
         self.cost = Counter("inferline_shadow_cost_usd", "Cost of mirrored requests, the served one and its "
                             "shadow, in USD.", ["pipeline", "side"], registry=registry)
+        self.steps = Counter("inferline_shadow_steps_differing", "Shadow runs in which a step's output (or "
+                             "status) was not the served run's, by step.", ["pipeline", "candidate", "step"],
+                             registry=registry)
 
     @property
     def in_flight(self) -> int:
@@ -109,7 +118,7 @@ class Shadows:
                 shadow_of=served.request_id)
             if "input_texts" in served.facts:  # an embeddings request: its audit content is the texts sent
                 shadow.facts["input_texts"] = list(served.facts["input_texts"])
-            served_policy = _strongest(served)
+            served_policy, served_steps = _strongest(served), step_results(served)
             shadow.facts["shadow"] = {
                 "version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,
                 "status": "ok" if isinstance(final, Done) else final.status,
@@ -117,7 +126,7 @@ class Shadows:
                 "duration_ms": round(summary.duration_s * 1e3, 3),
                 "ttft_ms": None if summary.ttft_s is None else round(summary.ttft_s * 1e3, 3),
                 "output_tokens": summary.usage.output_tokens, "cost_usd": summary.cost_usd,
-                "policy_action": served_policy}
+                "policy_action": served_policy, "steps": served_steps}
             result = await self.runner.run(pipeline, shadow)
         except Exception as exc:  # a shadow must never take anything down with it
             logger.warning("shadow of %s on %s failed (%s: %s)", name, label, type(exc).__name__, exc)
@@ -130,6 +139,8 @@ class Shadows:
             output = "identical" if mirrored.output_text == summary.output_text else "different"
         self.runs.labels(name, label, output).inc()
         self.policy.labels(name, label, "same" if _strongest(shadow) == served_policy else "different").inc()
+        for step in dict.fromkeys(step_of(run) for run in differing_steps(served_steps, step_results(shadow))):
+            self.steps.labels(name, label, step).inc()
         for side, figures in (("served", summary), ("shadow", mirrored)):
             self.duration.labels(name, side).observe(figures.duration_s)
             self.tokens.labels(name, side).inc(figures.usage.output_tokens)

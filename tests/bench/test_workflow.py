@@ -132,3 +132,30 @@ def test_replay_reuse_replays_the_recorded_drafts_by_step_and_in_full(tmp_path, 
     # By step, the judge and the audit step (the reply reads what it read before); in full, the draft and reply too.
     assert figures["replay_steps_rerun"] == {"step": 3 * 2, "full": 3 * 4}
     assert isinstance(figures["replay_reuse_speedup"], float)
+
+
+def test_map_input_splits_in_one_chunk_per_part():
+    from stages.split import split_text
+
+    text = workflow.map_input()
+    chunks = split_text(text, 1500)  # summarize_long's chunk_chars
+    assert chunks == text.split("\n\n") and len(chunks) == workflow.MAP_CHUNKS
+    assert "concurrency: 1\n" in workflow.map_yaml(1) and "concurrency: 8" not in workflow.map_yaml(1)
+
+
+def test_map_figures_runs_the_chunks_eight_at_a_time_against_one_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("INFERLINE_DATABASE", raising=False)
+    config = tmp_path / "inferline.yaml"
+    config.write_text(SERVER.format(db=tmp_path / "bench.db"))
+    (tmp_path / "pipelines").mkdir()
+    workspace = open_workspace(str(config))
+    engine = FakeEngine("A short summary of this part. " * 4)
+    figures = asyncio.run(workflow.map_figures(workspace, 2, RuntimeOptions(engines=FakeEngines(smol=engine))))
+    assert figures["map_items_in_flight"] == {"concurrency_8": 8, "concurrency_1": 1}
+    assert figures["map_chunks"] == 8 and figures["map_outputs_identical"] is True
+    assert len(figures["map_ms"]) == len(figures["map_serial_ms"]) == 2
+    # Per concurrency: a warm-up and 2 requests of 8 chunks and a combining call; then the engine's 8, one after
+    # the other and at once, 2 times, with speculation and without.
+    assert len(engine.submitted) == 2 * 3 * (8 + 1) + 2 * 2 * 2 * 8
+    assert all(isinstance(figures[key], float) for key in ("map_speedup", "map_step_speedup", "map_engine_speedup",
+                                                           "map_engine_speedup_no_spec"))
