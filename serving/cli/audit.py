@@ -39,6 +39,7 @@ import sqlalchemy as sa
 
 from serving.backends.audit_keys import anchor_folder, checkpoint_signer, exposure_window_s, local_key, public_keys
 from serving.backends.audit_sink import content_vault
+from serving.cli.common import Subcommands
 from serving.cli.keys import ENV_DATABASE, database_url
 from serving.runtime.database import open_engine
 from serving.runtime.workspace import Workspace, open_workspace
@@ -67,7 +68,7 @@ FORMATS = ("table", "jsonl", "csv")
 NO_MATCH = "no records match"
 
 
-def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_audit_parser(subparsers: Subcommands) -> None:
     """Add ``audit`` and its actions; each sets ``handler(args) -> exit code``."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", metavar="FILE", help="server config (as for serve)")
@@ -173,7 +174,6 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     target.add_argument("--record", nargs="+", dest="records", metavar="ID")
     hold.add_argument("--release", action="store_true", help="take them off hold instead")
     hold.set_defaults(handler=_reporting(_hold))
-    return parser
 
 
 def _positive(value: str) -> int:

@@ -18,12 +18,11 @@ from typing import Any
 from serving.capacity.loadgen import load_server, local_tokenizer
 from serving.capacity.pipeline_plan import plan_pipeline
 from serving.capacity.workload import Distribution, load_workload
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subcommands
 from serving.runtime.workspace import open_workspace
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-
-def add_capacity_parsers(sub: Any) -> None:
+def add_capacity_parser(sub: Subcommands) -> None:
     load = sub.add_parser(
         "load", help="drive a live server with open-loop Poisson arrivals; SLO attainment, throughput, queue, cost",
         description="Send requests to POST /pipelines/PIPELINE of a running server at Poisson arrival times "

@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.spec import NAME_PATTERN
+from serving.cli.common import EXIT_FAILED, EXIT_OK, Subcommands
 from serving.runtime.workspace import Workspace, open_workspace
 
 if TYPE_CHECKING:
     from store.vector_index import VectorStore
 
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
-def add_index_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_index_parser(subparsers: Subcommands) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", metavar="FILE",
                         help="server config (default: $INFERLINE_CONFIG, else ./inferline.yaml if present)")
@@ -80,7 +80,6 @@ def add_index_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="default: hybrid where the index has a keyword side, else dense")
     search.add_argument("--json", action="store_true", help="one JSON object per hit")
     search.set_defaults(handler=_search)
-    return index
 
 
 def index_name(value: str) -> str:

@@ -21,15 +21,15 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from serving.cli.common import EXIT_FAILED, EXIT_OK, Subcommands
 from serving.runtime.database import open_database
 from serving.runtime.workspace import open_workspace
 from store.keys import ROLES, KeyInfo, KeyStore
 
-EXIT_OK, EXIT_FAILED = 0, 1
 ENV_DATABASE = "INFERLINE_DATABASE"
 
 
-def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_keys_parser(subparsers: Subcommands) -> None:
     """Add ``keys`` and its actions to *subparsers*; each action sets ``handler(args) -> exit code``."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", metavar="FILE",
@@ -68,7 +68,6 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                                             "if there is no such key or it was already revoked.")
     revoke.add_argument("key_id", metavar="KEY_ID")
     revoke.set_defaults(handler=_revoke)
-    return keys
 
 
 def database_url(args: argparse.Namespace) -> str:

@@ -24,7 +24,8 @@ from pathlib import Path
 from pipeline import __version__
 from pipeline.errors import InferlineError, SpecError
 from serving.cli.audit import add_audit_parser
-from serving.cli.capacity import add_capacity_parsers
+from serving.cli.capacity import add_capacity_parser
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, config_option
 from serving.cli.eval import add_eval_parser
 from serving.cli.index import add_index_parser
 from serving.cli.keys import add_keys_parser
@@ -34,8 +35,6 @@ from serving.cli.run import add_run_parser
 from serving.cli.schema import add_schema_parser
 from serving.runtime.pipeline_set import PipelineSet, declared_names, pipeline_files
 from serving.runtime.workspace import open_workspace
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                            description="Load the server config and every pipeline (refusing to start if any is "
                                        "invalid), start one engine per model, and serve. Settings come from "
                                        "the config, then INFERLINE_* environment variables, then these flags.")
-    _config_option(serve)
+    config_option(serve)
     serve.add_argument("--host", help="address to bind (default: http.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: http.port, 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -79,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                             description="Write the Ray Serve config of the server: the HTTP ingress and one "
                                         "deployment per backend: ray model, with its ray: replicas, "
                                         "autoscaling and resources. Deploy it with `serve deploy FILE`.")
-    _config_option(deploy)
+    config_option(deploy)
     deploy.add_argument("--output", "-o", default="serve.yaml", metavar="FILE",
                         help="where to write it (default: serve.yaml)")
     deploy.set_defaults(handler=_deploy)
@@ -91,18 +90,18 @@ def _parser() -> argparse.ArgumentParser:
                                           "Prints 'ok' per valid file on stdout and every error on "
                                           "stderr as FILE:LINE:COL: LOC: MESSAGE; exits 1 if any is invalid.")
     validate.add_argument("paths", nargs="+", metavar="PATH", help="a pipeline file, or a folder of them")
-    _config_option(validate)
+    config_option(validate)
     validate.set_defaults(handler=_validate)
 
-    add_schema_parser(sub, _config_option)
-    add_run_parser(sub, _config_option)
+    add_schema_parser(sub)
+    add_run_parser(sub)
     add_keys_parser(sub)
     add_pipelines_parser(sub)
     add_audit_parser(sub)
     add_index_parser(sub)
     add_eval_parser(sub)
     add_replay_parser(sub)
-    add_capacity_parsers(sub)
+    add_capacity_parser(sub)
     return parser
 
 
@@ -170,12 +169,6 @@ def _deploy(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: application {config['applications'][0]['name']!r}, ingress and "
           f"{engines} engine deployment(s); deploy with: serve deploy {args.output}")
     return EXIT_OK
-
-
-def _config_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", metavar="FILE",
-                        help="server config (default: $INFERLINE_CONFIG, else ./inferline.yaml if present, "
-                             "else built-in defaults)")
 
 
 def _validate(args: argparse.Namespace) -> int:

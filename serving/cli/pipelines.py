@@ -28,11 +28,12 @@ from typing import Any
 
 import httpx
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subcommands
+
 ENV_URL, ENV_KEY = "INFERLINE_URL", "INFERLINE_API_KEY"
 
 
-def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_pipelines_parser(subparsers: Subcommands) -> None:
     """Add ``pipelines`` and its actions to *subparsers*."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=os.environ.get(ENV_URL, "http://127.0.0.1:8000"),
@@ -75,7 +76,6 @@ def add_pipelines_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     shadow.add_argument("percent", nargs="?", type=float, help="the share of requests mirrored, above 0 up to 100")
     shadow.add_argument("--clear", action="store_true", help="stop mirroring")
     pipelines.set_defaults(handler=_run)
-    return pipelines
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from pipeline.errors import SpecError
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subcommands
 from serving.evals.replay_report import (
     CONTENT_KEPT,
     NOT_A_REQUEST,
@@ -52,10 +53,10 @@ from serving.runtime.database import open_database
 from serving.runtime.workspace import open_workspace
 from store.audit import MAX_LIMIT, AuditReader, parse_filters
 
-EXIT_OK, EXIT_CHANGED, EXIT_USAGE = 0, 1, 2
+EXIT_CHANGED = EXIT_FAILED  # an answer changed
 
 
-def add_replay_parser(sub: Any) -> None:
+def add_replay_parser(sub: Subcommands) -> None:
     parser = sub.add_parser(
         "replay", help="re-run audited requests through a candidate version; old answers against new",
         description="Re-run the audited requests of PIPELINE (content kept in full) through a candidate "

@@ -27,10 +27,10 @@ from pipeline.events import Done, Error, StageFinished, Summary, TextDelta
 from pipeline.loader import LoadedPipeline
 from pipeline.refs import find_refs
 from pipeline.runner import Pipeline
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subcommands, config_option
 from serving.http.schemas import GenerationParams, PipelineRequest
 from serving.runtime.workspace import Workspace, open_workspace
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Request parameters ``--param`` may set: the HTTP API's sampling fields.
 PARAMS = tuple(GenerationParams.model_fields)
 #: Context fields that only a model's stage reads or writes: a pipeline with such a stage uses a model.
@@ -41,7 +41,7 @@ class UsageError(Exception):
     """A request option that the HTTP API would refuse with 400."""
 
 
-def add_run_parser(subparsers: argparse._SubParsersAction, config_option: Any) -> argparse.ArgumentParser:
+def add_run_parser(subparsers: Subcommands) -> None:
     run = subparsers.add_parser(
         "run", help="run one request through a pipeline, in-process",
         description="Run one request through PIPELINE and stream its text to stdout. PIPELINE is a YAML file, or "
@@ -68,7 +68,6 @@ def add_run_parser(subparsers: argparse._SubParsersAction, config_option: Any) -
                           "loading) and trace id")
     config_option(run)
     run.set_defaults(handler=run_command)
-    return run
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from pipeline.registry import StageRegistry
 from pipeline.schema import dumps, pipeline_schema
+from serving.cli.common import EXIT_OK, Subcommands, config_option
 from serving.config.schema import server_schema
 from serving.runtime.workspace import open_workspace
 from stages import register_builtins
 
-EXIT_OK = 0
 
-
-def add_schema_parser(subparsers: argparse._SubParsersAction, config_option: Any) -> argparse.ArgumentParser:
+def add_schema_parser(subparsers: Subcommands) -> None:
     schema = subparsers.add_parser(
         "schema", help="print the JSON Schema of pipeline files or of inferline.yaml, for editors",
         description="Print the JSON Schema (draft-07) of a pipeline file or of the server file, generated from "
