@@ -83,6 +83,7 @@ bench: install
 	$(PY) bench/http.py --quick
 	$(PY) bench/audit.py --quick
 	$(PY) bench/workflow.py --quick
+	$(PY) bench/tools.py --quick
 
 # The full reliability run (about 25 minutes): 128 streaming clients for 10 minutes, the fault tests with a
 # 30 s database outage, schemathesis and hypothesis at full size; rewrites docs/reliability.md.

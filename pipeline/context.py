@@ -148,6 +148,9 @@ class StageRecord:
     output_sha256: str = ""
     inputs: dict[str, Any] | None = None
     output: dict[str, Any] | None = None
+    #: A tool call of an ``agent`` step (type ``tool``): kind, server, tool, schema and allow list SHA-256s,
+    #: the SHA-256s of its arguments and result, outcome, round and duration (stages/agent_calls.py).
+    tool: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -233,6 +236,9 @@ class Facts(TypedDict, total=False):
     generate_request: tuple[Any, str]
     #: stream: the stop string that ended the output (the pipeline's or the caller's), when one did.
     stop_sequence: str
+    #: policy: its input rails over text from outside the request (an agent step's tool results): ``(text,
+    #: source)`` -> the text as they let it through (redacted), PolicyDenied when they block it.
+    input_rails: Callable[[str, str], str]
     #: generate: the constraint the output was decoded under (stream validates the text against it).
     output_constraint: dict[str, Any]
     #: generate: the SHA-256 of the weights that answered.

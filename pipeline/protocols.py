@@ -56,6 +56,10 @@ class Catalog:
     check_output: OutputCheck | None = None
     #: The most rounds a ``repeat:`` loop may run (the server's ``workflows.max_rounds``).
     max_rounds: int = 10
+    #: The MCP servers (``mcp_servers:``) an ``agent`` step's ``mcp`` tools may name.
+    mcp_servers: frozenset[str] = frozenset()
+    #: The named header sets (``tool_headers:``) an ``http`` tool's ``headers_from`` may name.
+    tool_headers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +433,46 @@ class PipelineCaller(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ToolReply:
+    """What one tool call gave back: its text for the model, and whether the tool reported an error."""
+
+    text: str
+    is_error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSchema:
+    """A tool as its server lists it: description and JSON Schema of its arguments, and their SHA-256."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+    sha256: str
+
+
+class ToolProvider(Protocol):
+    """Runs the tools of ``agent`` steps: MCP servers of the server config, HTTP endpoints (serving wires it)."""
+
+    async def list_mcp(self, server: str) -> Mapping[str, ToolSchema]:
+        """The tools *server* offers now, by name (read again when the server says its list changed)."""
+        ...
+
+    async def call_mcp(self, server: str, tool: str, arguments: Mapping[str, Any]) -> ToolReply:
+        """Call *tool* on *server*; cancelling the call cancels it on the server (``notifications/cancelled``)."""
+        ...
+
+    async def call_http(self, method: str, url: str, arguments: Mapping[str, Any], headers_from: str | None,
+                        max_response_bytes: int) -> ToolReply:
+        """One HTTP request: *arguments* as the query (GET, DELETE) or the JSON body; the headers are the
+        server's named set *headers_from* only, never the caller's; a longer body is an error."""
+        ...
+
+    def count(self, tool: str, outcome: str) -> None:
+        """Count one call of *tool* by its outcome (ok, error, timeout, refused) in the server's metrics."""
+        ...
+
+
 @dataclass(slots=True)
 class Resources:
     """The live objects a pipeline's stages use, wired in by ``serving``."""
@@ -449,3 +493,5 @@ class Resources:
     embedders: EmbedderProvider | None = None
     #: The cross-encoder rerankers of ``retrieve``'s ``rerank:``; None: such a rerank fails (and says so).
     rerankers: RerankerProvider | None = None
+    #: The tools of ``agent`` steps (MCP servers, HTTP endpoints); None: their calls fail (and say so).
+    tools: ToolProvider | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.registry import StageRegistry
+from stages.agent import AgentStage
 from stages.audit import AuditStage
 from stages.cache import CacheStage
 from stages.embed import EmbedStage
@@ -21,7 +22,7 @@ from stages.tokenize import TokenizeStage
 
 BUILTIN_STAGES = (PolicyStage, RetrieveStage, RouteStage, PromptStage, TokenizeStage, CacheStage, GenerateStage,
                   StreamStage, ScoreStage, EmbedStage, AuditStage, LlmStage, ReplyStage,
-                  PipelineStep, SplitStage)
+                  PipelineStep, SplitStage, AgentStage)
 
 
 def register_builtins(registry: StageRegistry) -> StageRegistry:

@@ -124,6 +124,9 @@ def step_record(stage: StageRecord, mode: str) -> dict[str, Any]:
             kept[name] = getattr(stage, name)
     if stage.item is not None:
         kept["item"] = stage.item
+    if stage.tool is not None:  # a tool call; its arguments' and result's hashes are content, kept as above
+        kept["tool"] = {k: v for k, v in stage.tool.items()
+                        if mode in ("full", "hash") or k not in ("arguments_sha256", "result_sha256")}
     if stage.input_tokens or stage.output_tokens:
         kept |= {"input_tokens": stage.input_tokens, "output_tokens": stage.output_tokens}
     if mode == "full":

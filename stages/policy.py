@@ -152,7 +152,7 @@ class PolicyStage(Stage):
     reads = frozenset({"input_messages"})
     writes = frozenset({"input_messages", "max_output_tokens", "output_filter"})
     # Limits before any prefill; output rails for the stream.
-    before = frozenset({"generate", "stream", "llm", "pipeline"})
+    before = frozenset({"generate", "stream", "llm", "pipeline", "agent"})
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Any):
         super().__init__(stage_id, config, resources)
@@ -206,6 +206,7 @@ class PolicyStage(Stage):
             if self._classifier is not None:
                 await self._classify(ctx, scope, decisions)
             restore = pii_map if config.pii and config.pii.restore and pii_map else None
+            ctx.facts["input_rails"] = lambda text, source: self.scan_untrusted(ctx, text, source)
             rails = self.output_rails(restore, ctx.facts.setdefault("policy", []).append, placeholders)
             if rails is not None:
                 ctx.output_filter = rails
@@ -215,6 +216,26 @@ class PolicyStage(Stage):
             raise
         finally:
             self._record(ctx, scope, decisions)
+
+    def scan_untrusted(self, ctx: RequestContext, text: str, source: str) -> str:
+        """*text* from outside the request (an agent step's tool result, *source* ``tool:NAME``) through the
+        input rails: deny rules, PII and the injection heuristic (whatever role would carry it). Decisions are
+        recorded as the input's are; returns the text redacted as they say; PolicyDenied on a block."""
+        config = cast(PolicyConfig, self.config)
+        found: list[tuple[Finding, Action]] = self._input.scan(text) if self._input.active else []
+        if config.injection is not None:
+            result = injection_score(text)
+            if result.score >= config.injection.threshold:
+                found += [(f, config.injection.action) for f in result.findings]
+        decisions = [Decision(self.id, source, f.rule, f.category, a, f.score, (f.start, f.end))
+                     for f, a in found if a != "allow"]
+        ctx.facts.setdefault("policy", []).extend(d.to_dict() for d in decisions)
+        block = next((d for d in decisions if d.action == "block"), None)
+        if block is not None:
+            raise self._deny(block.rule, block.category, f"the {block.category} rule {block.rule!r} matched {source}")
+        redact = [f if f.category == "pii" else replace(f, kind="REDACTED")
+                  for f in non_overlapping([f for f, a in found if a == "redact"])]
+        return Redactor().redact(text, redact) if redact else text
 
     def output_rails(self, restore: dict[str, str] | None = None,
                      on_decision: Callable[[dict[str, Any]], None] | None = None,

@@ -44,4 +44,5 @@ def catalog_of(server: ServerSpec) -> Catalog:
     index_fields = {name: dict(spec.metadata) for name, spec in server.indexes.items()}
     rerankers = {name: RerankerInfo(name, spec.type, spec.model or "") for name, spec in server.rerankers.items()}
     return Catalog(models=models, indexes=frozenset(server.indexes), index_fields=index_fields, rerankers=rerankers,
-                   embedding_models=embedding_models, max_rounds=server.workflows.max_rounds)
+                   embedding_models=embedding_models, max_rounds=server.workflows.max_rounds,
+                   mcp_servers=frozenset(server.mcp_servers), tool_headers=frozenset(server.tool_headers))

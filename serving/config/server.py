@@ -159,6 +159,47 @@ class WorkflowsSpec(Strict):
     max_rounds: int = Field(10, ge=1, le=1000)
 
 
+class HeaderValue(Strict):
+    """A header's value, read when a tool is called: from an environment variable or a secrets file, never
+    written in the YAML."""
+
+    #: The environment variable that holds the value.
+    env: str | None = None
+    #: A file that holds the value (``/run/secrets/orders_token``; trailing newline dropped).
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HeaderValue:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env: (a variable's name) or file: (a secrets file)")
+        return self
+
+
+class McpServerSpec(Strict):
+    """An MCP server whose tools ``agent`` steps may run (each step lists the tools it allows)."""
+
+    #: Streamable HTTP: the server's endpoint, e.g. ``http://127.0.0.1:8765/mcp``.
+    url: str | None = None
+    #: Stdio: the command that starts the server, e.g. ``[python, examples/mcp_orders/server.py]`` (relative
+    #: paths from this file's folder).
+    command: list[str] | None = Field(None, min_length=1)
+    #: With command: the server's environment, beyond PATH and HOME.
+    env: dict[str, str] = Field(default_factory=dict)
+    #: With url: the header set of ``tool_headers:`` sent to it (the server's credentials, never a caller's).
+    headers_from: str | None = None
+    #: How long the tools it listed are trusted before they are listed again (0: before every call);
+    #: a ``notifications/tools/list_changed`` from the server lists them again at once.
+    schema_ttl_s: float = Field(5.0, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerSpec:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("give exactly one of url: (streamable HTTP) or command: (stdio)")
+        if self.headers_from is not None and self.url is None:
+            raise ValueError("headers_from: applies to a url: server only")
+        return self
+
+
 class ServerSpec(Strict):
     """``inferline.yaml``: resources shared by every pipeline of one server."""
 
@@ -193,6 +234,11 @@ class ServerSpec(Strict):
     responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
     #: Bounds on pipelines' workflows (loops).
     workflows: WorkflowsSpec = Field(default_factory=WorkflowsSpec)
+    #: MCP servers whose tools ``agent`` steps may run, by name (see docs/tools.md).
+    mcp_servers: dict[str, McpServerSpec] = Field(default_factory=dict)
+    #: Header sets that ``http`` tools (``headers_from:``) and MCP servers send, by name: header -> where its
+    #: value is read from.
+    tool_headers: dict[str, dict[str, HeaderValue]] = Field(default_factory=dict)
     #: On Ray Serve (``inferline deploy``, ``serving.ray_ingress:build_app``): replicas and resources of the
     #: HTTP app's ``ingress`` deployment. Several replicas need shared state: limits in Redis, the audit
     #: log in PostgreSQL.
@@ -204,6 +250,14 @@ class ServerSpec(Strict):
             if model.base_url == SELF_URL and self.http.port == 0:
                 raise ValueError(f"models.{name}.base_url: {SELF_URL} needs a fixed http.port (0 lets the system "
                                  "pick one when the server binds, after its models are configured)")
+        return self
+
+    @model_validator(mode="after")
+    def _mcp_headers_exist(self) -> ServerSpec:
+        for name, mcp in self.mcp_servers.items():
+            if mcp.headers_from is not None and mcp.headers_from not in self.tool_headers:
+                raise ValueError(f"mcp_servers.{name}.headers_from: {mcp.headers_from!r} is not one of "
+                                 f"tool_headers: ({', '.join(sorted(self.tool_headers)) or 'none'})")
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@ A set holds each file loaded (YAML, stages, options, models, ``when:``: pipeline
 of the set, located in its file: a file that does not load, two pipelines of one ``name:`` (it is their
 endpoint), and a reference from one pipeline to another that does not resolve. The references are kinds
 (:data:`REFERENCES`), each one function from the set to its issues: a ``score`` stage's judges, a
-``pipeline`` step's callee. A new kind of reference between pipelines is one more function there.
+``pipeline`` step's callee, an ``agent`` step's pipeline tools. A new kind of reference between pipelines is
+one more function there.
 """
 
 from __future__ import annotations
@@ -146,8 +147,22 @@ def callees(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecI
     return issues
 
 
+def tool_pipelines(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecIssue]:
+    """An ``agent`` step's ``pipeline`` tools are pipelines served beside it, never the pipeline itself (a model
+    could call it again and again)."""
+    issues = []
+    for item in pipelines.values():
+        for loc, target in _references(item, "agent"):
+            if target == item.spec.name:
+                issues.append(_locate(item, loc, "a pipeline cannot be a tool of its own agent step"))
+            elif target not in names:
+                issues.append(_locate(item, loc, _not_served(target, names)))
+    return issues
+
+
 #: Every kind of reference between pipelines the set checks.
-REFERENCES: tuple[Callable[[dict[str, LoadedPipeline], set[str]], list[SpecIssue]], ...] = (judges, callees)
+REFERENCES: tuple[Callable[[dict[str, LoadedPipeline], set[str]], list[SpecIssue]], ...] = (
+    judges, callees, tool_pipelines)
 
 
 def _references(item: LoadedPipeline, stage_type: str) -> Iterator[tuple[Loc, str]]:

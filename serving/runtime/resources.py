@@ -40,6 +40,7 @@ from serving.backends.embedders import EmbedderPool
 from serving.backends.indexes import IndexRegistry
 from serving.backends.model_pool import ModelPool
 from serving.backends.rerankers import RerankerPool
+from serving.backends.tool_hub import ToolHub
 from serving.config.loader import catalog_of
 from serving.config.server import LimitsSpec
 from serving.runtime.calls import LocalPipelines, Requests
@@ -100,7 +101,8 @@ class Runtime:
         self.embedders = EmbedderPool(server, workspace.root)
         self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
                                    caches=StoreCaches(), embedders=self.embedders,
-                                   rerankers=RerankerPool(server, workspace.root))
+                                   rerankers=RerankerPool(server, workspace.root),
+                                   tools=ToolHub(server, workspace.root, options.metrics_registry))
         #: The pipelines served, by name: the hot reload swaps versions in and out (serving/runtime/reloader.py).
         self.pipelines = ServedPipelines(Pipeline(item, self.resources) for item in loaded)
         #: The versions kept, pins, canary splits and shadows (kept in the database once open, when asked).
@@ -176,6 +178,8 @@ class Runtime:
         stack.push_async_callback(self.deployments.aclose)
         stack.push_async_callback(self._close_pipelines)
         stack.push_async_callback(self.pool.close)
+        if isinstance(self.resources.tools, ToolHub):
+            stack.push_async_callback(self.resources.tools.aclose)
         if options.start_models and options.engines is None:
             await self.pool.start_all()
         if options.start_models:

@@ -1,0 +1,330 @@
+"""The ``agent`` step: a model that calls the pipeline's own tools, in a bounded loop, then answers.
+
+YAML::
+
+    - id: answer
+      type: agent
+      with:
+        model: smol
+        system: "You answer questions about orders. Look them up; never guess."
+        user: "{{ input }}"
+        tools:                             # http, mcp and pipeline tools: see stages/agent_tools.py
+          - {kind: mcp, server: orders, allow: [order_status]}
+        max_rounds: 4                      # model calls at most; a model still calling tools after them fails the step
+        timeout_s: 60                      # the whole loop
+        call_timeout_s: 10                 # one call; past it the call is cancelled (on MCP, with a cancellation)
+        max_tokens: 256
+        temperature: 0
+
+Each round the model either answers or proposes calls (one JSON object ``{"name", "arguments"}``, or a JSON
+array of them to call several at once); the step runs the calls of a round at the same time, puts each
+result through the policy's input rails (a ``policy`` step before it: injection, deny rules, PII; without
+one, the built-in injection check blocks), and asks again. A result the rails block is withheld: the model is
+told so, never shown it. The answer streams as an ``llm`` step's does (a reply that may still be a call is
+held back until it cannot be). It gives ``steps.ID.output`` (the answer), ``finish_reason``, ``model``,
+``rounds`` and ``tool_calls``. Every call is a record of its own in the trace and the audit record (type
+``tool``, under this step), and counted in ``inferline_tool_calls_total{tool, outcome}``.
+
+MCP tools are pinned: when the pipeline version is instantiated (at load and at each reload) the step lists
+its servers' tools and keeps the SHA-256 of each allowed tool's schema; a call to a tool whose server now
+offers a different schema is refused until a new version of the pipeline loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, cast
+
+from pydantic import BaseModel, Field
+
+from pipeline.context import ChatMessage, RequestContext, Usage, chat_turns
+from pipeline.errors import BackendError, StageError, StageTimeout
+from pipeline.protocols import Catalog, ChatEngine, Resources
+from pipeline.stage import CheckIssue, Stage, StageScope
+from pipeline.template import Template, compile_template
+from pipeline.tracing import GEN_AI_REQUEST_MODEL
+from stages import tools as functions
+from stages.agent_calls import ToolCaller, proposed_calls
+from stages.agent_tools import (
+    PIPELINE_PARAMETERS,
+    BoundTool,
+    HttpTool,
+    McpTools,
+    PipelineTool,
+    ToolSpec,
+    definition_sha256,
+    sha256_of,
+    spec_issues,
+)
+from stages.engines import engine_for
+from stages.generate import GenerateConfig, _sampling
+from stages.prompt import template_issues
+from stages.stream import _Out, _text_of
+from stages.text import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Told to the model beside the functions: several calls in one reply run at the same time.
+PARALLEL_NOTE = "To call several functions at once, reply with a JSON array of such objects."
+
+
+class AgentConfig(GenerateConfig):
+    #: The model (default: the server's first).
+    model: str | None = None
+    #: The system message template.
+    system: str | None = None
+    #: The user message template.
+    user: str = "{{ input }}"
+    #: Put the client's earlier turns before the user message.
+    history: bool = False
+    #: The tools the model may call.
+    tools: list[ToolSpec] = Field(min_length=1)
+    #: Model calls at most (each may propose tool calls); still calling after them fails the step.
+    max_rounds: int = Field(4, ge=1, le=100)
+    #: The whole loop's wall time.
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+    #: One tool call's; a call past it is cancelled and told to the model as timed out.
+    call_timeout_s: float = Field(10.0, gt=0, le=600)
+    #: A tool result longer than this is cut before the model sees it.
+    max_result_chars: int = Field(16000, ge=100, le=1_000_000)
+    client_params: list[str] = Field(default_factory=lambda: ["max_tokens", "temperature", "top_p", "seed"])
+
+    @cached_property
+    def compiled(self) -> dict[str, Template]:
+        sources = {"user": self.user} if self.system is None else {"system": self.system, "user": self.user}
+        return {key: compile_template(text) for key, text in sources.items()}
+
+
+@dataclass(slots=True)
+class AgentOutputs:
+    #: The answer.
+    output: str
+    finish_reason: str
+    model: str
+    #: Model calls made.
+    rounds: int
+    #: Tool calls made, whatever their outcome.
+    tool_calls: int
+
+
+class AgentStage(Stage):
+    """A tool loop (see the module docstring)."""
+
+    type_name = "agent"
+    Config = AgentConfig
+    Outputs = AgentOutputs
+    is_model_call = True
+    reads = frozenset({"input_messages"})
+
+    def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
+        super().__init__(stage_id, config, resources)
+        self._pins: asyncio.Task[list[BoundTool]] | None = None
+        try:  # a version pins its MCP tools as it loads; at once where a loop runs (serve, reload)
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if resources.tools is not None:
+            self._pins = asyncio.ensure_future(self._pin())
+            self._pins.add_done_callback(self._pin_failed)
+
+    def _pin_failed(self, task: asyncio.Task[list[BoundTool]]) -> None:
+        """Say why a version could not pin its tools as it loaded (its first request tries again)."""
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("agent step %s: cannot pin its tools at load: %s", self.id, task.exception())
+
+    @classmethod
+    def required_reads(cls, config: BaseModel) -> frozenset[str]:
+        from pipeline.context import FIELDS
+
+        names = set().union(*(t.names for t in cast(AgentConfig, config).compiled.values()))
+        return cls.reads | (names & FIELDS.keys())
+
+    @classmethod
+    def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
+        config = cast(AgentConfig, config)
+        issues: list[CheckIssue] = [*template_issues(lambda: config.compiled),
+                                    *spec_issues(config.tools, catalog.mcp_servers, catalog.tool_headers)]
+        if config.output is not None:
+            issues.append((("output",), "an agent's answer is free text: remove output: (a later llm step can "
+                                        "constrain it)"))
+        if config.model is None and not catalog.models:
+            issues.append(((), "no model to call: inferline.yaml has no models; add one, or set model:"))
+        elif config.model is not None and config.model not in catalog.models:
+            issues.append((("model",), f"unknown model {config.model!r} (models in inferline.yaml: "
+                                       f"{', '.join(sorted(catalog.models)) or 'none'})"))
+        if config.max_rounds > catalog.max_rounds:
+            issues.append((("max_rounds",), f"at most {catalog.max_rounds} rounds (the server's "
+                                            "workflows.max_rounds); write a smaller max_rounds"))
+        return issues
+
+    @classmethod
+    def calls(cls, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:
+        return [(("tools", i, "pipeline"), tool.pipeline.split("@", 1)[0])
+                for i, tool in enumerate(cast(AgentConfig, config).tools) if isinstance(tool, PipelineTool)]
+
+    @classmethod
+    def templates(cls, config: BaseModel) -> dict[tuple[str | int, ...], Template]:
+        return {(key,): template for key, template in cast(AgentConfig, config).compiled.items()}
+
+    async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
+        if scope.streams:  # a replay reuses the answer as it was sent, and runs no tool again
+            text = str(outputs.get("output", ""))
+            await scope.emit_text(text)
+            ctx.output_text, ctx.finish_reason = text, str(outputs.get("finish_reason", "stop"))
+            ctx.model = str(outputs.get("model", ctx.model))
+
+    async def aclose(self) -> None:
+        if self._pins is not None and not self._pins.done():
+            self._pins.cancel()
+
+    async def run(self, ctx: RequestContext, scope: StageScope) -> AgentOutputs:
+        config = cast(AgentConfig, self.config)
+        toolset = {tool.name: tool for tool in await self._pinned()}
+        offered = [tool.offered() for tool in toolset.values()]
+        system = f"{functions.preamble(offered, 'auto')} {PARALLEL_NOTE}"
+        turns = chat_turns(self._messages(ctx, config, system))
+        model, engine = await engine_for(self.resources, config.model or "")
+        sampling = _sampling(config, ctx.params if scope.streams else {})
+        scope.set_attribute(GEN_AI_REQUEST_MODEL, model)
+        caller = ToolCaller(self.id, self.resources, ctx, config.call_timeout_s, config.max_result_chars)
+        usage, started = Usage(), time.perf_counter()
+        try:
+            async with asyncio.timeout(config.timeout_s):
+                return await self._loop(ctx, scope, config, engine, turns, sampling, model, toolset, caller, usage,
+                                        started)
+        except TimeoutError:
+            raise StageTimeout(self.id, f"the tool loop ran past its timeout_s ({config.timeout_s:g} s) after "
+                                        f"{caller.made} tool call(s)") from None
+
+    async def _loop(self, ctx: RequestContext, scope: StageScope, config: AgentConfig, engine: Any,
+                    turns: list[dict[str, str]], sampling: Any, model: str, toolset: dict[str, BoundTool],
+                    caller: ToolCaller, usage: Usage, started: float) -> AgentOutputs:
+        """Ask, run what the model proposes, feed the results back; until it answers or max_rounds."""
+        for round_ in range(1, config.max_rounds + 1):
+            out = _Out(ctx.output_filter if scope.streams else None, scope, held=not scope.streams)
+            text, finish = await self._generate(engine, turns, sampling, out, usage, ctx)
+            proposed = proposed_calls(text)
+            if proposed is None:
+                return self._answer(ctx, scope, engine, sampling, model, text, finish, out,
+                                    round_, caller.made, usage, started)
+            if round_ == config.max_rounds:
+                break
+            results = await asyncio.gather(*(caller.call(toolset.get(name), name, args, round_)
+                                             for name, args in proposed))
+            turns += [{"role": "assistant", "content": text},
+                      {"role": "user", "content": "\n".join(functions.result_text(r) for r in results)}]
+        self._account(model, usage, time.perf_counter() - started, scope)
+        raise StageError(self.id, f"the model still called tools after max_rounds ({config.max_rounds}) model "
+                                  "calls; raise max_rounds or tell the model to answer sooner")
+
+    def _answer(self, ctx: RequestContext, scope: StageScope, engine: Any, sampling: Any, model: str, text: str,
+                finish: str, out: _Out, rounds: int, made: int, usage: Usage, started: float) -> AgentOutputs:
+        self._account(model, usage, time.perf_counter() - started, scope)
+        ctx.usage = Usage(ctx.usage.input_tokens + usage.input_tokens, ctx.usage.output_tokens + usage.output_tokens)
+        answer = "".join(out.parts) if scope.streams else text
+        if scope.streams:
+            ctx.model, ctx.output_text, ctx.finish_reason = model, answer, finish
+            ctx.facts["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                     "max_tokens": sampling.max_tokens, "seed": sampling.seed}
+            ctx.facts["weights_hash"] = engine.weights_hash
+        return AgentOutputs(answer, finish, model, rounds, made)
+
+    async def _generate(self, engine: Any, turns: list[dict[str, str]], sampling: Any, out: _Out, usage: Usage,
+                        ctx: RequestContext) -> tuple[str, str]:
+        """One model call: its text and finish reason. Text goes out through *out* once it cannot be a call."""
+        if isinstance(engine, ChatEngine):
+            stream, prompt_ids = await engine.submit_messages(turns, sampling), []
+        else:
+            prompt_ids = engine.tokenizer.encode_chat(turns)
+            stream = await engine.submit(prompt_ids, sampling)
+        detokenizer = IncrementalDetokenizer(engine.tokenizer.decode, prompt_ids)
+        parts: list[str] = []
+        ids: list[int] = []
+        sending, finish = False, "stop"
+        before_in, before_out = usage.input_tokens, usage.output_tokens
+        try:
+            async for event in stream:
+                piece = _text_of(event, detokenizer, ids)
+                if event.finish_reason is not None:
+                    piece += detokenizer.flush()
+                    finish = event.finish_reason
+                parts.append(piece)
+                usage.input_tokens = before_in + event.num_prompt_tokens
+                usage.output_tokens = before_out + event.num_output_tokens
+                if sending:
+                    blocked = await out.send(piece)
+                elif not _may_be_calls("".join(parts)):
+                    sending, blocked = True, await out.send("".join(parts))
+                else:
+                    blocked = None
+                if blocked:
+                    return "".join(parts), blocked
+                if event.finish_reason is not None:
+                    break
+        finally:
+            await stream.aclose()
+        text = "".join(parts)
+        if proposed_calls(text) is None:  # the answer: what was held back goes out now
+            blocked = await out.send("" if sending else text, final=True)
+            finish = blocked or finish
+        return text, finish
+
+    async def _pinned(self) -> list[BoundTool]:
+        """The tools, MCP ones pinned; a pin that failed (a server down at load) is tried again."""
+        if self._pins is None or (self._pins.done() and self._pins.exception() is not None):
+            self._pins = asyncio.ensure_future(self._pin())
+        return await asyncio.shield(self._pins)
+
+    async def _pin(self) -> list[BoundTool]:
+        bound: list[BoundTool] = []
+        for spec in cast(AgentConfig, self.config).tools:
+            if isinstance(spec, HttpTool):
+                bound.append(BoundTool(spec.name, "http", spec.description, spec.parameters,
+                                       definition_sha256(spec), spec))
+            elif isinstance(spec, PipelineTool):
+                bound.append(BoundTool(spec.name, "pipeline", spec.description, PIPELINE_PARAMETERS,
+                                       definition_sha256(spec), spec))
+            else:
+                bound += await self._pin_mcp(spec)
+        return bound
+
+    async def _pin_mcp(self, spec: McpTools) -> list[BoundTool]:
+        if self.resources.tools is None:
+            raise BackendError("this process runs no tools: an agent step runs under `inferline serve` or "
+                               "`inferline run`")
+        listed = await self.resources.tools.list_mcp(spec.server)
+        missing = [name for name in spec.allow if name not in listed]
+        if missing:
+            raise BackendError(f"MCP server {spec.server!r} offers no tool {', '.join(map(repr, missing))} "
+                               f"(it offers: {', '.join(sorted(listed)) or 'none'})")
+        allow_sha = sha256_of(sorted(spec.allow))
+        return [BoundTool(name, "mcp", listed[name].description, dict(listed[name].parameters),
+                          listed[name].sha256, spec, spec.server, allow_sha) for name in spec.allow]
+
+    def _messages(self, ctx: RequestContext, config: AgentConfig, preamble: str) -> list[ChatMessage]:
+        values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}
+        system = config.compiled.get("system")
+        system_text = system.render(values).strip() if system is not None else ""
+        messages = [ChatMessage("system", f"{system_text}\n\n{preamble}" if system_text else preamble)]
+        if config.history:
+            last = max((i for i, m in enumerate(ctx.input_messages) if m.role == "user"), default=0)
+            messages += [ChatMessage(m.role, m.content) for m in ctx.input_messages[:last] if m.role != "system"]
+        messages.append(ChatMessage("user", config.compiled["user"].render(values).strip()))
+        return messages
+
+    def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
+        info = self.resources.catalog.models.get(model)
+        if info is not None:
+            scope.add_cost(info.price.tokens_usd(usage.input_tokens, usage.output_tokens), "tokens",
+                           f"{model}: {usage.input_tokens} in, {usage.output_tokens} out")
+            scope.add_cost(info.price.compute_usd(seconds), "compute", f"{model}: {seconds:.3f} s")
+        scope.add_tokens(usage.input_tokens, usage.output_tokens)
+
+
+def _may_be_calls(prefix: str) -> bool:
+    """Whether a reply starting with *prefix* may still be calls: one (stages/tools.py) or a JSON array of them."""
+    return functions.could_be_call(prefix) or prefix.lstrip().startswith("[")
