@@ -166,6 +166,8 @@ def _shadow_stage(ctx: RequestContext) -> list[dict[str, Any]]:
     served = ctx.facts.get("shadow")
     if not ctx.shadow_of or served is None:
         return []
+    served = dict(served)
+    served_steps = served.pop("steps", {})
     identical = served.get("output_sha256") == _sha256(ctx.output_text)
     return [{"stage_id": "shadow", "type": "shadow", "status": "ok", "duration_ms": 0.0, "cost_usd": 0.0,
              "decision": {"of": ctx.shadow_of, "output_identical": identical,
