@@ -33,12 +33,14 @@ $(KERNELS): $(STAMP) $(wildcard serving/engine/kernels/*.cpp serving/engine/kern
 	$(PY) -m serving.engine.kernels
 	touch $(KERNELS)
 
-# The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes.
-$(HANDBOOK_INDEX): $(STAMP) $(wildcard pipelines/data/handbook/*.md)
+# The RAG example's index (pipelines/rag.yaml), rebuilt when a handbook page changes (Markdown, the PDF that
+# scripts/make_handbook_pdf.py writes, HTML) or the index format does (store/index_version.py: an index from
+# before the keyword side cannot search hybrid, as both examples do).
+$(HANDBOOK_INDEX): $(STAMP) store/index_version.py $(wildcard pipelines/data/handbook/*.md pipelines/data/handbook/*.pdf pipelines/data/handbook/*.html)
 	$(PY) -m serving.cli.main index build pipelines/data/handbook --name handbook
 
 # The release notes, the second index of the research example (pipelines/research.yaml).
-$(RELEASES_INDEX): $(STAMP) $(wildcard pipelines/data/releases/*.md)
+$(RELEASES_INDEX): $(STAMP) store/index_version.py $(wildcard pipelines/data/releases/*.md)
 	$(PY) -m serving.cli.main index build pipelines/data/releases --name releases
 
 # The web console's browser tests (tests/serving/console/test_browser.py) drive Debian's chromium with

@@ -18,7 +18,26 @@ Figures: ``recall_at_10`` (of the HNSW index: the share of the exact top 10 it r
 ``qps_vs_exact`` (its single-query throughput over the exact index's, target >= 5), the same for IVF
 (``ivf_*``), and ``retrieve_ms_p50``: the real ``retrieve`` stage through the runner (embedding the
 question with the real model, then searching the 100,000-chunk HNSW index), median over Q (100) questions
-(target <= 20 ms). The last line is one JSON object with every figure.
+(target <= 20 ms).
+
+Hybrid search over the bundled handbook (pipelines/data/handbook, indexed afresh in a temporary folder), in the
+same run as dense search alone:
+
+``hybrid_ndcg10_vs_dense``  nDCG@10 of hybrid search (BM25 and embeddings, reciprocal rank fusion) over dense
+                            alone, on the labeled set evals/handbook_retrieval.jsonl (target >= 1.10), with
+                            ``hybrid_recall5``, ``dense_ndcg10``, ``keyword_ndcg10``, ``hybrid_ndcg10`` and
+                            ``hybrid_mrr`` beside it (serving/evals/retrieval.py computes them, as
+                            ``inferline eval retrieval`` does);
+``hybrid_ms_vs_dense``      one query's p50 latency, hybrid (both sides and the fusion) over dense alone, the two
+                            modes alternating query by query (target <= 1.3);
+``bm25_build_docs_per_s``   building the keyword side (bm25s with stemming) over B (20,000) handbook chunks,
+                            repeated;
+``ingest_pages_per_s``      reading PDFs (pypdf text extraction, 40 files of 10 pages written by
+                            scripts/make_handbook_pdf.py) into documents with their page offsets; and
+                            ``ingest_build_pages_per_s``, the same PDFs through a whole ``index build``
+                            (reading, chunking, embedding, both sides).
+
+The last line is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -30,9 +49,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict
@@ -48,9 +69,16 @@ from pipeline.loader import load_pipeline_text
 from pipeline.protocols import Catalog, Resources
 from pipeline.registry import StageRegistry
 from pipeline.runner import Pipeline, Runner
+from serving.evals.retrieval import evaluate, load_cases
 from stages import register_builtins
+from store.documents import read_documents
 from store.embeddings import shared_embedder
+from store.keyword_index import KeywordIndex
 from store.vector_index import Chunk, IndexSettings, VectorStore, make_faiss_index
+
+ROOT = Path(__file__).resolve().parents[1]
+HANDBOOK = ROOT / "pipelines" / "data" / "handbook"
+LABELED = ROOT / "evals" / "handbook_retrieval.jsonl"
 
 DIM, CHUNKS_PER_TOPIC, NOISE = 384, 10, 0.08
 HNSW = IndexSettings(type="hnsw", m=32, ef_construction=200, ef_search=256)
@@ -119,14 +147,74 @@ async def retrieve_ms(store: VectorStore, num: int) -> dict[str, float]:
             "embed_ms_mean": round(embed_ms, 2)}
 
 
+def hybrid_figures(root: Path, repeats: int, bm25_docs: int, pdfs: int) -> dict[str, float]:
+    """The handbook figures: quality on the labeled set, latency against dense alone, BM25 build, PDF ingest."""
+    embedder = shared_embedder()
+    store = VectorStore.build(root / "handbook", "handbook", HANDBOOK, IndexSettings(), embedder)
+    cases = load_cases(LABELED, store.manifest["documents"])
+    quality = evaluate(store, cases, ["dense", "keyword", "hybrid"], k=5)
+    dense_ms: list[float] = []
+    hybrid_ms: list[float] = []
+    for case in [c for _ in range(repeats) for c in cases]:
+        for mode, durations in (("dense", dense_ms), ("hybrid", hybrid_ms)):
+            started = time.perf_counter()
+            store.retrieve(case.question, 4, mode=mode)
+            durations.append((time.perf_counter() - started) * 1e3)
+    texts = [c.text for c in store.chunks]
+    corpus = (texts * (bm25_docs // len(texts) + 1))[:bm25_docs]
+    started = time.perf_counter()
+    KeywordIndex.build(corpus)
+    bm25_s = time.perf_counter() - started
+    pages = write_pdfs(root / "pdfs", pdfs)
+    started = time.perf_counter()
+    scan = read_documents(root / "pdfs")
+    read_s = time.perf_counter() - started
+    if scan.skipped or sum(len(d.pages) for d in scan.documents) != pages:
+        raise SystemExit(f"PDF ingest lost pages: {scan.skipped}")
+    started = time.perf_counter()
+    VectorStore.build(root / "pdf-index", "pdfs", root / "pdfs", IndexSettings(), embedder)
+    build_s = time.perf_counter() - started
+    dense_p50, hybrid_p50 = statistics.median(dense_ms), statistics.median(hybrid_ms)
+    print(f"handbook ({len(cases)} questions): nDCG@10 dense {quality['dense']['ndcg@10']}, keyword "
+          f"{quality['keyword']['ndcg@10']}, hybrid {quality['hybrid']['ndcg@10']}; p50 dense {dense_p50:.2f} ms, "
+          f"hybrid {hybrid_p50:.2f} ms", file=sys.stderr)
+    return {"hybrid_ndcg10_vs_dense": round(quality["hybrid"]["ndcg@10"] / quality["dense"]["ndcg@10"], 3),
+            "hybrid_recall5": quality["hybrid"]["recall@5"], "hybrid_ndcg10": quality["hybrid"]["ndcg@10"],
+            "hybrid_mrr": quality["hybrid"]["mrr"], "dense_ndcg10": quality["dense"]["ndcg@10"],
+            "dense_recall5": quality["dense"]["recall@5"], "keyword_ndcg10": quality["keyword"]["ndcg@10"],
+            "labeled_questions": len(cases), "dense_ms_p50": round(dense_p50, 2),
+            "hybrid_ms_p50": round(hybrid_p50, 2), "hybrid_ms_vs_dense": round(hybrid_p50 / dense_p50, 3),
+            "bm25_build_docs_per_s": round(bm25_docs / bm25_s, 1), "pdf_pages": pages,
+            "ingest_pages_per_s": round(pages / read_s, 1), "ingest_build_pages_per_s": round(pages / build_s, 1)}
+
+
+def write_pdfs(folder: Path, num: int, pages_each: int = 10) -> int:
+    """*num* PDFs of *pages_each* pages of handbook text (each page a different page's text); the page count."""
+    spec = importlib.util.spec_from_file_location("make_handbook_pdf", ROOT / "scripts" / "make_handbook_pdf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    sources = [p.read_text(encoding="utf-8") for p in sorted(HANDBOOK.glob("*.md"))]
+    folder.mkdir(parents=True)
+    for n in range(num):
+        pages = [sources[(n * pages_each + i) % len(sources)] for i in range(pages_each)]
+        module.write_pdf(folder / f"doc-{n:03d}.pdf", pages, f"Document {n}")
+    return num * pages_each
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="20,000 chunks, fewer queries (a smoke run)")
-    parser.add_argument("--chunks", type=int, default=100_000)
-    parser.add_argument("--queries", type=int, default=100)
+    parser.add_argument("--chunks", type=int, help="synthetic vectors (default 100,000; --quick 20,000)")
+    parser.add_argument("--queries", type=int, help="retrieve-stage questions (default 100; --quick 30)")
+    parser.add_argument("--repeats", type=int, help="passes over the labeled set for latency (default 5; --quick 1)")
+    parser.add_argument("--bm25-docs", type=int, help="chunks the BM25 build indexes (default 20,000; --quick 2,000)")
+    parser.add_argument("--pdfs", type=int, help="10-page PDFs ingested (default 40; --quick 4)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.chunks, args.queries = 20_000, 30
+    quick = {"chunks": 20_000, "queries": 30, "repeats": 1, "bm25_docs": 2_000, "pdfs": 4}
+    full = {"chunks": 100_000, "queries": 100, "repeats": 5, "bm25_docs": 20_000, "pdfs": 40}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     faiss.omp_set_num_threads(os.cpu_count() or 1)
     rng = np.random.default_rng(0)
     centers = unit(rng.standard_normal((max(1, args.chunks // CHUNKS_PER_TOPIC), DIM)))
@@ -149,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"name": "synth", "version": "bench", "settings": asdict(HNSW), "documents": {}}
     store = VectorStore(Path("."), manifest, chunks, vectors, hnsw_index, shared_embedder())
     figures |= asyncio.run(retrieve_ms(store, args.queries))
+    with tempfile.TemporaryDirectory() as tmp:
+        figures |= hybrid_figures(Path(tmp), args.repeats, args.bm25_docs, args.pdfs)
     print(json.dumps(figures))
     return 0
 

@@ -4,6 +4,7 @@
     inferline eval rag --dataset evals/handbook.jsonl --baseline last           # ...against the last one
     inferline eval --list [rag]                                                 # stored runs, newest first
     inferline eval --show RUN [--baseline RUN] [--report DIR]                  # a stored run (against another)
+    inferline eval retrieval handbook evals/handbook_retrieval.jsonl           # an index's recall, MRR, nDCG
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from pipeline.loader import LoadedPipeline
+from serving.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Subcommands
 from serving.evals.dataset import Dataset, load_dataset
 from serving.evals.progress import Progress
 from serving.evals.report import compare, summarize, write_reports
@@ -24,10 +26,8 @@ from serving.runtime.pipeline_set import PipelineSet
 from serving.runtime.workspace import Workspace, open_workspace
 from store.eval_runs import EvalRunStore, UnknownRun
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-
-def add_eval_parser(sub: Any) -> None:
+def add_eval_parser(sub: Subcommands) -> None:
     parser = sub.add_parser(
         "eval", help="evaluate a pipeline on a dataset: pass rates, latency, tokens, cost; against a baseline",
         description="Run every case of a JSON Lines dataset through PIPELINE in-process (concurrently, the real "
@@ -36,9 +36,18 @@ def add_eval_parser(sub: Any) -> None:
                     "--report writes report.md and report.json; --baseline compares with a stored run.",
         epilog="Examples: inferline eval rag --dataset evals/handbook.jsonl --report reports/rag; "
                "inferline eval rag --dataset evals/handbook.jsonl --baseline last; inferline eval --list rag; "
-               "inferline eval --show RUN --baseline OTHER --report reports/diff")
+               "inferline eval --show RUN --baseline OTHER --report reports/diff; "
+               "inferline eval retrieval handbook evals/handbook_retrieval.jsonl (recall@k, MRR and nDCG@10 of an "
+               "index per search mode: dense, keyword, hybrid)")
     parser.add_argument("pipeline", nargs="?", metavar="PIPELINE",
-                        help="a pipeline file or name in the pipelines folder (with --list: only its runs)")
+                        help="a pipeline file or name in the pipelines folder (with --list: only its runs); or "
+                             "retrieval, followed by INDEX DATASET.jsonl")
+    parser.add_argument("args", nargs="*", metavar="INDEX DATASET", help="after retrieval: the index and the "
+                        'questions, one {"question", "relevant": [doc ids or paths]} per line')
+    parser.add_argument("--k", type=int, default=5, help="retrieval: the k of recall@k (default 5)")
+    parser.add_argument("--modes", default="dense,keyword,hybrid",
+                        help="retrieval: the search modes measured (default dense,keyword,hybrid)")
+    parser.add_argument("--json", action="store_true", help="retrieval: one JSON object instead of a table")
     parser.add_argument("--dataset", "-d", metavar="FILE.jsonl", help="the cases, one JSON object per line")
     parser.add_argument("--baseline", "-b", metavar="RUN",
                         help="a stored run to compare with: its id (or a unique prefix), or 'last' (the pipeline's "
@@ -59,6 +68,14 @@ def add_eval_parser(sub: Any) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if args.pipeline == "retrieval":
+        from serving.cli.eval_retrieval import run
+
+        return run(args)
+    if args.args:
+        print(f"inferline eval: unexpected arguments {' '.join(args.args)} (only `eval retrieval` takes INDEX "
+              "DATASET; a pipeline's dataset is --dataset FILE)", file=sys.stderr)
+        return EXIT_USAGE
     workspace = open_workspace(args.config)
     if args.list:
         return _list(workspace, args)
