@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve every pipeline over HTTP (and the OpenAI-compatible API)",
                            description="Load the server config and every pipeline (refusing to start if any is "
                                        "invalid), start one engine per model, and serve. Settings come from "
-                                       "the config, then INFERLINE_* environment variables, then these flags.")
+                                       "the config, then INFERLINE_* environment variables, then these flags. Besides "
+                                       "POST /pipelines/NAME: the OpenAI API (/v1), Anthropic's (/v1/messages), "
+                                       "and MCP at /mcp, where each pipeline a key may call is a tool.")
     config_option(serve)
     serve.add_argument("--host", help="address to bind (default: http.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: http.port, 8000)")

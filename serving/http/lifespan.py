@@ -3,7 +3,8 @@
 On start (:func:`open_services`): the audit keys are checked against the database, the runtime opens
 (database, audit store and sink, counters, indexes, versions, one engine per model), and the app's own
 parts are made over it (the executor that counts requests, the reloader that follows the pipelines
-folder, the refusal recorder, the key and response stores); the reloader's watch, PostgreSQL's change
+folder, the refusal recorder, the key and response stores, the MCP sessions of ``/mcp``, which the
+reloader tells of changed pipelines); the reloader's watch, PostgreSQL's change
 notices and the stored responses' pruning run as tasks; SIGHUP reloads. Then :class:`Services` is made
 whole and the app started (:meth:`AppState.start`). On shutdown it stops taking new work, lets in-flight
 requests finish up to ``http.shutdown_grace_s``, and closes everything, newest first.
@@ -23,10 +24,13 @@ from litestar import Litestar
 
 from pipeline.errors import InferlineError, SpecError, SpecIssue
 from pipeline.protocols import EngineProvider
+from pipeline.runner import Pipeline
 from serving.backends.audit_keys import can_sign, checkpoint_signer, public_keys
 from serving.backends.audit_sink import content_vault
 from serving.engine.heap import freeze_startup_heap, thaw
+from serving.http import mcp_routes
 from serving.http.auth import Authenticator
+from serving.http.mcp_server import McpSessions
 from serving.http.metrics import HttpMetrics
 from serving.http.refusals import RefusalRecorder
 from serving.http.responses_routes import prune_expired
@@ -92,16 +96,24 @@ async def open_services(state: AppState, stack: AsyncExitStack, engines: EngineP
     executor = runtime.requests
     if not isinstance(executor, Executor):
         raise TypeError("the runtime's requests are not the app's executor")
-    reloader = PipelineReloader(runtime, registry=registry, on_swap=lambda name, new: metrics.set_slo(
-        name, new.spec.slo if new else None))
+    mcp: McpSessions | None = None
+
+    def swapped(name: str, new: Pipeline | None) -> None:
+        metrics.set_slo(name, new.spec.slo if new else None)
+        if mcp is not None:
+            mcp.tools_changed()
+
+    reloader = PipelineReloader(runtime, registry=registry, on_swap=swapped)
     await stack.enter_async_context(runtime)
     db, audit, sink = runtime.db, runtime.audit, runtime.audit_sink
     if db is None or audit is None or sink is None:
         raise RuntimeError("the runtime opened no database or audit store")
     auth = Authenticator(KeyStore(db), server.auth.enabled)
     refusals = RefusalRecorder(server.audit.refusals, auth, runtime.pipelines, registry, sink, state.key_cookie)
+    mcp = McpSessions(auth, server.http.max_body_bytes, mcp_routes.list_tools, mcp_routes.call_tool)
+    await _serving(stack, mcp)  # closed after the requests in flight, the MCP calls among them, have drained
     services = Services(runtime=runtime, executor=executor, auth=auth, reloader=reloader, refusals=refusals,
-                        audit=audit, audit_sink=sink, responses=ResponseStore(db))
+                        audit=audit, audit_sink=sink, responses=ResponseStore(db), mcp=mcp)
     grace_s = server.http.shutdown_grace_s
     stack.push_async_callback(refusals.settled, grace_s)
     stack.push_async_callback(reloader.aclose)
@@ -114,6 +126,16 @@ async def open_services(state: AppState, stack: AsyncExitStack, engines: EngineP
         stack.push_async_callback(_cancelled, task)
     stack.callback(_reload_on_sighup(reloader.trigger))
     return services
+
+
+async def _serving(stack: AsyncExitStack, mcp: McpSessions) -> None:
+    """Run *mcp*'s sessions in a task of their own (see :meth:`McpSessions.serve`), cancelled by *stack*."""
+    started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(mcp.serve(started))
+    stack.push_async_callback(_cancelled, task)
+    await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # it failed to start: raise why
 
 
 def check_audit_keys(workspace: Workspace) -> None:

@@ -3,7 +3,8 @@
 =============  ============================================================  ======================================
 router         routes                                                        errors
 =============  ============================================================  ======================================
-Inferline      ``/pipelines...`` (runs, versions), ``/audit/...``, ops       RFC 9457 problem details
+Inferline      ``/pipelines...`` (runs, versions), ``/audit/...``, ops,      RFC 9457 problem details
+               ``/mcp`` (its HTTP errors; MCP's own are JSON-RPC's)
 OpenAI         ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,  OpenAI's ``{"error": {...}}``
                ``/v1/responses...``, ``/v1/embeddings``, ``/tokenize``,
                ``/detokenize``
@@ -34,6 +35,7 @@ from serving.http import (
     audit_routes,
     deploy_routes,
     embeddings_routes,
+    mcp_routes,
     openai_common,
     openai_routes,
     openapi,
@@ -92,7 +94,7 @@ DEPENDENCIES = {name: Provide(provider, sync_to_thread=False) for name, provider
 def routers() -> list[Router]:
     """The Inferline, OpenAI and Anthropic routers (see the module docstring)."""
     inferline = [*pipeline_routes.ROUTES, *deploy_routes.ROUTES, *audit_routes.ROUTES, *ops_routes.ROUTES,
-                 openapi.viewer_asset]
+                 *mcp_routes.ROUTES, openapi.viewer_asset]
     openai = [*openai_routes.ROUTES, *responses_routes.ROUTES, *embeddings_routes.ROUTES, *tokenize_routes.ROUTES]
     return [Router("/", route_handlers=handlers, dependencies=DEPENDENCIES, exception_handlers={Exception: handler})
             for handlers, handler in ((inferline, problem_errors), (openai, answering(openai_common.error_response)),

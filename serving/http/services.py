@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pipeline.runner import Pipeline
 from serving.backends.audit_sink import StoreSink
 from serving.http.auth import Authenticator
+from serving.http.mcp_server import McpSessions
 from serving.http.problems import Problem
 from serving.http.refusals import RefusalRecorder
 from serving.http.served import Executor
@@ -49,6 +50,8 @@ class Services:
     audit_sink: StoreSink
     #: The Responses API's stored responses (``store: true``).
     responses: ResponseStore
+    #: The MCP server of ``/mcp`` (serving/http/mcp_routes.py) and its open sessions.
+    mcp: McpSessions
 
     @property
     def deployments(self) -> Deployments:
