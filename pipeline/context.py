@@ -275,6 +275,11 @@ class Facts(TypedDict, total=False):
     input_texts: list[str]
     #: embed: the embedding model, the number of texts and tokens, and the vectors' length.
     embedding: dict[str, Any]
+    #: agent: the state of a tool loop paused for the client's approval (its turns, round, calls; the server
+    #: keeps it, and shows ``requests``: id, name, server_label, arguments of each call awaiting approval).
+    approval_pending: dict[str, Any]
+    #: The server, resuming a paused request: ``{"state": approval_pending as kept, "decisions": {id: bool}}``.
+    approval_resume: dict[str, Any]
     #: The server, on a shadow run: the request it mirrors as served (version, output hash, latency,
     #: tokens, cost, policy decision), which the audit record sets beside the shadow's own.
     shadow: dict[str, Any]

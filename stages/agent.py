@@ -25,6 +25,16 @@ held back until it cannot be). It gives ``steps.ID.output`` (the answer), ``fini
 ``rounds`` and ``tool_calls``. Every call is a record of its own in the trace and the audit record (type
 ``tool``, under this step), and counted in ``inferline_tool_calls_total{tool, outcome}``.
 
+A tool with ``require_approval`` (always, or ``{tools: [names]}``) pauses the request instead: when a round
+proposes a call that needs approval, no call of that round runs; the step ends the request (finish reason
+``approval_required``) and leaves its state in ``ctx.facts["approval_pending"]`` (the loop's turns, the
+round, and each proposed call with an id), which the server keeps. The server resumes it by setting
+``ctx.facts["approval_resume"]`` (that state and the client's decisions, by call id) on a new request of
+the same pipeline: the step runs that round's calls (an approved one, or one that needs no approval) and
+tells the model of each denied one as ``denied``, then goes on with the loop where it stopped (the rounds
+count on). Whether a call needs approval is read from the step's tools as they are when it would run; an
+approved call whose tool's definition is no longer the one it was proposed under is refused.
+
 MCP tools are pinned: when the pipeline version is instantiated (at load and at each reload) the step lists
 its servers' tools and keeps the SHA-256 of each allowed tool's schema; a call to a tool whose server now
 offers a different schema is refused until a new version of the pipeline loads.
@@ -35,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, cast
@@ -48,7 +59,7 @@ from pipeline.stage import CheckIssue, Stage, StageScope
 from pipeline.template import Template, compile_template
 from pipeline.tracing import GEN_AI_REQUEST_MODEL
 from stages import tools as functions
-from stages.agent_calls import ToolCaller, proposed_calls
+from stages.agent_calls import ProposedCall, ToolCaller, proposed_calls
 from stages.agent_tools import (
     PIPELINE_PARAMETERS,
     BoundTool,
@@ -70,6 +81,8 @@ logger = logging.getLogger(__name__)
 
 #: Told to the model beside the functions: several calls in one reply run at the same time.
 PARALLEL_NOTE = "To call several functions at once, reply with a JSON array of such objects."
+#: The finish reason of a request paused for the client's approval of a tool call.
+APPROVAL_REQUIRED = "approval_required"
 
 
 class AgentConfig(GenerateConfig):
@@ -186,7 +199,8 @@ class AgentStage(Stage):
         toolset = {tool.name: tool for tool in await self._pinned()}
         offered = [tool.offered() for tool in toolset.values()]
         system = f"{functions.preamble(offered, 'auto')} {PARALLEL_NOTE}"
-        turns = chat_turns(self._messages(ctx, config, system))
+        resumed = self._resumed(ctx)
+        turns = list(resumed["turns"]) if resumed else chat_turns(self._messages(ctx, config, system))
         model, engine = await engine_for(self.resources, config.model or "")
         sampling = _sampling(config, ctx.params if scope.streams else {})
         scope.set_attribute(GEN_AI_REQUEST_MODEL, model)
@@ -194,17 +208,25 @@ class AgentStage(Stage):
         usage, started = Usage(), time.perf_counter()
         try:
             async with asyncio.timeout(config.timeout_s):
+                first = 1
+                if resumed:
+                    caller.made = int(resumed["made"])
+                    calls = [ProposedCall(**call) for call in resumed["calls"]]
+                    turns += await self._round(resumed["reply"], calls, toolset, caller, int(resumed["round"]),
+                                               ctx.facts["approval_resume"]["decisions"])
+                    first = int(resumed["round"]) + 1
                 return await self._loop(ctx, scope, config, engine, turns, sampling, model, toolset, caller, usage,
-                                        started)
+                                        started, first)
         except TimeoutError:
             raise StageTimeout(self.id, f"the tool loop ran past its timeout_s ({config.timeout_s:g} s) after "
                                         f"{caller.made} tool call(s)") from None
 
     async def _loop(self, ctx: RequestContext, scope: StageScope, config: AgentConfig, engine: Any,
                     turns: list[dict[str, str]], sampling: Any, model: str, toolset: dict[str, BoundTool],
-                    caller: ToolCaller, usage: Usage, started: float) -> AgentOutputs:
-        """Ask, run what the model proposes, feed the results back; until it answers or max_rounds."""
-        for round_ in range(1, config.max_rounds + 1):
+                    caller: ToolCaller, usage: Usage, started: float, first: int) -> AgentOutputs:
+        """Ask, run what the model proposes, feed the results back; until it answers, a call needs approval,
+        or max_rounds."""
+        for round_ in range(first, config.max_rounds + 1):
             out = _Out(ctx.output_filter if scope.streams else None, scope, held=not scope.streams)
             text, finish = await self._generate(engine, turns, sampling, out, usage, ctx)
             proposed = proposed_calls(text)
@@ -213,13 +235,57 @@ class AgentStage(Stage):
                                     round_, caller.made, usage, started)
             if round_ == config.max_rounds:
                 break
-            results = await asyncio.gather(*(caller.call(toolset.get(name), name, args, round_)
-                                             for name, args in proposed))
-            turns += [{"role": "assistant", "content": text},
-                      {"role": "user", "content": "\n".join(functions.result_text(r) for r in results)}]
+            calls = [ProposedCall(f"mcpr_{ctx.request_id[:24]}_{round_}_{i}", name, args,
+                                  toolset[name].schema_sha256 if name in toolset else "")
+                     for i, (name, args) in enumerate(proposed)]
+            if any(_needs_approval(toolset, call) for call in calls):
+                return self._pause(ctx, scope, model, text, turns, calls, toolset, caller, round_, usage, started)
+            turns += await self._round(text, calls, toolset, caller, round_, {})
         self._account(model, usage, time.perf_counter() - started, scope)
         raise StageError(self.id, f"the model still called tools after max_rounds ({config.max_rounds}) model "
                                   "calls; raise max_rounds or tell the model to answer sooner")
+
+    @staticmethod
+    async def _round(reply: str, calls: list[ProposedCall], toolset: dict[str, BoundTool], caller: ToolCaller,
+                     round_: int, decisions: dict[str, bool]) -> list[dict[str, str]]:
+        """Run one round's calls at the same time (a call that needs approval only when *decisions* approve it;
+        otherwise it is denied): the model's reply and the results, as the next two turns."""
+        def run(call: ProposedCall) -> Awaitable[str]:
+            tool = toolset.get(call.name)
+            if not _needs_approval(toolset, call):
+                return caller.call(tool, call.name, call.arguments, round_)
+            if decisions.get(call.id):
+                return caller.call(tool, call.name, call.arguments, round_, approved=call)
+            return caller.deny(tool, call, round_)
+
+        results = await asyncio.gather(*(run(call) for call in calls))
+        return [{"role": "assistant", "content": reply},
+                {"role": "user", "content": "\n".join(functions.result_text(r) for r in results)}]
+
+    def _pause(self, ctx: RequestContext, scope: StageScope, model: str, reply: str, turns: list[dict[str, str]],
+               calls: list[ProposedCall], toolset: dict[str, BoundTool], caller: ToolCaller, round_: int,
+               usage: Usage, started: float) -> AgentOutputs:
+        """End the request with the round's calls waiting for approval (see the module docstring)."""
+        self._account(model, usage, time.perf_counter() - started, scope)
+        ctx.usage = Usage(ctx.usage.input_tokens + usage.input_tokens, ctx.usage.output_tokens + usage.output_tokens)
+        for call in calls:
+            if _needs_approval(toolset, call):
+                caller.pend(toolset[call.name], call, round_)
+        ctx.facts["approval_pending"] = {
+            "step": self.id, "round": round_, "turns": turns, "reply": reply, "made": caller.made,
+            "calls": [call.as_json() for call in calls],
+            "requests": [{"id": call.id, "name": call.name, "server_label": toolset[call.name].server or
+                          toolset[call.name].kind, "arguments": call.arguments}
+                         for call in calls if _needs_approval(toolset, call)]}
+        if scope.streams:
+            ctx.model, ctx.output_text, ctx.finish_reason = model, "", APPROVAL_REQUIRED
+        scope.end_request()
+        return AgentOutputs("", APPROVAL_REQUIRED, model, round_, caller.made)
+
+    def _resumed(self, ctx: RequestContext) -> dict[str, Any] | None:
+        """The paused state this request resumes, when it is this step's."""
+        resume = ctx.facts.get("approval_resume")
+        return resume["state"] if resume is not None and resume["state"].get("step") == self.id else None
 
     def _answer(self, ctx: RequestContext, scope: StageScope, engine: Any, sampling: Any, model: str, text: str,
                 finish: str, out: _Out, rounds: int, made: int, usage: Usage, started: float) -> AgentOutputs:
@@ -323,6 +389,11 @@ class AgentStage(Stage):
                            f"{model}: {usage.input_tokens} in, {usage.output_tokens} out")
             scope.add_cost(info.price.compute_usd(seconds), "compute", f"{model}: {seconds:.3f} s")
         scope.add_tokens(usage.input_tokens, usage.output_tokens)
+
+
+def _needs_approval(toolset: dict[str, BoundTool], call: ProposedCall) -> bool:
+    tool = toolset.get(call.name)
+    return tool is not None and tool.needs_approval
 
 
 def _may_be_calls(prefix: str) -> bool:

@@ -3,7 +3,10 @@ recording each as a step of the request (type ``tool``, under the agent step) wi
 
 A call is refused before it runs when the model names a tool the step does not offer, when its arguments
 break the tool's schema, or (MCP) when the server's schema for it is no longer the pinned one; its result
-is refused when the policy's input rails block it. The model is told each outcome, never a withheld result.
+is refused when the policy's input rails block it. A call that waits for the client's approval is recorded as
+``pending`` (status ``skipped``) when the request pauses, and as ``denied`` when the client denies it; an
+approved one runs as any other, its record naming the approval (``approval``: approved or denied, and the
+``approval_request_id``). The model is told each outcome, never a withheld result.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import json
 import re
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,7 +29,8 @@ from stages.detectors import injection_score
 _FENCED = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 #: A record's status for each outcome (the trace's and the audit record's words).
-_STATUS = {"ok": "ok", "error": "failed", "timeout": "timeout", "refused": "denied"}
+_STATUS = {"ok": "ok", "error": "failed", "timeout": "timeout", "refused": "denied", "denied": "denied",
+           "pending": "skipped"}
 #: Without a policy step before the agent, tool results still face the injection heuristic at this score.
 DEFAULT_INJECTION_THRESHOLD = 0.5
 
@@ -65,6 +70,20 @@ def _call_of(item: Any) -> tuple[str, Any] | None:
     return item["name"], arguments
 
 
+@dataclass(frozen=True, slots=True)
+class ProposedCall:
+    """One call a model proposed, with the id an approval names it by."""
+
+    id: str
+    name: str
+    arguments: Any
+    #: The SHA-256 of the tool's definition when the call was proposed (what an approval approved).
+    schema_sha256: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments, "schema_sha256": self.schema_sha256}
+
+
 class ToolCaller:
     """Runs the calls of one agent step's request and records each (see the module docstring)."""
 
@@ -78,14 +97,17 @@ class ToolCaller:
         #: Calls made so far, whatever their outcome.
         self.made = 0
 
-    async def call(self, tool: BoundTool | None, name: str, arguments: Any, round_: int) -> str:
-        """Run one proposed call; what the model is told of it."""
+    async def call(self, tool: BoundTool | None, name: str, arguments: Any, round_: int,
+                   approved: ProposedCall | None = None) -> str:
+        """Run one proposed call (*approved*: as the client approved it); what the model is told of it."""
         self.made += 1
         started = time.perf_counter()
         outcome, told, result, detail = "ok", "", "", ""
         try:
             if tool is None:
                 raise _Refused(f"no tool {name!r} is offered")
+            if approved is not None and approved.schema_sha256 != tool.schema_sha256:
+                raise _Refused(f"tool {name!r} changed since this call was approved; it did not run")
             if problems := argument_errors(tool, arguments):
                 raise _Refused(f"invalid arguments: {'; '.join(problems)}")
             async with asyncio.timeout(self.call_timeout_s):
@@ -102,8 +124,23 @@ class ToolCaller:
         except InferlineError as exc:
             outcome, detail = "error", str(exc)
             told = f"error: {exc}"
-        self._record(tool, name, arguments, result, outcome, detail, round_, started)
+        self._record(tool, name, arguments, result, outcome, detail, round_, started,
+                     {"approval": "approved", "approval_request_id": approved.id} if approved else {})
         return json.dumps({"name": name, "outcome": outcome, "content": told}, ensure_ascii=False)
+
+    async def deny(self, tool: BoundTool | None, call: ProposedCall, round_: int) -> str:
+        """Record a call the client denied (or left unanswered) when resuming; what the model is told of it."""
+        self.made += 1
+        detail = "the user denied this call (it needed approval); it did not run"
+        self._record(tool, call.name, call.arguments, "", "denied", detail, round_, time.perf_counter(),
+                     {"approval": "denied", "approval_request_id": call.id})
+        return json.dumps({"name": call.name, "outcome": "denied", "content": f"denied: {detail}"},
+                          ensure_ascii=False)
+
+    def pend(self, tool: BoundTool, call: ProposedCall, round_: int) -> None:
+        """Record a call the request paused on, waiting for the client's approval."""
+        self._record(tool, call.name, call.arguments, "", "pending", "waiting for the client's approval", round_,
+                     time.perf_counter(), {"approval": "pending", "approval_request_id": call.id})
 
     async def _run(self, tool: BoundTool, arguments: dict[str, Any]) -> ToolReply:
         provider = self.resources.tools
@@ -153,16 +190,16 @@ class ToolCaller:
         return text
 
     def _record(self, tool: BoundTool | None, name: str, arguments: Any, result: str, outcome: str, detail: str,
-                round_: int, started: float) -> None:
+                round_: int, started: float, approval: dict[str, str]) -> None:
         since = time.perf_counter() - started
         at = (datetime.now(UTC) - self.ctx.received_at).total_seconds() - since
         record = StageRecord(name, "tool", _STATUS[outcome], started_s=max(0.0, at), duration_s=since, error=detail,
-                             parent=self.step_id)
+                             parent=self.step_id, skip_reason="approval" if outcome == "pending" else "")
         record.tool = {"kind": tool.kind if tool else "", "server": tool.server if tool else "", "tool": name,
                        "schema_sha256": tool.schema_sha256 if tool else "",
                        "allowlist_sha256": tool.allowlist_sha256 if tool else "",
                        "arguments_sha256": sha256_of(arguments), "result_sha256": sha256_of(result) if result else "",
-                       "outcome": outcome, "round": round_, "duration_ms": round(since * 1e3, 3)}
+                       "outcome": outcome, "round": round_, "duration_ms": round(since * 1e3, 3), **approval}
         record.inputs, record.output = {"arguments": arguments}, {"result": result}
         self.ctx.stages.append(record)
         if self.resources.tools is not None:

@@ -18,11 +18,13 @@ Three kinds::
         name: ask_handbook
         pipeline: support
         description: "Answers product questions from the handbook."
+        require_approval: always         # or never (the default), or {tools: [names]} (an MCP server's)
 
 Every call ends with one outcome: ``ok``, ``error`` (the tool said so, or could not be reached), ``timeout``
-(past ``call_timeout_s``: cancelled, on MCP with a cancellation), or ``refused`` (a tool the step does not
+(past ``call_timeout_s``: cancelled, on MCP with a cancellation), ``refused`` (a tool the step does not
 offer, arguments its schema rejects, an MCP tool whose schema is no longer the one pinned when the pipeline
-version loaded, or a result the policy's input rails blocked).
+version loaded, or a result the policy's input rails blocked), ``pending`` (it needs approval: the request
+paused before running it) or ``denied`` (the client denied it, or did not approve it, when resuming).
 """
 
 from __future__ import annotations
@@ -41,7 +43,16 @@ from stages.tools import schema_errors, schema_problem
 
 #: A tool's name as models are shown it (OpenAI's rule for function names).
 TOOL_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
-OUTCOMES = ("ok", "error", "timeout", "refused")
+OUTCOMES = ("ok", "error", "timeout", "refused", "pending", "denied")
+
+
+class ApprovalList(NoConfig):
+    #: The tools (by name) whose calls wait for the client's approval; the others run without.
+    tools: list[str] = Field(min_length=1)
+
+
+#: ``always``: every call of the tool waits for the client's approval; ``never``: none does.
+Approval = Literal["always", "never"] | ApprovalList
 
 
 class HttpTool(NoConfig):
@@ -61,6 +72,8 @@ class HttpTool(NoConfig):
     headers_from: str | None = None
     #: A longer response is an error.
     max_response_bytes: int = Field(65536, ge=1, le=16 << 20)
+    #: Whether a call waits for the client's approval (stages/agent.py: the request pauses).
+    require_approval: Approval = "never"
 
 
 class McpTools(NoConfig):
@@ -70,6 +83,8 @@ class McpTools(NoConfig):
     server: str
     #: The tools of that server the model is offered; the others are never shown nor called.
     allow: list[str] = Field(default_factory=list)
+    #: Whether a call waits for the client's approval: always, never, or for the tools listed.
+    require_approval: Approval = "never"
 
 
 class PipelineTool(NoConfig):
@@ -81,6 +96,8 @@ class PipelineTool(NoConfig):
     pipeline: str = Field(pattern=CALLEE_PATTERN)
     #: What it does, for the model.
     description: str = ""
+    #: Whether a call waits for the client's approval.
+    require_approval: Approval = "never"
 
 
 ToolSpec = Annotated[HttpTool | McpTools | PipelineTool, Field(discriminator="kind")]
@@ -106,10 +123,20 @@ class BoundTool:
     #: An MCP tool's: the SHA-256 of its step's allow list (which tools of the server were granted).
     allowlist_sha256: str = ""
 
+    @property
+    def needs_approval(self) -> bool:
+        """Whether its calls wait for the client's approval (the spec's ``require_approval``)."""
+        return needs_approval(self.spec.require_approval, self.name)
+
     def offered(self) -> dict[str, Any]:
         """OpenAI's shape, as stages/tools.py renders and parses it."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": self.parameters}}
+
+
+def needs_approval(approval: Literal["always", "never"] | ApprovalList, name: str) -> bool:
+    """Whether a call of tool *name* waits for approval under *approval*."""
+    return approval == "always" or (isinstance(approval, ApprovalList) and name in approval.tools)
 
 
 def spec_issues(tools: list[HttpTool | McpTools | PipelineTool], mcp_servers: frozenset[str],
@@ -130,6 +157,11 @@ def spec_issues(tools: list[HttpTool | McpTools | PipelineTool], mcp_servers: fr
             given = [tool.name]
         if isinstance(tool, HttpTool):
             issues += _http_issues(tool, i, tool_headers)
+        if isinstance(tool.require_approval, ApprovalList) and (unknown := set(tool.require_approval.tools) -
+                                                                set(given)):
+            issues.append((("tools", i, "require_approval", "tools"),
+                           f"{', '.join(map(repr, sorted(unknown)))}: not a tool of this entry (it offers: "
+                           f"{', '.join(given) or 'none'})"))
         for name in given:
             if name in names:
                 issues.append((("tools", i), f"tool {name!r} is offered twice (also by tools[{names[name]}])"))

@@ -7,6 +7,13 @@
     responses.delete("resp_...", owner="k1")   # True if it was there
     responses.prune()                          # drop the expired ones; returns how many
 
+A request an ``agent`` step paused for the client's approval of tool calls keeps its state here too, until
+it is resumed (once) or expires::
+
+    responses.pause(PausedRequest(id=request_id, owner="k1", pipeline="orders", state={...},
+                                  created_at=now, expires_at=now + timedelta(days=30)))
+    responses.resume(request_id, owner="k1")   # the state, deleted as it is read; None: missing or taken
+
 ``conversation`` is the whole exchange up to and including the response: the conversation it continued
 (its ``previous_response_id``'s, recursively), its input items and its output items, so that continuing
 it reads one row, and deleting an earlier response does not cut a later one's history. ``owner`` is the
@@ -42,6 +49,32 @@ class ResponseRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
     """When it stops being returned and may be pruned; null: kept until deleted."""
+
+
+class PausedRow(Base):
+    """A request paused for approval: the state its ``agent`` step resumes from."""
+
+    __tablename__ = "paused_requests"
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    """The paused request's id."""
+    owner: Mapped[str | None] = mapped_column(sa.String(64), index=True)
+    """The key id that made it; null when auth is off."""
+    pipeline: Mapped[str] = mapped_column(sa.String(200))
+    state: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    """The agent step's loop (turns, round, proposed calls): it holds tool results, so only its owner reads it."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PausedRequest:
+    id: str
+    owner: str | None
+    pipeline: str
+    state: dict[str, Any]
+    created_at: datetime
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +121,34 @@ class ResponseStore:
             return True
 
     def prune(self, now: datetime | None = None) -> int:
-        """Delete every response expired at *now*; how many."""
+        """Delete every response and paused request expired at *now*; how many."""
         with Session(self.engine) as session, session.begin():
-            result = session.execute(sa.delete(ResponseRow).where(ResponseRow.expires_at <= (now or utcnow())))
-            return result.rowcount or 0
+            pruned = 0
+            for row in (ResponseRow, PausedRow):
+                result = session.execute(sa.delete(row).where(row.expires_at <= (now or utcnow())))
+                pruned += result.rowcount or 0
+            return pruned
+
+    def pause(self, paused: PausedRequest) -> None:
+        with Session(self.engine) as session, session.begin():
+            session.add(PausedRow(id=paused.id, owner=paused.owner, pipeline=paused.pipeline, state=paused.state,
+                                  created_at=paused.created_at, expires_at=paused.expires_at))
+
+    def resume(self, request_id: str, owner: str | None, now: datetime | None = None) -> PausedRequest | None:
+        """The paused request, deleted as it is read (a request resumes once, so an approval never runs a call
+        twice); None if it is missing, expired, already resumed, or not *owner*'s (None reads any)."""
+        query = sa.select(PausedRow).where(PausedRow.id == request_id, sa.or_(
+            PausedRow.expires_at.is_(None), PausedRow.expires_at > (now or utcnow())))
+        if owner is not None:
+            query = query.where(PausedRow.owner == owner)
+        with Session(self.engine) as session, session.begin():
+            row = session.scalar(query.with_for_update())
+            if row is None:
+                return None
+            taken = session.execute(sa.delete(PausedRow).where(PausedRow.id == row.id))
+            if not taken.rowcount:  # another resume took it between the read and the delete
+                return None
+            return PausedRequest(row.id, row.owner, row.pipeline, dict(row.state), row.created_at, row.expires_at)
 
     @staticmethod
     def _visible(response_id: str, owner: str | None, now: datetime) -> sa.Select[tuple[ResponseRow]]:

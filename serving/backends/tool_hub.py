@@ -27,7 +27,7 @@ class ToolHub:
         self._mcp = {name: McpConnection(name, spec, root, lambda spec=spec: self._http.headers(spec.headers_from))
                      for name, spec in server.mcp_servers.items()}
         self._calls = Counter("inferline_tool_calls", "Tool calls of agent steps, by tool and outcome (ok, error, "
-                              "timeout, refused).", ["tool", "outcome"],
+                              "timeout, refused, pending, denied).", ["tool", "outcome"],
                               registry=registry if registry is not None else CollectorRegistry())
 
     def _server(self, name: str) -> McpConnection:

@@ -16,6 +16,8 @@ call of an offered function becomes one. A call answers ``message.tool_calls`` w
 ``finish_reason: "tool_calls"``; streamed, the reply is held back while it may still be a call. A
 forced call cut short by ``max_tokens`` answers ``finish_reason: "length"`` with neither
 ``tool_calls`` nor content. Earlier calls and ``tool`` results in ``messages`` travel as text.
+``{"type": "mcp"}`` tools are run by the server instead (:mod:`serving.http.openai_mcp`; here with
+``require_approval: "never"`` only).
 
 Extension: every response (streamed, the chunk with the ``finish_reason``) carries ``sources``, the
 retrieved documents the answer was given from and the ``[n]`` each is cited by, as in the pipeline
@@ -36,6 +38,7 @@ from litestar.response import Response
 
 from pipeline.context import ChatMessage, RequestContext, TokenLogprob
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.http import openai_mcp
 from serving.http.auth import Authenticator
 from serving.http.openai_common import (
     chat_turns,
@@ -126,9 +129,14 @@ async def _complete(services: Services, request: Request, data: OpenAIRequest, m
         raise bad_request(f"n: tools are offered one answer at a time here; send n: 1 with tools (this request "
                            f"asked for {data.n})", "n")
     tags = {"user": data.user} if data.user else None
+    mcp: list[dict[str, Any]] = []
+    if isinstance(data, ChatCompletionRequest):
+        data.tools, mcp = openai_mcp.split_tools(data.tools, services.runtime.resources.catalog.mcp_servers, False)
     pipeline, ctx = await start_request(services, request, data.model, messages, data.overrides(), tags,
                                         stop=data.stops(), operation="chat" if kind == "chat.completion"
                                         else "text_completion")
+    if mcp:
+        pipeline = openai_mcp.agent_pipeline(services, pipeline, mcp)
     if isinstance(data, ChatCompletionRequest):
         _offer_tools(ctx, data)
     if data.stream:

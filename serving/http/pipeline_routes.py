@@ -24,6 +24,7 @@ from litestar.response import Response
 from pipeline.context import ChatMessage, RequestContext, Source, StageRecord
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, Summary, TextDelta
 from pipeline.runner import Pipeline
+from serving.http import approvals
 from serving.http.auth import Authenticator
 from serving.http.openapi import JsonOrEventStream, problems
 from serving.http.problems import Problem, bad_request, from_final, limit_headers
@@ -61,6 +62,7 @@ def summary_json(summary: Summary, ctx: RequestContext) -> dict[str, Any]:
         "stages": [stage_json(s) for s in summary.stages], "sources": sources_json(summary),
         "pipeline_version": summary.pipeline_version, "spec_sha256": summary.spec_sha256,
         **answered_by(ctx), **_choices_json(summary),
+        **({"pending_approval": pending} if (pending := approvals.pending_requests(ctx)) is not None else {}),
     }
 
 
@@ -122,7 +124,12 @@ def embeds(pipeline: Pipeline) -> bool:
       description="JSON answer, or Server-Sent Events with `\"stream\": true` or `Accept: text/event-stream`.")
 async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], request: Request,
                        services: NamedDependency[Services]) -> Response[Any]:
-    pipeline, ctx = await start_request(services, request, name, data.chat(), data.overrides(), data.tags)
+    pipeline, ctx = await start_request(services, request, name, [] if data.resume else data.chat(),
+                                        data.overrides(), data.tags)
+    if data.resume is not None:
+        ctx.input_messages = await approvals.resume(services, pipeline, ctx, data.resume,
+                                                    {a.id: a.approve for a in data.approvals or []}, "resume")
+    ctx.finalizers.append(approvals.keeper(services))
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
         events = services.executor.stream(pipeline, ctx)
         head = await head_of_stream(events)

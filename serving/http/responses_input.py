@@ -3,9 +3,11 @@ API's messages.
 
 An item is a message (``role`` user, assistant, system or developer; ``content`` a string or a list of
 ``input_text``/``output_text`` parts; ``type: "message"`` optional), a ``function_call`` (``call_id``,
-``name``, ``arguments``) or a ``function_call_output`` (``call_id``, ``output``). An output item sent back
-as it is (with its ``id``, ``status``, ``annotations``) is accepted; anything else, an image or a file
-part among them, is a 400 that names it.
+``name``, ``arguments``) or a ``function_call_output`` (``call_id``, ``output``), an ``mcp_approval_request``
+sent back, or an ``mcp_approval_response`` (``approval_request_id``, ``approve``: the client's decision on a
+tool call a paused response awaits, serving/http/approvals.py). An output item sent back as it is (with its
+``id``, ``status``, ``annotations``) is accepted; anything else, an image or a file part among them, is a 400
+that names it. Approval items are not messages: the model never reads them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from serving.http.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
 
 _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-              "function_call_output": {"type", "call_id", "output", "id", "status"}}
+              "function_call_output": {"type", "call_id", "output", "id", "status"},
+              "mcp_approval_request": {"type", "id", "name", "arguments", "server_label"},
+              "mcp_approval_response": {"type", "approval_request_id", "approve", "id", "reason"}}
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
 _ROLES = ("user", "assistant", "system", "developer")
 
@@ -39,8 +43,8 @@ def _item(item: Any, where: str) -> dict[str, Any]:
     kind = item.get("type", "message")
     keys = _ITEM_KEYS.get(kind) if isinstance(kind, str) else None
     if keys is None:
-        raise bad_request(f"{where}.type: {kind!r} items are not supported by this server (message, function_call "
-                          "and function_call_output are)", "input")
+        raise bad_request(f"{where}.type: {kind!r} items are not supported by this server (message, function_call, "
+                          "function_call_output, mcp_approval_request and mcp_approval_response are)", "input")
     if unknown := sorted(set(item) - keys):
         raise bad_request(f"{where}: {', '.join(unknown)}: not supported by this server in a {kind} item", "input")
     if kind == "message":
@@ -48,7 +52,13 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         if role not in _ROLES:
             raise bad_request(f"{where}.role: expected one of {', '.join(_ROLES)}, got {role!r}", "input")
         return {"type": kind, "role": role, "content": _content(item.get("content"), f"{where}.content")}
-    names = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    if kind == "mcp_approval_response":
+        if not isinstance(item.get("approval_request_id"), str) or not isinstance(item.get("approve"), bool):
+            raise bad_request(f"{where}: an mcp_approval_response needs approval_request_id (a string) and approve "
+                              "(true or false)", "input")
+        return {"type": kind, "approval_request_id": item["approval_request_id"], "approve": item["approve"]}
+    names = {"function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output"),
+             "mcp_approval_request": ("id", "name", "arguments", "server_label")}[kind]
     for name in names:
         if not isinstance(item.get(name), str):
             raise bad_request(f"{where}.{name}: expected a string", "input")
@@ -87,6 +97,6 @@ def chat_messages(items: list[dict[str, Any]]) -> list[ChatMessageIn]:
                 messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             else:
                 messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
-        else:
+        elif item["type"] == "function_call_output":
             messages.append(ChatMessageIn(role="tool", content=item["output"], tool_call_id=item["call_id"]))
     return messages

@@ -5,7 +5,10 @@ shares: the request runs the pipeline (policy, limits, audit, costs), ``user`` i
 ``text.format`` (``json_object``, ``json_schema``) and function ``tools`` become the same ``output``
 constraint as ``response_format`` and ``tools`` there, and a parameter this server does not do
 (``reasoning``, ``include``, ``background``, built-in tools, image or file inputs...) is refused by name
-with a 400, never ignored.
+with a 400, never ignored. ``{"type": "mcp"}`` tools name servers of ``inferline.yaml`` and run on the server
+(:mod:`serving.http.openai_mcp`); a tool call that needs approval ends the response with
+``mcp_approval_request`` items, and ``mcp_approval_response`` input items with ``previous_response_id``
+resume it (:mod:`serving.http.approvals`).
 
 ``input`` is a string (one user message) or a list of items: messages (``role`` user, assistant, system
 or developer; ``content`` a string or ``input_text``/``output_text`` parts), ``function_call`` and
@@ -45,6 +48,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline.context import ChatMessage, Principal, RequestContext
 from pipeline.events import Done, Error, Event, TextDelta
+from serving.http import approvals, openai_mcp
 from serving.http.openai_common import (
     chat_turns,
     check_choice,
@@ -87,11 +91,22 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request,
     refuse(sorted(data.model_extra or {}))
     items = input_items(data.input)
     text = checked(RESPONSES_TEXT, data.text, "text") or ResponsesText()
-    offered = checked(RESPONSES_TOOLS, data.tools, "tools") or []
+    functions, mcp = openai_mcp.split_tools(data.tools, services.runtime.resources.catalog.mcp_servers, True)
+    offered = checked(RESPONSES_TOOLS, functions, "tools") or []
     choice = checked(RESPONSES_TOOL_CHOICE, data.tool_choice, "tool_choice", _CHOICES)
     pipeline, ctx = await start_request(services, request, data.model, [], data.overrides(),
                                         {"user": data.user} if data.user else None)
     earlier = await _continued(services.responses, data.previous_response_id, ctx.principal)
+    if mcp:
+        pipeline = openai_mcp.agent_pipeline(services, pipeline, mcp)
+    if decisions := {i["approval_request_id"]: i["approve"] for i in items if i["type"] == "mcp_approval_response"}:
+        if data.previous_response_id is None:
+            raise bad_request("input: an mcp_approval_response answers the response that asked for it: send its id "
+                              "as previous_response_id", "previous_response_id")
+        await approvals.resume(services, pipeline, ctx, data.previous_response_id.removeprefix("resp_"), decisions,
+                               "previous_response_id")
+    if data.store:  # only a stored response can be answered (previous_response_id)
+        ctx.finalizers.append(approvals.keeper(services))
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     ctx.input_messages = system + chat_turns(chat_messages(earlier + items))
     ctx.tools = check_functions([_chat_tool(t.model_dump()) for t in offered], ".parameters")
@@ -103,7 +118,8 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request,
         raise bad_request(f"text.format.schema: {problem}", "text")
     constrain_output(ctx, {"type": "object"} if isinstance(fmt, JsonObjectFormat) else
                      fmt.schema_ if isinstance(fmt, ResponsesJsonSchemaFormat) else None)
-    made = _Made(data, ctx, int(time.time()), earlier + items, text, [t.model_dump() for t in offered])
+    made = _Made(data, ctx, int(time.time()), earlier + items, text,
+                 [t.model_dump() for t in offered] + (data.tools if mcp else []))
     if data.stream:
         return event_stream(_events(await started(services.executor, pipeline, ctx), made, services),
                             response_headers(ctx))
@@ -210,6 +226,8 @@ class _Made:
 
 def _output(ctx: RequestContext, text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
     """The output items of a reply, and the response's status."""
+    if (awaiting := _approval_items(ctx)) is not None:
+        return awaiting, "completed"
     status = "incomplete" if finish_reason == "length" else "completed"
     call = call_of(ctx, text)
     if call is not None:
@@ -217,6 +235,12 @@ def _output(ctx: RequestContext, text: str, finish_reason: str) -> tuple[list[di
     if is_cut_call(ctx, finish_reason):  # half a call is neither a call nor content
         return [], "incomplete"
     return [_message_item(ctx, text, status)], status
+
+
+def _approval_items(ctx: RequestContext) -> list[dict[str, Any]] | None:
+    """A paused request's ``mcp_approval_request`` items, one per call awaiting approval; None: not paused."""
+    pending = approvals.pending_requests(ctx)
+    return None if pending is None else [{"type": "mcp_approval_request", **request} for request in pending]
 
 
 def _message_item(ctx: RequestContext, text: str | None, status: str) -> dict[str, Any]:
@@ -252,6 +276,7 @@ async def _keep(services: Services, made: _Made, body: dict[str, Any], output: l
         {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
         if item["type"] == "function_call" else
         {"type": "message", "role": "assistant", "content": "".join(p["text"] for p in item["content"])}
+        if item["type"] == "message" else item
         for item in output]
     stored = StoredResponse(made.id, _owner(made.ctx.principal), made.ctx.pipeline, conversation, body, created,
                             None if days is None else created + timedelta(days=days))
@@ -286,7 +311,12 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
                 finish = event.summary.finish_reason
                 status = "incomplete" if finish == "length" else "completed"
                 reply = held.end(finish) if held is not None and not held.passing else message.text
-                if isinstance(reply, tools.ToolCall):
+                if (awaiting := _approval_items(ctx)) is not None:
+                    output, status = awaiting, "completed"
+                    for index, item in enumerate(awaiting):
+                        yield send("response.output_item.added", output_index=index, item=item)
+                        yield send("response.output_item.done", output_index=index, item=item)
+                elif isinstance(reply, tools.ToolCall):
                     item = _call_item(ctx, reply, "completed")
                     output, status = [item], "completed"
                     yield send("response.output_item.added", output_index=0,

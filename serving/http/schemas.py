@@ -66,17 +66,41 @@ class GenerationParams(BaseModel):
 
 
 class PipelineRequest(ChatInput, GenerationParams):
-    """The body of ``POST /pipelines/{name}``: ``input`` or ``messages``, plus options."""
+    """The body of ``POST /pipelines/{name}``: ``input`` or ``messages`` (or ``resume``), plus options."""
 
-    # The document says what _one_input checks: exactly one of them, and messages with a user turn.
+    # The document says what _one_input checks: exactly one of them, and messages with a user turn; or resume.
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"input": {"type": "null"}, "messages": {
             "type": "array", "contains": {"type": "object", "required": ["role"],
-                                          "properties": {"role": {"const": "user"}}}}}}]})
+                                          "properties": {"role": {"const": "user"}}}}}},
+        {"required": ["resume"], "properties": {"input": {"type": "null"}, "messages": {"type": "null"}}}]})
 
     stream: bool = False
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
+    resume: str | None = Field(None, max_length=64, description=(
+        "The request_id of a request paused for approval (its `pending_approval`): resume it with `approvals` "
+        "(no `input` nor `messages`: the paused request's are used)."))
+    approvals: list[ApprovalIn] | None = Field(None, description=(
+        "With `resume`: the decision on each call awaiting approval; a call left out is denied."))
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PipelineRequest:
+        if self.resume is None:
+            if self.approvals is not None:
+                raise ValueError("'approvals' goes with 'resume' (the request_id of a paused request)")
+            return ChatInput._one_input(self)  # type: ignore[return-value]
+        if self.input is not None or self.messages is not None:
+            raise ValueError("a request that resumes another takes its input: leave out 'input' and 'messages'")
+        return self
+
+
+class ApprovalIn(BaseModel):
+    """The client's decision on one tool call awaiting approval (an item of ``pending_approval``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=64, description="The call's id in `pending_approval`.")
+    approve: bool
 
 
 # -- the OpenAI API ----------------------------------------------------------------------

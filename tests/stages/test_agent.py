@@ -328,3 +328,81 @@ async def test_a_pipeline_tool_runs_the_callee_with_the_callers_key(registry):
         if outcome == "ok":
             assert [(r.id, r.parent) for r in ctx.stages[:2]] == [("gen", "answer/ask_faq"), ("ask_faq", "answer")]
             assert "Returns take 30 days." in engine.prompts[1]
+
+
+APPROVAL = PIPELINE.replace("allow: [order_status, slow, poisoned]}",
+                            "allow: [order_status, slow, poisoned], require_approval: {tools: [order_status]}}")
+
+
+async def test_a_call_that_needs_approval_pauses_then_runs_once_approved(registry):
+    engine, tools, sink = ScriptedEngine(call("order_status", order_id="A-1001"), "It shipped."), MemoryTools(), Sink()
+    loaded = load_pipeline_text(textwrap.dedent(APPROVAL), "orders.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=sink, tools=tools))
+    ctx = RequestContext.from_text("orders", "Where is A-1001?")
+    final = await Runner().run(pipeline, ctx)
+    assert isinstance(final, Done) and final.summary.finish_reason == "approval_required"
+    assert final.summary.output_text == "" and tools.calls == []
+    pending = ctx.facts["approval_pending"]
+    [request] = pending["requests"]
+    assert request["name"] == "order_status" and request["server_label"] == "orders"
+    assert request["arguments"] == {"order_id": "A-1001"}
+    assert tool_records(ctx) == [("order_status", "skipped", "pending")]
+    [step] = [s["step"] for s in sink.records[0]["stages"] if s["type"] == "tool"]
+    assert step["tool"]["outcome"] == "pending" and step["tool"]["approval"] == "pending"
+
+    resumed = RequestContext.from_text("orders", "Where is A-1001?")
+    resumed.facts["approval_resume"] = {"state": json.loads(json.dumps(pending)), "decisions": {request["id"]: True}}
+    final = await Runner().run(pipeline, resumed)
+    assert isinstance(final, Done) and final.summary.output_text == "It shipped."
+    assert tools.calls == [("order_status", {"order_id": "A-1001"})]
+    assert tool_records(resumed) == [("order_status", "ok", "ok")]
+    record = next(r for r in resumed.stages if r.type == "tool").tool
+    assert record["approval"] == "approved" and record["approval_request_id"] == request["id"]
+    assert resumed.steps["answer"]["rounds"] == 2 and len(engine.prompts) == 2
+
+
+async def test_a_denied_call_is_told_to_the_model_as_denied(registry):
+    engine, tools = ScriptedEngine(call("order_status", order_id="A-1001"), "I may not look it up."), MemoryTools()
+    loaded = load_pipeline_text(textwrap.dedent(APPROVAL), "orders.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
+    ctx = RequestContext.from_text("orders", "Where is A-1001?")
+    await Runner().run(pipeline, ctx)
+    resumed = RequestContext.from_text("orders", "Where is A-1001?")
+    [request] = ctx.facts["approval_pending"]["requests"]
+    resumed.facts["approval_resume"] = {"state": ctx.facts["approval_pending"], "decisions": {request["id"]: False}}
+    final = await Runner().run(pipeline, resumed)
+    assert isinstance(final, Done) and final.summary.output_text == "I may not look it up."
+    assert tools.calls == [] and tool_records(resumed) == [("order_status", "denied", "denied")]
+    assert '"outcome": "denied"' in engine.prompts[1] and "the user denied this call" in engine.prompts[1]
+    assert ("order_status", "denied") in tools.counted
+
+
+async def test_calls_that_need_no_approval_run_without_pausing(registry):
+    engine, tools = ScriptedEngine(call("order_status", order_id="A-1"), "Done."), MemoryTools()
+    ctx, final = await run(registry, engine, tools, text=APPROVAL.replace("tools: [order_status]", "tools: [slow]"))
+    assert isinstance(final, Done) and final.summary.output_text == "Done."
+    assert "approval_pending" not in ctx.facts and tool_records(ctx) == [("order_status", "ok", "ok")]
+
+
+def test_require_approval_names_only_tools_of_its_entry(registry):
+    text = APPROVAL.replace("require_approval: {tools: [order_status]}", "require_approval: {tools: [cancel]}")
+    with pytest.raises(SpecError) as caught:
+        load_pipeline_text(textwrap.dedent(text), "orders.yaml", registry, CATALOG)
+    assert "stages[1].with.tools[0].require_approval.tools" in str(caught.value)
+    assert "'cancel': not a tool of this entry" in str(caught.value)
+
+
+async def test_an_approved_call_of_a_tool_changed_since_is_refused(registry):
+    engine, tools = ScriptedEngine(call("order_status", order_id="A-1001"), "Could not look."), MemoryTools()
+    loaded = load_pipeline_text(textwrap.dedent(APPROVAL), "orders.yaml", registry, CATALOG)
+    pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
+    ctx = RequestContext.from_text("orders", "Where is A-1001?")
+    await Runner().run(pipeline, ctx)
+    tools.schemas["order_status"] = {**STATUS, "properties": {"order_id": {"type": "string"}, "all": {}}}
+    redeployed = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
+    [request] = ctx.facts["approval_pending"]["requests"]
+    resumed = RequestContext.from_text("orders", "Where is A-1001?")
+    resumed.facts["approval_resume"] = {"state": ctx.facts["approval_pending"], "decisions": {request["id"]: True}}
+    assert isinstance(await Runner().run(redeployed, resumed), Done)
+    assert tools.calls == [] and tool_records(resumed) == [("order_status", "denied", "refused")]
+    assert "changed since this call was approved" in engine.prompts[1]

@@ -59,3 +59,18 @@ def test_expired_responses_are_not_returned_and_are_pruned(engine):
     assert responses.get("resp_old", "k1") is None  # gone, not merely hidden
     assert responses.prune(now=utcnow() + timedelta(days=365)) == 1
     assert responses.get("resp_kept", "k1", now=utcnow() + timedelta(days=3650)) is not None
+
+
+def test_a_paused_request_resumes_once_and_for_its_owner_only(engine):
+    from store.responses import PausedRequest
+
+    responses = ResponseStore(engine)
+    now = utcnow()
+    responses.pause(PausedRequest("r1", "k1", "orders", {"step": "answer"}, now, now + timedelta(days=1)))
+    responses.pause(PausedRequest("r2", "k1", "orders", {"step": "answer"}, now, now - timedelta(seconds=1)))
+    assert responses.resume("r1", "k2") is None
+    taken = responses.resume("r1", "k1")
+    assert taken is not None and taken.state == {"step": "answer"} and taken.pipeline == "orders"
+    assert responses.resume("r1", "k1") is None  # resumed once: an approval never runs a call twice
+    assert responses.resume("r2", "k1") is None  # expired
+    assert responses.prune() == 1

@@ -1,0 +1,96 @@
+"""Requests paused for the client's approval of tool calls (an ``agent`` step's ``require_approval``), on the
+pipeline API and the Responses API (docs/tools.md, "Approval").
+
+A route that offers approval adds :func:`keeper` to the request's finalizers: when the agent step paused, its
+state is kept (:meth:`store.responses.ResponseStore.pause`, for ``responses.retention_days``) before the final
+event is made, and :func:`pending_requests` shows the calls awaiting approval. The client's next request names
+the paused request and decides each call; :func:`resume` takes the kept state (once: a second resume of the
+same request finds nothing) and hands it to the agent step with the decisions. A call left undecided is
+denied. The resumed request's audit record holds each call's decision (``approval``: approved or denied).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from pipeline.context import ChatMessage, RequestContext
+from pipeline.errors import BackendError
+from pipeline.runner import Pipeline
+from serving.http.problems import Problem, bad_request
+from serving.http.services import Services
+from store.db import utcnow
+from store.responses import PausedRequest
+
+logger = logging.getLogger(__name__)
+
+
+def keeper(services: Services) -> Callable[[RequestContext], Awaitable[None]]:
+    """A finalizer that keeps a paused request's state; the request fails (503) if it cannot be kept, since
+    approval requests that cannot be resumed would be a lie."""
+
+    async def keep(ctx: RequestContext) -> None:
+        pending = ctx.facts.get("approval_pending")
+        if pending is None or ctx.status != "ok":
+            return
+        created = utcnow()
+        days = services.runtime.workspace.server.responses.retention_days
+        owner = ctx.principal.key_id if ctx.principal is not None else None
+        state = {**pending, "input": [{"role": m.role, "content": m.content} for m in ctx.input_messages]}
+        paused = PausedRequest(ctx.request_id, owner, ctx.pipeline, state, created,
+                               None if days is None else created + timedelta(days=days))
+        try:
+            await asyncio.to_thread(services.responses.pause, paused)
+        except SQLAlchemyError as exc:
+            logger.warning("paused request %s not kept: %s", ctx.request_id, exc)
+            ctx.status, ctx.error = "failed", BackendError(
+                "the request paused for approval but its state could not be stored; retry it")
+
+    return keep
+
+
+def pending_requests(ctx: RequestContext) -> list[dict[str, Any]] | None:
+    """The calls a paused request awaits approval of (``id``, ``name``, ``server_label``, ``arguments`` as a
+    JSON string); None when it did not pause."""
+    pending = ctx.facts.get("approval_pending")
+    if pending is None:
+        return None
+    return [{**request, "arguments": json.dumps(request["arguments"], ensure_ascii=False)}
+            for request in pending["requests"]]
+
+
+async def resume(services: Services, pipeline: Pipeline, ctx: RequestContext, request_id: str,
+                 decisions: dict[str, bool], param: str) -> list[ChatMessage]:
+    """Resume the paused request *request_id* in *ctx* with the client's *decisions* (by approval request id);
+    the paused request's input messages. A 404 when there is none to resume (never paused, already resumed,
+    expired, or another key's), a 400 for a decision on a call it did not await."""
+    owner = ctx.principal.key_id if ctx.principal is not None else None
+    paused = await asyncio.to_thread(services.responses.resume, request_id, owner)
+    if paused is None:
+        raise Problem(404, "Not found", f"no request {request_id!r} awaits approval (it never paused, was resumed "
+                      "already, expired, or is another key's)", "approval_not_found", extra={"param": param})
+    state = paused.state
+    awaited = [request["id"] for request in state["requests"]]
+    problem = None
+    if paused.pipeline != ctx.pipeline:
+        problem = bad_request(f"{param}: request {request_id!r} ran pipeline {paused.pipeline!r}, not "
+                              f"{ctx.pipeline!r}", param)
+    elif not any(stage.id == state["step"] and stage.type == "agent" for stage in pipeline.spec.stages):
+        problem = Problem(409, "Conflict", f"pipeline {ctx.pipeline!r} no longer has the agent step "
+                          f"{state['step']!r} that paused (a Responses request with mcp tools: send the same tools "
+                          "again); otherwise start the request again", "approval_conflict")
+    elif unknown := sorted(set(decisions) - set(awaited)):
+        problem = bad_request(f"{', '.join(map(repr, unknown))}: not a call request {request_id!r} awaits "
+                              f"(it awaits: {', '.join(awaited)})", param)
+    if problem is not None:  # the client may try again with a right request
+        await asyncio.to_thread(services.responses.pause, paused)
+        raise problem
+    ctx.facts["approval_resume"] = {"state": state, "decisions": decisions}
+    ctx.tags["resumes"] = request_id
+    return [ChatMessage(m["role"], m["content"]) for m in state["input"]]
