@@ -18,8 +18,19 @@ from typing import Any
 from pydantic import BaseModel
 
 
+#: The types JSON holds as they are: a value of exactly one of these needs no walk.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def jsonable(value: Any) -> Any:
     """*value* as plain JSON values."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list or kind is tuple:  # the common case: a prompt's token ids, a list of texts
+        return list(value) if all(type(item) in _SCALARS for item in value) else [jsonable(item) for item in value]
+    if kind is dict:
+        return {key if type(key) is str else str(key): jsonable(item) for key, item in value.items()}
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, Mapping):
