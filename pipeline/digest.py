@@ -17,7 +17,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-
 #: The types JSON holds as they are: a value of exactly one of these needs no walk.
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
