@@ -78,6 +78,10 @@ class Summary:
     choices: tuple[Choice, ...] = ()
     #: With ``logprobs`` asked for, the tokens' log-probabilities (choice 0's with n above 1).
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: When its answer's last text went out, from the request's start: the end of its answering step (a chain's
+    #: ``stream`` stage, a workflow's answering ``llm`` step); None when none ended ok. With ``ttft_s``, what
+    #: inter-token latency is measured over.
+    last_token_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

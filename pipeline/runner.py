@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from pipeline import tracing as attr
-from pipeline.context import RequestContext, sources_of
+from pipeline.context import ChatMessage, RequestContext, sources_of
 from pipeline.digest import digest
 from pipeline.eager import start_eagerly
 from pipeline.errors import InferlineError
@@ -53,6 +53,12 @@ class Pipeline:
             and any(plan.cls.is_model_call for plan in loaded.plans))
         answering_ids = answering | {self.graph.fallbacks[step] for step in answering  # in its place
                                      if step in self.graph.fallbacks}
+        #: The steps whose text is the client's answer: a workflow's answering steps (and their fallbacks), the
+        #: stage that sends a chain's (``stream``) or a fixed one (``reply``).
+        self.answer_steps = answering_ids | {plan.spec.id for plan in loaded.plans if plan.cls.sends_answer}
+        #: The steps that hand a chain's prompt to its model and leave the tokens to a later stage (``generate``):
+        #: once one has, a streamed response may start before the first token.
+        self.submit_steps = frozenset(plan.spec.id for plan in loaded.plans if "token_stream" in plan.cls.writes)
         records_io = any(plan.cls.records_steps for plan in loaded.plans)
         self.stages = tuple(
             BoundStage(plan, plan.cls(plan.spec.id, plan.config, resources),
@@ -68,6 +74,40 @@ class Pipeline:
 
     def step(self, step_id: str) -> BoundStage:
         return self._by_id[step_id]
+
+    # What the HTTP routes ask of a pipeline, whether its answer comes from a chain or from a workflow's step:
+    # each is answered by the step types' own declarations (pipeline/stage.py), never by their type names.
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it answers with vectors (a step writes ``embeddings``) rather than with text."""
+        return any("embeddings" in plan.cls.writes for plan in self.loaded.plans)
+
+    @property
+    def embedding_model(self) -> str | None:
+        """The model its embedding step names (None: it makes no embeddings)."""
+        return next((plan.cls.model_of(plan.config) for plan in self.loaded.plans if "embeddings" in plan.cls.writes),
+                    None)
+
+    @property
+    def answer_model(self) -> str | None:
+        """The model its answer's prompt is encoded for, as its file names it: the answering step's (an ``llm``
+        step's ``model:``), else the step's that encodes a chain's prompt (``tokenize``); None when it leaves the
+        model to a route or to the server's first."""
+        steps = self._answering_then("prompt_ids")
+        return next((model for bound in steps if (model := bound.plan.cls.model_of(bound.plan.config))), None)
+
+    def prompt_for(self, ctx: RequestContext) -> list[ChatMessage] | None:
+        """The messages its answer's model call is sent for *ctx* as it stands (nothing retrieved yet, and the
+        outputs of steps that have not run read as empty): the answering step's prompt, else that of the step
+        that builds a chain's (``prompt``); None when no step builds one (the client's messages are the prompt)."""
+        return next((messages for bound in self._answering_then("messages")
+                     if (messages := bound.stage.prompt(ctx)) is not None), None)
+
+    def _answering_then(self, field: str) -> list[BoundStage]:
+        """The answering steps, then the steps that write flow field *field*, in file order."""
+        return [bound for bound in self.stages if bound.plan.spec.id in self.answer_steps] + \
+            [bound for bound in self.stages if field in bound.plan.cls.writes]
 
     async def idle(self) -> None:
         """Return once no request runs on this pipeline."""
@@ -205,6 +245,8 @@ def _final(pipeline: Pipeline, ctx: RequestContext, clock: Clock) -> Done | Erro
         output_text=ctx.output_text, finish_reason=ctx.finish_reason, sources=sources_of(ctx.documents),
         pipeline_version=pipeline.spec.version, spec_sha256=pipeline.loaded.sha256, choices=tuple(ctx.choices),
         logprobs=tuple(ctx.logprobs),
+        last_token_s=max((s.started_s + s.duration_s for s in ctx.stages
+                          if s.id in pipeline.answer_steps and not s.parent and s.status == "ok"), default=None),
     )
     if ctx.status == "ok":
         return Done(summary)

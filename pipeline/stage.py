@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol, get_type_hints
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.context import RequestContext, TokenLogprob, field_type
+from pipeline.context import ChatMessage, RequestContext, TokenLogprob, field_type
 from pipeline.protocols import Catalog, Resources
 from pipeline.template import Template
 from pipeline.types import ValueType
@@ -142,6 +142,17 @@ class Stage:
         """Step outputs *config* names outside its templates, as (place in ``with:``, step id, output):
         checked at load like ``steps.ID.FIELD`` (an ``llm`` step's ``documents: [kb, web]``)."""
         return []
+
+    @classmethod
+    def model_of(cls, config: BaseModel) -> str | None:
+        """The model this configured step names; None when it names none (it leaves it to a route or to the
+        server's first model). The server's token-counting routes tokenize with it."""
+        return None
+
+    def prompt(self, ctx: RequestContext) -> list[ChatMessage] | None:
+        """The messages this step would send its model for *ctx* as it stands (nothing retrieved yet); None when
+        it builds no prompt. The server counts a request's prompt tokens with it (Anthropic's count_tokens)."""
+        return None
 
     async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
         """A replay reuses *outputs* (as an audit record kept them) instead of running the step: do what running

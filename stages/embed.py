@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, InvalidInput
@@ -46,6 +46,10 @@ class EmbedStage(Stage):
     # Not ``model``: that names the generating model later stages submit to (the embedding model is in
     # ``facts["embedding"]``, which the audit record names).
     writes = frozenset({"embeddings"})
+
+    @classmethod
+    def model_of(cls, config: BaseModel) -> str | None:
+        return cast(EmbedConfig, config).model
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> None:
         config = cast(EmbedConfig, self.config)

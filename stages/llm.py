@@ -117,6 +117,10 @@ class LlmStage(Stage):
         return issues + (output_issues(config.output, catalog) if config.output is not None else [])
 
     @classmethod
+    def model_of(cls, config: BaseModel) -> str | None:
+        return cast(LlmConfig, config).model
+
+    @classmethod
     def output_types(cls, config: BaseModel) -> dict[str, ValueType]:
         types = super().output_types(config)
         output = cast(LlmConfig, config).output
@@ -180,6 +184,9 @@ class LlmStage(Stage):
             await scope.emit_text(text)
             ctx.output_text, ctx.finish_reason = text, str(outputs.get("finish_reason", "stop"))
             ctx.model = str(outputs.get("model", ctx.model))
+
+    def prompt(self, ctx: RequestContext) -> list[ChatMessage] | None:
+        return self._messages(ctx, cast(LlmConfig, self.config), [])
 
     def _messages(self, ctx: RequestContext, config: LlmConfig, documents: list[Document]) -> list[ChatMessage]:
         values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}

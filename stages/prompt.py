@@ -87,9 +87,11 @@ class PromptStage(Stage):
             ctx.documents = await self._within_budget(ctx, config.max_document_tokens)
         ctx.messages = self.build(ctx)
 
+    def prompt(self, ctx: RequestContext) -> list[ChatMessage] | None:
+        return self.build(ctx)
+
     def build(self, ctx: RequestContext) -> list[ChatMessage]:
-        """The messages for *ctx*, with the documents it holds (the server also counts a request's prompt
-        tokens with this, before anything is retrieved: Anthropic's ``count_tokens``)."""
+        """The messages for *ctx*, with the documents it holds."""
         config = cast(PromptConfig, self.config)
         templates = config.templates
         messages: list[ChatMessage] = []

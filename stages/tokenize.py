@@ -50,6 +50,10 @@ class TokenizeStage(Stage):
     writes = frozenset({"prompt_ids", "prompt_tokens", "model"})
 
     @classmethod
+    def model_of(cls, config: BaseModel) -> str | None:
+        return cast(TokenizeConfig, config).model
+
+    @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
         if cast(TokenizeConfig, config).model is None and not catalog.models:
             return [((), "no model to tokenize for: inferline.yaml has no models; add one, or set model:")]

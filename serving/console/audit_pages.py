@@ -22,6 +22,7 @@ from litestar.response import Response, Stream
 from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, Session
 from serving.console.state import Console
+from serving.console.trace_view import from_record
 from serving.http.audit_params import access_filters, audit_filters, refuse_unknown_query
 from serving.http.audit_routes import spec_of
 from serving.http.problems import Problem
@@ -136,7 +137,8 @@ async def access_page(request: Request, filters: NamedDependency[AccessFilters],
 
 @get("/audit/records/{record_id:str}", name="console-audit-record", **_GUARDED)
 async def record_page(request: Request, record_id: FromPath[str]) -> Response[str]:
-    """One record: who, what, the content as stored, each stage with its decision and step, the policy decisions."""
+    """One record: who, what, the content as stored, its steps as a waterfall, each stage with its decision and
+    step, the policy decisions."""
     console = Console.of(request)
     store, session = await reviewer(console, request, "show", {"record_id": record_id})
     record = await call(store.get, record_id)
@@ -144,7 +146,7 @@ async def record_page(request: Request, record_id: FromPath[str]) -> Response[st
         raise Problem(404, "Not found", f"no audit record {record_id!r}", "record_not_found")
     record = await call(store.reveal, record, session.principal.key_id if session.principal else None,
                         session.principal.role if session.principal else None)
-    return console.page(request, session, "record.html", record=record)
+    return console.page(request, session, "record.html", record=record, waterfall=from_record(record))
 
 
 @post("/audit/verify", name="console-audit-verify", status_code=200)

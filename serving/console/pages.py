@@ -18,6 +18,7 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Response
 
 from serving.console.audit_pages import find_record
+from serving.console.graph_view import draw
 from serving.console.render import SECURITY_HEADERS
 from serving.console.session import CSRF_FIELD, safe_next
 from serving.console.state import Console
@@ -66,7 +67,7 @@ async def pipelines_page(request: Request) -> Response[str]:
 
 @get("/pipelines/{name:str}", name="console-pipeline")
 async def pipeline_page(request: Request, name: FromPath[str]) -> Response[str]:
-    """One pipeline: its stages as a chain with their config, and the playground."""
+    """One pipeline: its graph, its stages with their config, and the playground."""
     console = Console.of(request)
     session = await console.session(request, _PIPELINE_ROLES, "describe pipelines")
     pipeline = console.services.executor.get(name)
@@ -76,7 +77,7 @@ async def pipeline_page(request: Request, name: FromPath[str]) -> Response[str]:
             if stage["with"] else ""
     roles = pipeline.spec.access.roles
     reload_error = console.services.reloader.error_for(name)
-    return console.page(request, session, "pipeline.html", pipeline=described,
+    return console.page(request, session, "pipeline.html", pipeline=described, graph=draw(pipeline.loaded),
                         may_call=session.can(*roles), call_roles=roles, reload_error=reload_error)
 
 

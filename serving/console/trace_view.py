@@ -2,10 +2,12 @@
 
 Two sources give the same :class:`TraceView`. A recent request comes from the
 console's ring (serving/console/trace_ring.py), with each stage's measured
-start offset. An older one comes from its audit record, which keeps stage
-durations but not start times: stages run one after another, so each start is
-taken as the sum of the durations before it (the view says so), and the audit
-stage, which writes the record, is not in it.
+start offset. An older one comes from its audit record, which keeps each step's
+start offset (``step.started_ms``, so steps that ran side by side are drawn side
+by side) and which attempt, parent and skip reason it was of; a record written
+before steps were kept has durations only, and then stages ran one after another,
+so each start is taken as the sum of the durations before it (the view says so).
+The audit stage, which writes the record, is not in it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class Row:
     @property
     def error(self) -> str:
         return self.stage.error
+
+    @property
+    def label(self) -> str:
+        """Which run of which step it is (``id``, ``id[2]`` for an item, ``id@3`` for a loop's round), under the
+        step it ran in (a sub-pipeline's steps)."""
+        return f"{self.stage.parent} / {self.stage.key}" if self.stage.parent else self.stage.key
 
     @property
     def start_ms(self) -> float:
@@ -110,20 +118,28 @@ def from_record(record: dict[str, Any]) -> TraceView:
     """The view of a request read back from its audit record (see the module docstring)."""
     stages: list[StageRecord] = []
     decisions: dict[str, Any] = {}
-    start_s = 0.0
+    summed_s = 0.0
+    measured = True
     for stage in record.get("stages") or ():
         duration_s = float(stage.get("duration_ms") or 0.0) / 1e3
+        step = stage.get("step") or {}
+        measured = measured and "started_ms" in step
         stages.append(StageRecord(str(stage.get("stage_id", "")), str(stage.get("type", "")),
-                                  str(stage.get("status", "")), start_s, duration_s,
-                                  float(stage.get("cost_usd") or 0.0)))
+                                  str(stage.get("status", "")),
+                                  float(step["started_ms"]) / 1e3 if "started_ms" in step else summed_s, duration_s,
+                                  float(stage.get("cost_usd") or 0.0), attempt=int(step.get("attempt") or 1),
+                                  skip_reason=str(step.get("skip_reason") or ""),
+                                  parent=str(step.get("parent") or ""), item=step.get("item"),
+                                  round=int(step.get("round") or 0)))
         decisions[stages[-1].id] = stage.get("decision")
-        start_s += duration_s
+        summed_s += duration_s
     facts = {"route": record.get("route"), "retrieval": record.get("retrieval"), "policy": record.get("policy"),
              "sampling": record.get("params"), "model": record.get("model") or "",
              "input_tokens": record.get("input_tokens") or 0, "output_tokens": record.get("output_tokens") or 0,
              "finish_reason": record.get("finish_reason") or ""}
-    notes = ("From the audit record: it keeps each stage's duration, not its start, so starts are the sum "
-             "of the durations before them; the audit stage that wrote the record is not in it.",)
+    notes = ("From the audit record: the audit stage that wrote it is not in it.",) if measured and stages else \
+        ("From the audit record: it keeps each stage's duration, not its start, so starts are the sum "
+         "of the durations before them; the audit stage that wrote the record is not in it.",)
     return _view("audit", stages, decisions, facts, float(record.get("duration_ms") or 0.0), record.get("ttft_ms"),
                  request_id=record.get("request_id") or "", trace_id=record.get("trace_id") or "",
                  pipeline=record.get("pipeline") or "", received_at=str(record.get("received_at") or ""),

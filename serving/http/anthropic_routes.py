@@ -49,7 +49,6 @@ from serving.http.services import Services
 from serving.http.tokenize_routes import tokenizer_of
 from serving.http.tool_replies import HeldReply, call_of, is_cut_call, may_call, offer_tools
 from stages import tools
-from stages.prompt import PromptStage
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
@@ -84,8 +83,8 @@ async def count_tokens(data: JSONBody[CountTokensRequest], request: Request,
     tokenizer, _ = await tokenizer_of(services, pipeline)
     ctx = RequestContext(pipeline=name, input_messages=chat.messages, principal=principal,
                          tools=chat.tools, tool_choice=chat.tool_choice)
-    prompt = next((b.stage for b in pipeline.stages if isinstance(b.stage, PromptStage)), None)
-    turns = chat_turns(prompt.build(ctx) if prompt is not None else chat.messages)
+    prompt = pipeline.prompt_for(ctx)  # a chain's prompt stage's, a workflow's answering step's
+    turns = chat_turns(prompt if prompt is not None else chat.messages)
     encode, rendered = tools.prompt_encoder(tokenizer, turns, chat.tools, chat.tool_choice)
     return {"input_tokens": len(encode(rendered))}
 

@@ -41,7 +41,7 @@ from pipeline.context import ChatMessage, Principal
 from pipeline.errors import InferlineError
 from pipeline.runner import Pipeline
 from serving.http.auth import Authenticator
-from serving.http.pipeline_routes import answered, embeds, start_request, summary_json
+from serving.http.pipeline_routes import answered, start_request, summary_json
 from serving.http.problems import Problem, from_error
 from serving.http.schemas import GenerationParams
 from serving.http.state import AppState
@@ -130,7 +130,7 @@ def callable_by(auth: Authenticator, principal: Principal | None, pipelines: Ite
             auth.require(principal, pipeline.spec.access.roles, "call it")
         except Problem:
             continue
-        if not embeds(pipeline):
+        if not pipeline.embeds:
             allowed.append(pipeline)
     return allowed
 

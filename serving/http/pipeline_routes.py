@@ -36,9 +36,28 @@ from serving.runtime.reloader import PipelineReloader
 
 
 def stage_json(stage: StageRecord) -> dict[str, Any]:
+    """One attempt of one step in an answer's ``stages``: as its finished ``stage`` event, with its start."""
     return {"id": stage.id, "type": stage.type, "status": stage.status,
-            "duration_ms": round(stage.duration_s * 1e3, 3), "cost_usd": stage.cost_usd,
-            **({"error": stage.error} if stage.error else {})}
+            "started_ms": round(stage.started_s * 1e3, 3), "duration_ms": round(stage.duration_s * 1e3, 3),
+            "cost_usd": stage.cost_usd, "attempt": stage.attempt, **({"error": stage.error} if stage.error else {}),
+            **({"skip_reason": stage.skip_reason} if stage.skip_reason else {}),
+            **({"parent": stage.parent} if stage.parent else {})}
+
+
+def stage_event(event: StageStarted | StageFinished) -> dict[str, Any]:
+    """A ``stage`` event's data: the step, its status and attempt; once it finished, its time and cost; and
+    where they apply, its error, whether its ``retry:`` runs it again, why it was skipped, and the step it runs
+    under (a sub-pipeline's)."""
+    if isinstance(event, StageStarted):
+        payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started",
+                                   "attempt": event.attempt}
+    else:
+        payload = {"id": event.stage_id, "type": event.type, "status": event.status,
+                   "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd,
+                   "attempt": event.attempt, **({"error": event.error} if event.error else {}),
+                   **({"retrying": True} if event.retrying else {}),
+                   **({"skip_reason": event.skip_reason} if event.skip_reason else {})}
+    return payload | ({"parent": event.parent} if event.parent else {})
 
 
 def source_json(source: Source) -> dict[str, Any]:
@@ -96,9 +115,9 @@ async def start_request(services: Services, request: Request, name: str, message
     if not pin and (split := services.deployments.split_choice(name, sticky)):
         attempt.pipeline = pipeline = await services.pinned(name, split)
     services.auth.require(principal, pipeline.spec.access.roles, f"call pipeline {name!r}")
-    if (operation == "embeddings") != embeds(pipeline):
+    if (operation == "embeddings") != pipeline.embeds:
         if operation == "embeddings":
-            others = sorted(name for name, p in services.executor.pipelines.items() if embeds(p))
+            others = sorted(name for name, p in services.executor.pipelines.items() if p.embeds)
             raise bad_request(f"model: pipeline {pipeline.name!r} makes no embeddings (it has no embed stage); "
                               f"embeddings pipelines: {', '.join(others) or 'none'}", "model")
         raise bad_request(f"model: pipeline {pipeline.name!r} makes embeddings, not text: call POST /v1/embeddings",
@@ -112,11 +131,6 @@ async def start_request(services: Services, request: Request, name: str, message
     attempt.ctx = ctx
     return pipeline, ctx
 
-
-def embeds(pipeline: Pipeline) -> bool:
-    """Whether *pipeline* answers with vectors (it has an ``embed`` stage) rather than text: only
-    ``/v1/embeddings`` (``operation="embeddings"``) serves it, and that route serves nothing else."""
-    return any(stage.type == "embed" for stage in pipeline.spec.stages)
 
 
 @post("/pipelines/{name:str}", summary="Run a pipeline", status_code=200, operation_class=JsonOrEventStream,
@@ -132,7 +146,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
     ctx.finalizers.append(approvals.keeper(services))
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
         events = services.executor.stream(pipeline, ctx)
-        head = await head_of_stream(events)
+        head = await head_of_stream(events, pipeline)
         if isinstance(head[-1], Error):  # ended before any text: an HTTP error status, not a 200 stream
             raise failure(head[-1], ctx)
         return event_stream(_sse(head, events, ctx), response_headers(ctx))
@@ -164,7 +178,7 @@ async def started(executor: Executor, pipeline: Pipeline, ctx: RequestContext) -
     """The request's events, once its first text (or its end) has come: a request refused or failed
     before any text raises its HTTP error status rather than starting a 200 stream."""
     events = executor.stream(pipeline, ctx)
-    head = await head_of_stream(events)
+    head = await head_of_stream(events, pipeline)
     if isinstance(head[-1], Error):
         raise failure(head[-1], ctx)
     return with_head(head, events)
@@ -197,13 +211,8 @@ def _message(event: Event, ctx: RequestContext) -> bytes:
         request = ctx.facts.get("generate_request")  # generate sampled n above 1: say whose text it is
         several = request is not None and request[0].n > 1
         return sse_event("delta", {"text": event.text, **({"index": event.index} if several else {})})
-    if isinstance(event, StageStarted):
-        payload: dict[str, Any] = {"id": event.stage_id, "type": event.type, "status": "started"}
-        return sse_event("stage", payload)
-    if isinstance(event, StageFinished):
-        payload = {"id": event.stage_id, "type": event.type, "status": event.status,
-                   "duration_ms": round(event.duration_s * 1e3, 3), "cost_usd": event.cost_usd}
-        return sse_event("stage", payload)
+    if isinstance(event, (StageStarted, StageFinished)):
+        return sse_event("stage", stage_event(event))
     if isinstance(event, Done):
         return sse_event("done", summary_json(event.summary, ctx))
     problem = from_final(event.kind, event.message, None)

@@ -84,8 +84,8 @@ class Executor:
             self._idle.set()
 
 
-async def head_of_stream(events: AsyncIterator[Event]) -> list[Event]:
-    """The events until the request is handed to the model (the ``generate`` stage finished), the first
+async def head_of_stream(events: AsyncIterator[Event], pipeline: Pipeline) -> list[Event]:
+    """The events until the request is handed to the model (*pipeline*'s ``generate`` stage finished), the first
     text, or the end: what a streamed response's status and headers depend on. A request refused by
     policy or by an overloaded engine gets its 403 or 429, with the rate-limit headers, rather than a 200
     with an error event; the stages before the model take milliseconds. On an error the stream is
@@ -98,7 +98,8 @@ async def head_of_stream(events: AsyncIterator[Event]) -> list[Event]:
                 await events.aclose()  # type: ignore[attr-defined]
                 break
             if isinstance(event, (TextDelta, Done)) or (
-                    isinstance(event, StageFinished) and event.type == "generate" and event.status == "ok"):
+                    isinstance(event, StageFinished) and event.status == "ok" and not event.parent
+                    and event.stage_id in pipeline.submit_steps):
                 break
     except BaseException:
         await events.aclose()  # type: ignore[attr-defined]

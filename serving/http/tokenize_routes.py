@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.runner import Pipeline
 from serving.http.openapi import openai_errors
-from serving.http.pipeline_routes import embeds
 from serving.http.problems import Problem
 from serving.http.schemas import ChatMessageIn
 from serving.http.services import Services
@@ -76,7 +75,7 @@ async def _tokenizer(services: Services, request: Request, name: str) -> _Tokeni
     principal = await services.auth.principal(request)
     if pipeline is not None:
         services.auth.require(principal, pipeline.spec.access.roles, f"tokenize for pipeline {name!r}")
-        if embeds(pipeline):
+        if pipeline.embeds:
             return await _embedder_tokenizer(services, pipeline)
         model = _model_of(services, pipeline)
         tokenizer, _ = await _model_tokenizer(services, model)
@@ -91,9 +90,8 @@ async def _tokenizer(services: Services, request: Request, name: str) -> _Tokeni
 
 
 async def _embedder_tokenizer(services: Services, pipeline: Pipeline) -> _Tokenizer:
-    """The tokenizer of the embedding model *pipeline*'s ``embed`` stage names: what counts its texts."""
-    stage = next(s for s in pipeline.spec.stages if s.type == "embed")
-    model = str((stage.with_ or {}).get("model") or "")
+    """The tokenizer of the embedding model *pipeline*'s embedding step names: what counts its texts."""
+    model = pipeline.embedding_model or ""
     backend = await services.runtime.embedders.get(model)  # BackendError: a 503
     tokenizer = getattr(backend, "tokenizer", None)
     if backend is None or tokenizer is None:
@@ -102,15 +100,13 @@ async def _embedder_tokenizer(services: Services, pipeline: Pipeline) -> _Tokeni
 
 
 async def tokenizer_of(services: Services, pipeline: Pipeline) -> tuple[Any, str]:
-    """The tokenizer of *pipeline*'s ``tokenize`` stage's model (else the server's first), and that model:
-    what encodes its prompts."""
+    """The tokenizer of the model *pipeline*'s answer is encoded for (a chain's ``tokenize`` stage's, a workflow's
+    answering ``llm`` step's; else the server's first), and that model: what encodes its prompts."""
     return await _model_tokenizer(services, _model_of(services, pipeline), "encode_chat")
 
 
 def _model_of(services: Services, pipeline: Pipeline) -> str:
-    stage = next((s for s in pipeline.spec.stages if s.type == "tokenize"), None)
-    model = str((stage.with_ or {}).get("model") or "") if stage is not None else ""
-    return model or next(iter(services.runtime.workspace.server.models), "")
+    return pipeline.answer_model or next(iter(services.runtime.workspace.server.models), "")
 
 
 async def _model_tokenizer(services: Services, model: str, needs: str = "tokenize") -> tuple[Any, str]:

@@ -57,7 +57,7 @@ def figures(summary: Summary, ok: bool = True) -> RequestFigures:
     """A finished request's figures, from its summary (server side)."""
     ttft_s = summary.ttft_s
     return RequestFigures(ok, None if ttft_s is None else ttft_s * 1e3,
-                          itl_ms(ttft_s, _last_token_s(summary), summary.usage.output_tokens),
+                          itl_ms(ttft_s, summary.last_token_s, summary.usage.output_tokens),
                           summary.duration_s * 1e3, summary.cost_usd)
 
 
@@ -66,12 +66,6 @@ def itl_ms(first_s: float | None, last_s: float | None, num_output_tokens: int) 
     if first_s is None or last_s is None or num_output_tokens < 2:
         return None
     return max(0.0, last_s - first_s) * 1e3 / (num_output_tokens - 1)
-
-
-def _last_token_s(summary: Summary) -> float | None:
-    # The stream stage ends when the last token has been sent (the audit stage may follow).
-    ends = [s.started_s + s.duration_s for s in summary.stages if s.type == "stream" and s.status == "ok"]
-    return ends[-1] if ends else None
 
 
 def judge(slo: SLOSpec, request: RequestFigures) -> dict[str, bool]:

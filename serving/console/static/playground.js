@@ -22,16 +22,21 @@
     traceBox.hidden = false;
   }
 
+  // One line per step (a sub-pipeline's steps under their parent): a retry's attempt replaces the one before.
   function onStage(data) {
-    let item = stages.querySelector('[data-stage="' + CSS.escape(data.id) + '"]');
+    const name = data.parent ? data.parent + " / " + data.id : data.id;
+    let item = stages.querySelector('[data-stage="' + CSS.escape(name) + '"]');
     if (!item) {
       item = document.createElement("li");
-      item.dataset.stage = data.id;
+      item.dataset.stage = name;
       stages.appendChild(item);
     }
     item.dataset.status = data.status;
     const took = data.duration_ms == null ? "" : " · " + fmtMs(data.duration_ms);
-    item.textContent = data.id + " (" + data.type + "): " + data.status + took;
+    const attempt = data.attempt > 1 ? " · attempt " + data.attempt : "";
+    const why = data.skip_reason ? " (" + data.skip_reason + ")" : "";
+    const again = data.retrying ? " · retrying" : "";
+    item.textContent = name + " (" + data.type + "): " + data.status + why + took + attempt + again;
   }
 
   function onDelta(data) {

@@ -114,6 +114,7 @@ def test_playground_streams_the_answer_and_links_to_its_trace(context, server, c
     sign_in(page, server, caller_key)
     page.get_by_role("link", name="chat", exact=True).click()
     page.wait_for_url(f"{server.url}/ui/pipelines/chat")
+    assert page.locator("#pipeline-graph g.node[data-step]").count() == len(page.locator(".chain > li").all())
     page.get_by_label("Message").fill(QUESTION)
     # Record every length the answer passes through, to see it arrive piece by piece.
     page.evaluate("""() => { window.seen = []; const out = document.getElementById('play-output');

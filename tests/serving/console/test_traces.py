@@ -100,3 +100,19 @@ async def test_recording_runner_keeps_a_disconnected_request(registry, catalog):
     await asyncio.sleep(0)
     kept = ring.get(ctx.request_id)
     assert kept is not None and kept.status == "disconnected"
+
+
+def test_audit_record_steps_start_where_the_record_says():
+    """A workflow's record keeps each step's start: steps that ran side by side overlap in the waterfall, and a
+    loop's rounds and a sub-pipeline's steps are named as such."""
+    def stage(stage_id, duration_ms, **step):
+        return {"stage_id": stage_id, "type": "llm", "status": "ok", "duration_ms": duration_ms, "cost_usd": 0.0,
+                "decision": None, "step": {"attempt": 1, **step}}
+
+    record = {"duration_ms": 10.0, "stages": [stage("a", 6.0, started_ms=0.0), stage("b", 5.0, started_ms=1.0),
+                                              stage("a", 2.0, started_ms=6.0, round=2, attempt=2),
+                                              stage("x", 1.0, started_ms=8.0, parent="call")]}
+    view = from_record(record)
+    assert [(r.start_ms, r.duration_ms) for r in view.rows] == [(0.0, 6.0), (1.0, 5.0), (6.0, 2.0), (8.0, 1.0)]
+    assert [r.label for r in view.rows] == ["a", "b", "a@2", "call / x"] and view.rows[2].stage.attempt == 2
+    assert not any("sum of the durations" in note for note in view.notes)

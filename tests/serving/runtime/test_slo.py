@@ -26,7 +26,8 @@ def summary(ttft_s=0.05, stream_end_s=0.5, tokens=10, duration_s=0.6, cost=0.001
     stages = (StageRecord("gen", "generate", "ok", 0.0, 0.01), StageRecord("out", "stream", "ok", 0.01,
                                                                          stream_end_s - 0.01),
               StageRecord("log", "audit", "ok", stream_end_s, 0.05))
-    return Summary("r", "t", "chat", duration_s, ttft_s, cost, stages, Usage(5, tokens), "text", "stop")
+    return Summary("r", "t", "chat", duration_s, ttft_s, cost, stages, Usage(5, tokens), "text", "stop",
+                   last_token_s=stream_end_s)
 
 
 def test_a_request_is_judged_per_objective():
