@@ -68,13 +68,17 @@ class GenerationParams(BaseModel):
 class PipelineRequest(ChatInput, GenerationParams):
     """The body of ``POST /pipelines/{name}``: ``input`` or ``messages`` (or ``resume``), plus options."""
 
-    # The document says what _one_input checks: exactly one of them, and messages with a user turn; or resume.
+    # The document says what _one_input checks: exactly one of them, and messages with a user turn, without
+    # approvals; or resume (with approvals or none).
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"}}},
-        {"required": ["messages"], "properties": {"input": {"type": "null"}, "messages": {
+        {"required": ["input"], "properties": {"input": {"type": "string"}, "messages": {"type": "null"},
+                                               "resume": {"type": "null"}, "approvals": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"input": {"type": "null"}, "resume": {"type": "null"},
+                                                  "approvals": {"type": "null"}, "messages": {
             "type": "array", "contains": {"type": "object", "required": ["role"],
                                           "properties": {"role": {"const": "user"}}}}}},
-        {"required": ["resume"], "properties": {"input": {"type": "null"}, "messages": {"type": "null"}}}]})
+        {"required": ["resume"], "properties": {"input": {"type": "null"}, "messages": {"type": "null"},
+                                                "resume": {"type": "string"}}}]})
 
     stream: bool = False
     tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
