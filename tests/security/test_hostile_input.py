@@ -228,8 +228,9 @@ def pipeline_routes(secured: App) -> list[tuple[str, str]]:
 
 def pipeline_files(root: Path) -> set[Path]:
     """The files a deploy writes (``<name>.yaml`` and its temporary ``.<name>.yaml.<pid>.tmp``), anywhere below
-    *root*: the folder above the workspace, so that a name that climbed out of it is seen too."""
-    return {path for path in root.rglob("*") if ".yaml" in path.name or ".yml" in path.name or path.suffix == ".tmp"}
+    *root*: the folder above the workspace, so that a name that climbed out of it is seen too. Both hold ".yaml":
+    other temporary files (the audit anchors' digests, written every 2 s) are not a deploy's."""
+    return {path for path in root.rglob("*") if ".yaml" in path.name or ".yml" in path.name}
 
 
 def call_with_name(secured: App, method: str, path: str, name: str):
