@@ -73,6 +73,7 @@ from stages.agent_tools import (
 )
 from stages.engines import engine_for
 from stages.generate import GenerateConfig, _sampling
+from stages.llm import charge, earlier_turns
 from stages.prompt import template_issues
 from stages.stream import _Out, _text_of
 from stages.text import IncrementalDetokenizer
@@ -377,18 +378,12 @@ class AgentStage(Stage):
         system_text = system.render(values).strip() if system is not None else ""
         messages = [ChatMessage("system", f"{system_text}\n\n{preamble}" if system_text else preamble)]
         if config.history:
-            last = max((i for i, m in enumerate(ctx.input_messages) if m.role == "user"), default=0)
-            messages += [ChatMessage(m.role, m.content) for m in ctx.input_messages[:last] if m.role != "system"]
+            messages += earlier_turns(ctx)
         messages.append(ChatMessage("user", config.compiled["user"].render(values).strip()))
         return messages
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
-        info = self.resources.catalog.models.get(model)
-        if info is not None:
-            scope.add_cost(info.price.tokens_usd(usage.input_tokens, usage.output_tokens), "tokens",
-                           f"{model}: {usage.input_tokens} in, {usage.output_tokens} out")
-            scope.add_cost(info.price.compute_usd(seconds), "compute", f"{model}: {seconds:.3f} s")
-        scope.add_tokens(usage.input_tokens, usage.output_tokens)
+        charge(self.resources.catalog, model, usage, seconds, scope)
 
 
 def _needs_approval(toolset: dict[str, BoundTool], call: ProposedCall) -> bool:

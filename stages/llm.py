@@ -199,18 +199,12 @@ class LlmStage(Stage):
         if system_text:
             messages.append(ChatMessage("system", system_text))
         if config.history:
-            last = max((i for i, m in enumerate(ctx.input_messages) if m.role == "user"), default=0)
-            messages += [ChatMessage(m.role, m.content) for m in ctx.input_messages[:last] if m.role != "system"]
+            messages += earlier_turns(ctx)
         messages.append(ChatMessage("user", config.compiled["user"].render(values).strip()))
         return messages
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
-        info = self.resources.catalog.models.get(model)
-        if info is not None:
-            scope.add_cost(info.price.tokens_usd(usage.input_tokens, usage.output_tokens), "tokens",
-                           f"{model}: {usage.input_tokens} in, {usage.output_tokens} out")
-            scope.add_cost(info.price.compute_usd(seconds), "compute", f"{model}: {seconds:.3f} s")
-        scope.add_tokens(usage.input_tokens, usage.output_tokens)
+        charge(self.resources.catalog, model, usage, seconds, scope)
         scope.set_attribute(GEN_AI_USAGE_INPUT_TOKENS, usage.input_tokens)
         scope.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens)
 
@@ -234,6 +228,22 @@ async def _read(stream: TokenStream, detokenizer: IncrementalDetokenizer, stops:
         return await out.send(stops.flush(), final=True) or "stop"
     finally:
         await stream.aclose()  # leaving early (a stop string, a block, a cancellation) aborts it in the engine
+
+
+def earlier_turns(ctx: RequestContext) -> list[ChatMessage]:
+    """The conversation before the client's last user turn, its system messages left out (``history: true``)."""
+    last = max((i for i, m in enumerate(ctx.input_messages) if m.role == "user"), default=0)
+    return [ChatMessage(m.role, m.content) for m in ctx.input_messages[:last] if m.role != "system"]
+
+
+def charge(catalog: Catalog, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
+    """A model call's tokens and compute time into the step's cost (at *model*'s price) and token counts."""
+    info = catalog.models.get(model)
+    if info is not None:
+        scope.add_cost(info.price.tokens_usd(usage.input_tokens, usage.output_tokens), "tokens",
+                       f"{model}: {usage.input_tokens} in, {usage.output_tokens} out")
+        scope.add_cost(info.price.compute_usd(seconds), "compute", f"{model}: {seconds:.3f} s")
+    scope.add_tokens(usage.input_tokens, usage.output_tokens)
 
 
 def _parsed(text: str, finish: str, config: LlmConfig) -> Any:

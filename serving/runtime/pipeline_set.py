@@ -123,14 +123,7 @@ def _same_file(one: LoadedPipeline, other: LoadedPipeline) -> bool:
 
 def judges(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecIssue]:
     """A ``score`` stage's judges are pipelines served beside it, never the pipeline itself."""
-    issues = []
-    for item in pipelines.values():
-        for loc, target in _references(item, "score"):
-            if target == item.spec.name:
-                issues.append(_locate(item, loc, "a pipeline cannot judge itself"))
-            elif target not in names:
-                issues.append(_locate(item, loc, _not_served(target, names)))
-    return issues
+    return _served_not_self(pipelines, names, "score", "a pipeline cannot judge itself")
 
 
 def callees(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecIssue]:
@@ -150,11 +143,17 @@ def callees(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecI
 def tool_pipelines(pipelines: dict[str, LoadedPipeline], names: set[str]) -> list[SpecIssue]:
     """An ``agent`` step's ``pipeline`` tools are pipelines served beside it, never the pipeline itself (a model
     could call it again and again)."""
+    return _served_not_self(pipelines, names, "agent", "a pipeline cannot be a tool of its own agent step")
+
+
+def _served_not_self(pipelines: dict[str, LoadedPipeline], names: set[str], stage_type: str,
+                     itself: str) -> list[SpecIssue]:
+    """Each pipeline its *stage_type* stages name is served beside it, and is not itself (*itself* says why)."""
     issues = []
     for item in pipelines.values():
-        for loc, target in _references(item, "agent"):
+        for loc, target in _references(item, stage_type):
             if target == item.spec.name:
-                issues.append(_locate(item, loc, "a pipeline cannot be a tool of its own agent step"))
+                issues.append(_locate(item, loc, itself))
             elif target not in names:
                 issues.append(_locate(item, loc, _not_served(target, names)))
     return issues
