@@ -76,6 +76,11 @@ class AuditStage(Stage):
         ctx.facts["audited"] = True  # the server records a refusal only if no audit stage did
 
 
+#: Under ``content: encrypted``, a tool call's arguments and result in plain text, for the sink to encrypt
+#: (serving/backends/audit_sink.py): never stored as they are.
+SEALED = "to_seal"
+
+
 def build_record(ctx: RequestContext, config: AuditConfig) -> dict[str, Any]:
     """The audit record of *ctx*, as the audit store takes it."""
     now = datetime.now(UTC)
@@ -127,6 +132,11 @@ def step_record(stage: StageRecord, mode: str) -> dict[str, Any]:
     if stage.tool is not None:  # a tool call; its arguments' and result's hashes are content, kept as above
         kept["tool"] = {k: v for k, v in stage.tool.items()
                         if mode in ("full", "hash") or k not in ("arguments_sha256", "result_sha256")}
+        if mode == "encrypted":  # the values, which the sink encrypts with the content (or keeps the hashes of)
+            kept["tool"][SEALED] = {"arguments": (stage.inputs or {}).get("arguments"),
+                                    "result": (stage.output or {}).get("result", ""),
+                                    "arguments_sha256": stage.tool.get("arguments_sha256", ""),
+                                    "result_sha256": stage.tool.get("result_sha256", "")}
     if stage.input_tokens or stage.output_tokens:
         kept |= {"input_tokens": stage.input_tokens, "output_tokens": stage.output_tokens}
     if mode == "full":

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from pipeline.errors import BackendError, SpecError, SpecIssue, status_of
 from serving.backends.audit_keys import exposure_window_s, public_keys
 from serving.config.server import ServerSpec
+from stages.audit import SEALED
 from store.audit import (
     AuditStore,
     AuditUnavailable,
@@ -102,6 +103,11 @@ class StoreSink:
         (of each tag's value, as ``content: hash`` does): the record is never lost, its plain text never kept."""
         vault, tags = self.store.vault, record.get("tags")
         texts = [record.get("input_content") or "", record.get("output_content") or "", *([tags] if tags else [])]
+        # Tool calls' arguments and results (stages/audit.py SEALED), one text per call, after those.
+        calls = [stage["step"]["tool"] for stage in record.get("stages", ())
+                 if SEALED in stage.get("step", {}).get("tool", {})]
+        texts += [json.dumps({k: call[SEALED][k] for k in ("arguments", "result")}, ensure_ascii=False)
+                  for call in calls]
         try:
             if vault is None:
                 raise VaultError("no audit.master_key is configured")
@@ -110,6 +116,9 @@ class StoreSink:
             else:  # the data key is read (or made) in the database: off the loop
                 sealed = await asyncio.to_thread(lambda: [vault.encrypt(subject, text) for text in texts])
             record["subject_hash"] = vault.subject_hash(subject)
+            for call, text in zip(calls, sealed[len(sealed) - len(calls):], strict=True):
+                del call[SEALED]
+                call["content"] = text
         except Exception as exc:
             logger.error("audit: content not encrypted (%s: %s); the record keeps only its hashes",
                          type(exc).__name__, exc)
@@ -118,6 +127,9 @@ class StoreSink:
             if tags:
                 sealed.append(json.dumps({name: _sha256(value) for name, value in json.loads(tags).items()},
                                          sort_keys=True, separators=(",", ":")))
+            for call in calls:
+                values = call.pop(SEALED)
+                call |= {k: values[k] for k in ("arguments_sha256", "result_sha256") if values[k]}
         record["input_content"], record["output_content"] = sealed[:2]
         record["tags"] = sealed[2] if tags else None
 

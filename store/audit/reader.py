@@ -52,8 +52,9 @@ class AuditReader:
 
     def reveal(self, record: dict[str, Any], key_id: str | None, role: str | None) -> dict[str, Any]:
         """*record* with its encrypted content decrypted beside the stored ciphertext (``decrypted``:
-        ``{"input", "output", "tags"}``, or ``content_erased: true`` once its subject was erased); the read is
-        in the access log (``decrypt``). A record not encrypted comes back as it is."""
+        ``{"input", "output", "tags", "tools"}``, tools being each tool call's arguments and result; or
+        ``content_erased: true`` once its subject was erased); the read is in the access log (``decrypt``). A
+        record not encrypted comes back as it is."""
         if record.get("content_mode") != "encrypted":
             return record
         if self.vault is None:
@@ -66,8 +67,20 @@ class AuditReader:
         if isinstance(tags, str) and not erased:
             tags = self.vault.decrypt(tags)
             tags = None if tags is None else json.loads(tags)
-        return {**record, "decrypted": None if erased else {"input": texts[0], "output": texts[1], "tags": tags},
+        return {**record, "decrypted": None if erased else {"input": texts[0], "output": texts[1], "tags": tags,
+                                                             "tools": self._tool_values(record)},
                 "content_erased": erased}
+
+    def _tool_values(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The arguments and result of each tool call of *record* (encrypted in its step), with the call's
+        step and position among the record's steps."""
+        found = []
+        for position, stage in enumerate(record.get("stages") or ()):
+            step = stage.get("step") or {}
+            sealed = (step.get("tool") or {}).get("content") if isinstance(step, dict) else None
+            if isinstance(sealed, str) and (text := self.vault.decrypt(sealed)) is not None:  # type: ignore[union-attr]
+                found.append({"position": position, "stage_id": stage.get("stage_id"), **json.loads(text)})
+        return found
 
     def verify(self, since: datetime | None = None, until: datetime | None = None,
                checkpoint_key: bytes | Verifier | None = None, workers: int | None = None) -> VerifyReport:

@@ -65,7 +65,8 @@ def test_encrypted_content_is_read_decrypted_until_erased(tmp_path, monkeypatch,
         assert journals and not any(b"secret" in path.read_bytes() for path in journals)  # ...nor in the journal
         alice = stored[0][0]
         shown = client.get(f"/audit/records/{alice}", headers=as_auditor).json()
-        assert shown["decrypted"] == {"input": "alice's secret question", "output": "Paris.", "tags": {"user": "alice"}}
+        assert shown["decrypted"] == {"input": "alice's secret question", "output": "Paris.", "tags": {"user": "alice"},
+                                     "tools": []}
         assert shown["input_content"].startswith("enc:v1:")
         sign_in(client, auditor)
         assert "alice&#39;s secret question" in client.get(f"/ui/audit/records/{alice}").text

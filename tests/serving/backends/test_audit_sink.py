@@ -339,6 +339,7 @@ async def test_encrypted_records_keep_their_subject_as_a_keyed_hash_and_without_
     import hashlib
     import os
 
+    from stages.audit import SEALED
     from store.audit import ContentVault
     from store.engine import make_engine
     from store.migrate import create_schema
@@ -348,13 +349,25 @@ async def test_encrypted_records_keep_their_subject_as_a_keyed_hash_and_without_
     vault = ContentVault(database, os.urandom(32))
     record = {"pipeline": "chat", "status": "ok", "content_mode": "encrypted", "content_subject": "tags.user:alice",
               "input_content": "alice's question", "output_content": "an answer",
-              "tags": json.dumps({"tier": "gold", "user": "alice"})}
+              "tags": json.dumps({"tier": "gold", "user": "alice"}),
+              "stages": [{"stage_id": "lookup", "type": "tool", "status": "ok", "duration_ms": 1.0, "cost_usd": 0.0,
+                          "step": {"tool": {"tool": "lookup", "outcome": "ok", SEALED: {
+                              "arguments": {"who": "alice"}, "result": "alice lives here",
+                              "arguments_sha256": "a" * 64, "result_sha256": "b" * 64}}}}]}
     for store in (AuditStore(database, spool_path=tmp_path / "a", vault=vault),
                   AuditStore(database, spool_path=tmp_path / "b")):  # no audit.master_key
         sink = StoreSink(store)
-        await sink.write(dict(record))
+        await sink.write(json.loads(json.dumps(record)))
         await sink.aclose()
-    sealed, hashed = AuditStore(database, spool_path=tmp_path / "c").query(AuditFilters(), sort="seq").records
+    reader = AuditStore(database, spool_path=tmp_path / "c")
+    sealed, hashed = reader.query(AuditFilters(), sort="seq").records
+    # A tool call's arguments and result: encrypted with the content, or, without a key, their hashes only.
+    sealed_call, hashed_call = (reader.get(r["id"])["stages"][0]["step"]["tool"] for r in (sealed, hashed))
+    assert set(sealed_call) == {"tool", "outcome", "content"}
+    assert json.loads(vault.decrypt(sealed_call["content"])) == {"arguments": {"who": "alice"},
+                                                                 "result": "alice lives here"}
+    assert hashed_call == {"tool": "lookup", "outcome": "ok", "arguments_sha256": "a" * 64,
+                           "result_sha256": "b" * 64}
     assert sealed["content_mode"] == "encrypted" and sealed["subject_hash"] == vault.subject_hash("tags.user:alice")
     assert vault.decrypt(sealed["tags"]) == record["tags"] and "alice" not in json.dumps(sealed)
     assert hashed["content_mode"] == "hash" and hashed["subject_hash"] is None

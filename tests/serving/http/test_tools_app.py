@@ -4,18 +4,24 @@ and in /metrics."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
+import sqlite3
 import sys
 from pathlib import Path
 
 import pytest
 from litestar.testing import TestClient
 
+from serving.cli.main import main
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.engine import make_engine
 from store.keys import KeyStore
 from tests.fakes import FakeEngines
+from tests.serving.console.signin import sign_in
 from tests.stages.test_agent import ScriptedEngine, call
 
 pytestmark = pytest.mark.integration
@@ -46,18 +52,24 @@ def orders():
     service.server_close()
 
 
-def test_order_status_runs_its_tools_without_passing_the_callers_token(tmp_path, monkeypatch, orders):
-    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE"):
+def _workspace(tmp_path, monkeypatch, orders, audit_with: str) -> Path:
+    """order_status.yaml against *orders*, its audit step with *audit_with*; the server file's path."""
+    for name in ("INFERLINE_CONFIG", "INFERLINE_DATABASE", "INFERLINE_AUDIT__MASTER_KEY"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "pipelines").mkdir()
     pipeline = (ROOT / "pipelines" / "order_status.yaml").read_text()
     (tmp_path / "pipelines" / "order_status.yaml").write_text(
         pipeline.replace("http://127.0.0.1:8081", orders.url).replace("log, type: audit, always: true}",
                                                                        "log, type: audit, always: true, "
-                                                                       "with: {content: full}}"))
+                                                                       f"with: {audit_with}}}"))
     (tmp_path / "orders.key").write_text("server-key\n")
     config = tmp_path / "inferline.yaml"
     config.write_text(SERVER.format(db=tmp_path / "db.sqlite", server=EXAMPLE / "server.py"))
+    return config
+
+
+def test_order_status_runs_its_tools_without_passing_the_callers_token(tmp_path, monkeypatch, orders):
+    config = _workspace(tmp_path, monkeypatch, orders, "{content: full}")
     keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
     engine = ScriptedEngine(
         json.dumps([{"name": "order_lookup", "arguments": {"order_id": "A-1001"}},
@@ -91,3 +103,36 @@ def test_order_status_runs_its_tools_without_passing_the_callers_token(tmp_path,
         metrics = client.get("/metrics", headers=auth).text
         assert 'inferline_tool_calls_total{outcome="ok",tool="order_status"} 1.0' in metrics
         assert 'inferline_tool_calls_total{outcome="refused",tool="cancel_order"} 1.0' in metrics
+
+
+def test_tool_values_are_encrypted_with_the_content_and_erased_with_it(tmp_path, monkeypatch, orders, capsys):
+    config = _workspace(tmp_path, monkeypatch, orders, "{content: encrypted, subject: tags.user}")
+    monkeypatch.setenv("INFERLINE_AUDIT__MASTER_KEY", base64.b64encode(os.urandom(32)).decode())
+    keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    engine = ScriptedEngine(call("order_status", order_id="A-1001"), "A-1001 shipped with DHL.")
+    with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))) as client:
+        _, caller = keys.create("app", "caller")
+        _, auditor = keys.create("reviewer", "auditor")
+        response = client.post("/pipelines/order_status", json={"input": "Where is A-1001?", "tags": {"user": "ann"}},
+                               headers={"Authorization": f"Bearer {caller}"})
+        assert response.status_code == 200, response.text
+        auth = {"Authorization": f"Bearer {auditor}"}
+        record_id = client.get("/audit/records", headers=auth).json()["records"][0]["id"]
+        shown = client.get(f"/audit/records/{record_id}", headers=auth).json()
+        [tool] = [s["step"]["tool"] for s in shown["stages"] if s["type"] == "tool"]
+        assert tool["content"].startswith("enc:v1:") and "arguments_sha256" not in tool
+        [values] = shown["decrypted"]["tools"]
+        assert values["stage_id"] == "order_status" and values["arguments"] == {"order_id": "A-1001"}
+        assert "shipped on 2026-03-02" in values["result"]
+        with sqlite3.connect(tmp_path / "db.sqlite") as db:  # no value in plain text, nor its hash
+            dump = "\n".join(db.iterdump())
+        assert "2026-03-02" not in dump and '"order_id"' not in dump
+        assert hashlib.sha256(b'{"order_id":"A-1001"}').hexdigest() not in dump
+        sign_in(client, auditor)
+        page = client.get(f"/ui/audit/records/{record_id}").text
+        assert 'id="tool-values"' in page and "shipped on 2026-03-02" in page
+
+        assert main(["audit", "erase", "--subject", "tags.user:ann", "--by", "dpo", "--config", str(config)]) == 0
+        shown = client.get(f"/audit/records/{record_id}", headers=auth).json()
+        assert shown["content_erased"] is True and shown["decrypted"] is None
+        assert main(["audit", "verify", "--config", str(config)]) == 0

@@ -47,7 +47,8 @@ def test_encrypted_content_reads_back_until_erased_and_the_chain_verifies_throug
     records = store.query(store_filters(), sort="received_at").records
     assert all(r["input_content"].startswith(PREFIX) and "alice" not in r["input_content"] for r in records)
     first = store.reader.reveal(store.get(records[0]["id"]), "k1", "auditor")
-    assert first["decrypted"] == {"input": "alice's question 0", "output": "answer 0", "tags": {"user": "alice"}}
+    assert first["decrypted"] == {"input": "alice's question 0", "output": "answer 0", "tags": {"user": "alice"},
+                                  "tools": []}
     assert not first["content_erased"]
     assert store.verify().ok
     report = store.erase("tags.user:alice", by="dpo")
