@@ -280,6 +280,9 @@ class Facts(TypedDict, total=False):
     approval_pending: dict[str, Any]
     #: The server, resuming a paused request: ``{"state": approval_pending as kept, "decisions": {id: bool}}``.
     approval_resume: dict[str, Any]
+    #: The server, where a paused request can be resumed: keeps ``approval_pending`` (the agent step awaits it as
+    #: it pauses; BackendError when it cannot, and the step fails: a pause that cannot be resumed is a failure).
+    approval_keeper: Callable[[RequestContext], Awaitable[None]]
     #: The server, on a shadow run: the request it mirrors as served (version, output hash, latency,
     #: tokens, cost, policy decision), which the audit record sets beside the shadow's own.
     shadow: dict[str, Any]

@@ -240,7 +240,8 @@ class AgentStage(Stage):
                                   toolset[name].schema_sha256 if name in toolset else "")
                      for i, (name, args) in enumerate(proposed)]
             if any(_needs_approval(toolset, call) for call in calls):
-                return self._pause(ctx, scope, model, text, turns, calls, toolset, caller, round_, usage, started)
+                return await self._pause(ctx, scope, model, text, turns, calls, toolset, caller, round_, usage,
+                                         started)
             turns += await self._round(text, calls, toolset, caller, round_, {})
         self._account(model, usage, time.perf_counter() - started, scope)
         raise StageError(self.id, f"the model still called tools after max_rounds ({config.max_rounds}) model "
@@ -263,10 +264,11 @@ class AgentStage(Stage):
         return [{"role": "assistant", "content": reply},
                 {"role": "user", "content": "\n".join(functions.result_text(r) for r in results)}]
 
-    def _pause(self, ctx: RequestContext, scope: StageScope, model: str, reply: str, turns: list[dict[str, str]],
-               calls: list[ProposedCall], toolset: dict[str, BoundTool], caller: ToolCaller, round_: int,
-               usage: Usage, started: float) -> AgentOutputs:
-        """End the request with the round's calls waiting for approval (see the module docstring)."""
+    async def _pause(self, ctx: RequestContext, scope: StageScope, model: str, reply: str,
+                     turns: list[dict[str, str]], calls: list[ProposedCall], toolset: dict[str, BoundTool],
+                     caller: ToolCaller, round_: int, usage: Usage, started: float) -> AgentOutputs:
+        """End the request with the round's calls waiting for approval, its state kept by the server's
+        ``approval_keeper`` (see the module docstring)."""
         self._account(model, usage, time.perf_counter() - started, scope)
         ctx.usage = Usage(ctx.usage.input_tokens + usage.input_tokens, ctx.usage.output_tokens + usage.output_tokens)
         for call in calls:
@@ -278,6 +280,8 @@ class AgentStage(Stage):
             "requests": [{"id": call.id, "name": call.name, "server_label": toolset[call.name].server or
                           toolset[call.name].kind, "arguments": call.arguments}
                          for call in calls if _needs_approval(toolset, call)]}
+        if (keeper := ctx.facts.get("approval_keeper")) is not None:
+            await keeper(ctx)
         if scope.streams:
             ctx.model, ctx.output_text, ctx.finish_reason = model, "", APPROVAL_REQUIRED
         scope.end_request()

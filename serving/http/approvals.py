@@ -1,9 +1,9 @@
 """Requests paused for the client's approval of tool calls (an ``agent`` step's ``require_approval``), on the
 pipeline API and the Responses API (docs/tools.md, "Approval").
 
-A route that offers approval adds :func:`keeper` to the request's finalizers: when the agent step paused, its
-state is kept (:meth:`store.responses.ResponseStore.pause`, for ``responses.retention_days``) before the final
-event is made, and :func:`pending_requests` shows the calls awaiting approval. The client's next request names
+A route that offers approval sets :func:`keeper` as the request's ``approval_keeper``: when the agent step
+pauses, it has its state kept (:meth:`store.responses.ResponseStore.pause`, for ``responses.retention_days``)
+before it ends, and :func:`pending_requests` shows the calls awaiting approval. The client's next request names
 the paused request and decides each call; :func:`resume` takes the kept state (once: a second resume of the
 same request finds nothing) and hands it to the agent step with the decisions. A call left undecided is
 denied. The resumed request's audit record holds each call's decision (``approval``: approved or denied).
@@ -32,13 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 def keeper(services: Services) -> Callable[[RequestContext], Awaitable[None]]:
-    """A finalizer that keeps a paused request's state; the request fails (503) if it cannot be kept, since
-    approval requests that cannot be resumed would be a lie."""
+    """What keeps a paused request's state (``ctx.facts["approval_keeper"]``, awaited by the agent step as it
+    pauses); BackendError when it cannot be kept: the step, and so the request, fails (503, and its audit record
+    says so), since approval requests that cannot be resumed would be a lie."""
 
     async def keep(ctx: RequestContext) -> None:
-        pending = ctx.facts.get("approval_pending")
-        if pending is None or ctx.status != "ok":
-            return
+        pending = ctx.facts["approval_pending"]
         created = utcnow()
         days = services.runtime.workspace.server.responses.retention_days
         owner = ctx.principal.key_id if ctx.principal is not None else None
@@ -49,8 +48,8 @@ def keeper(services: Services) -> Callable[[RequestContext], Awaitable[None]]:
             await asyncio.to_thread(services.responses.pause, paused)
         except SQLAlchemyError as exc:
             logger.warning("paused request %s not kept: %s", ctx.request_id, exc)
-            ctx.status, ctx.error = "failed", BackendError(
-                "the request paused for approval but its state could not be stored; retry it")
+            raise BackendError("the request paused for approval but its state could not be stored; retry it") \
+                from None
 
     return keep
 

@@ -106,7 +106,7 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request,
         await approvals.resume(services, pipeline, ctx, data.previous_response_id.removeprefix("resp_"), decisions,
                                "previous_response_id")
     if data.store:  # only a stored response can be answered (previous_response_id)
-        ctx.finalizers.append(approvals.keeper(services))
+        ctx.facts["approval_keeper"] = approvals.keeper(services)
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     ctx.input_messages = system + chat_turns(chat_messages(earlier + items))
     ctx.tools = check_functions([_chat_tool(t.model_dump()) for t in offered], ".parameters")

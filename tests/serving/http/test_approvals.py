@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from litestar.testing import TestClient
 from openai import BadRequestError, NotFoundError, OpenAI
 
@@ -16,6 +17,7 @@ from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.engine import make_engine
 from store.keys import KeyStore
+from store.responses import ResponseStore
 from tests.fakes import FakeEngines
 from tests.stages.test_agent import ScriptedEngine, call
 
@@ -173,3 +175,17 @@ def test_a_streamed_pipeline_request_says_what_it_awaits_in_its_done_event(serve
     resumed = client.post("/pipelines/orders", headers=auth, json={
         "resume": done["request_id"], "approvals": [{"id": pending["id"], "approve": False}]})
     assert resumed.json()["output"] == "Cancelled."  # what the scripted model says, told it was denied
+
+
+def test_a_pause_that_cannot_be_kept_fails_the_request_and_its_record_says_so(served, monkeypatch):
+    def away(self, paused):
+        raise sa.exc.OperationalError("INSERT", {}, Exception("the database is away"))
+
+    monkeypatch.setattr(ResponseStore, "pause", away)
+    client, caller, auditor = served(ScriptedEngine(call("cancel_order", order_id="A-1002"), "Cancelled it."))
+    response = client.post("/pipelines/orders", json={"input": "Cancel A-1002."},
+                           headers={"Authorization": f"Bearer {caller}"})
+    assert response.status_code == 503 and "could not be stored" in response.json()["detail"]
+    [record] = client.get("/audit/records", headers={"Authorization": f"Bearer {auditor}"}).json()["records"]
+    assert record["status"] == "failed" and record["http_status"] == 503
+    assert decisions_of(client, auditor) == [("cancel_order", "pending", "pending")]
