@@ -104,6 +104,12 @@ class Pipeline:
         return next((messages for bound in self._answering_then("messages")
                      if (messages := bound.stage.prompt(ctx)) is not None), None)
 
+    def resumes_at(self, step_id: str) -> bool:
+        """Whether a request paused for approval at step *step_id* can resume on this pipeline (it has a step of
+        that id that pauses)."""
+        bound = self._by_id.get(step_id)
+        return bound is not None and bound.plan.cls.pauses_for_approval
+
     def _answering_then(self, field: str) -> list[BoundStage]:
         """The answering steps, then the steps that write flow field *field*, in file order."""
         return [bound for bound in self.stages if bound.plan.spec.id in self.answer_steps] + \

@@ -93,6 +93,8 @@ class Stage:
     #: It sends the text of a chain's model call (``stream``): a pipeline with one answers through it, not
     #: through its last ``llm`` step.
     answers_chain: ClassVar[bool] = False
+    #: It may pause the request for the client's approval and be resumed by a later one (``agent``).
+    pauses_for_approval: ClassVar[bool] = False
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
         self.id = stage_id

@@ -132,6 +132,7 @@ class AgentStage(Stage):
     Config = AgentConfig
     Outputs = AgentOutputs
     is_model_call = True
+    pauses_for_approval = True
     reads = frozenset({"input_messages"})
 
     def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
@@ -174,6 +175,10 @@ class AgentStage(Stage):
             issues.append((("max_rounds",), f"at most {catalog.max_rounds} rounds (the server's "
                                             "workflows.max_rounds); write a smaller max_rounds"))
         return issues
+
+    @classmethod
+    def model_of(cls, config: BaseModel) -> str | None:
+        return cast(AgentConfig, config).model
 
     @classmethod
     def calls(cls, config: BaseModel) -> list[tuple[tuple[str | int, ...], str]]:

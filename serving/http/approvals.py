@@ -80,7 +80,7 @@ async def resume(services: Services, pipeline: Pipeline, ctx: RequestContext, re
     if paused.pipeline != ctx.pipeline:
         problem = bad_request(f"{param}: request {request_id!r} ran pipeline {paused.pipeline!r}, not "
                               f"{ctx.pipeline!r}", param)
-    elif not any(stage.id == state["step"] and stage.type == "agent" for stage in pipeline.spec.stages):
+    elif not pipeline.resumes_at(state["step"]):
         problem = Problem(409, "Conflict", f"pipeline {ctx.pipeline!r} no longer has the agent step "
                           f"{state['step']!r} that paused (a Responses request with mcp tools: send the same tools "
                           "again); otherwise start the request again", "approval_conflict")

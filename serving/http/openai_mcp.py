@@ -90,10 +90,11 @@ def agent_pipeline(services: Services, pipeline: Pipeline, specs: list[dict[str,
     """*pipeline*'s policy and audit steps around one agent step over its model with *specs* (the module
     docstring); a 400 when the tools do not load (a tool the server does not offer shows at the first call)."""
     stages = pipeline.spec.to_dict()["stages"]
-    models = [s.get("with", {}) for s in stages if s["type"] in ("llm", "agent")]
+    calls = [plan for plan in pipeline.loaded.plans if plan.cls.is_model_call]
     agent: dict[str, Any] = {"tools": specs, "history": True}
-    for key in ("model", "system"):
-        if (found := next((m[key] for m in models if m.get(key)), None)) is not None:
+    for key, read in (("model", lambda plan: plan.cls.model_of(plan.config)),
+                      ("system", lambda plan: getattr(plan.config, "system", None))):
+        if (found := next((value for plan in calls if (value := read(plan))), None)) is not None:
             agent[key] = found
     head = [{k: v for k, v in s.items() if k != "needs"} for s in stages if s["type"] == "policy"]
     tail = [{k: v for k, v in s.items() if k != "needs"} for s in stages if s["type"] == "audit"]
