@@ -278,6 +278,13 @@ class Facts(TypedDict, total=False):
     #: agent: the state of a tool loop paused for the client's approval (its turns, round, calls; the server
     #: keeps it, and shows ``requests``: id, name, server_label, arguments of each call awaiting approval).
     approval_pending: dict[str, Any]
+    #: agent: each tool call made, as the client may be shown it (serving/http/openai_mcp.py ``mcp_items``):
+    #: ``step``, ``id``, ``kind``, ``server``, ``name``, ``arguments``, ``outcome``, ``output`` (what the model
+    #: was told of an ok call's result, after the policy's rails), ``error``, ``approval_request_id``.
+    tool_calls: list[dict[str, Any]]
+    #: agent: the MCP tools each step offered its model, by server: ``{"step", "server", "tools": [{"name",
+    #: "description", "input_schema"}]}``.
+    tools_listed: list[dict[str, Any]]
     #: The server, resuming a paused request: ``{"state": approval_pending as kept, "decisions": {id: bool}}``.
     approval_resume: dict[str, Any]
     #: The server, where a paused request can be resumed: keeps ``approval_pending`` (the agent step awaits it as

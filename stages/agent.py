@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, cast
@@ -203,6 +203,7 @@ class AgentStage(Stage):
     async def run(self, ctx: RequestContext, scope: StageScope) -> AgentOutputs:
         config = cast(AgentConfig, self.config)
         toolset = {tool.name: tool for tool in await self._pinned()}
+        _list_mcp_tools(ctx, self.id, toolset.values())
         offered = [tool.offered() for tool in toolset.values()]
         system = f"{functions.preamble(offered, 'auto')} {PARALLEL_NOTE}"
         resumed = self._resumed(ctx)
@@ -393,6 +394,17 @@ class AgentStage(Stage):
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
         charge(self.resources.catalog, model, usage, seconds, scope)
+
+
+def _list_mcp_tools(ctx: RequestContext, step: str, tools: Iterable[BoundTool]) -> None:
+    """Say which MCP tools the step offers its model, by server (``ctx.facts["tools_listed"]``)."""
+    by_server: dict[str, list[dict[str, Any]]] = {}
+    for tool in tools:
+        if tool.kind == "mcp":
+            by_server.setdefault(tool.server, []).append({"name": tool.name, "description": tool.description,
+                                                          "input_schema": tool.parameters})
+    ctx.facts.setdefault("tools_listed", []).extend(
+        {"step": step, "server": server, "tools": listed} for server, listed in by_server.items())
 
 
 def _needs_approval(toolset: dict[str, BoundTool], call: ProposedCall) -> bool:

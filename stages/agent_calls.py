@@ -125,7 +125,7 @@ class ToolCaller:
             outcome, detail = "error", str(exc)
             told = f"error: {exc}"
         self._record(tool, name, arguments, result, outcome, detail, round_, started,
-                     {"approval": "approved", "approval_request_id": approved.id} if approved else {})
+                     {"approval": "approved", "approval_request_id": approved.id} if approved else {}, told)
         return json.dumps({"name": name, "outcome": outcome, "content": told}, ensure_ascii=False)
 
     async def deny(self, tool: BoundTool | None, call: ProposedCall, round_: int) -> str:
@@ -190,7 +190,7 @@ class ToolCaller:
         return text
 
     def _record(self, tool: BoundTool | None, name: str, arguments: Any, result: str, outcome: str, detail: str,
-                round_: int, started: float, approval: dict[str, str]) -> None:
+                round_: int, started: float, approval: dict[str, str], told: str = "") -> None:
         since = time.perf_counter() - started
         at = (datetime.now(UTC) - self.ctx.received_at).total_seconds() - since
         record = StageRecord(name, "tool", _STATUS[outcome], started_s=max(0.0, at), duration_s=since, error=detail,
@@ -202,6 +202,13 @@ class ToolCaller:
                        "outcome": outcome, "round": round_, "duration_ms": round(since * 1e3, 3), **approval}
         record.inputs, record.output = {"arguments": arguments}, {"result": result}
         self.ctx.stages.append(record)
+        if outcome != "pending":  # a pending call is shown as its approval request
+            calls = self.ctx.facts.setdefault("tool_calls", [])
+            calls.append({"step": self.step_id, "id": f"mcp_{self.ctx.request_id[:24]}_{len(calls)}",
+                          "kind": record.tool["kind"], "server": record.tool["server"], "name": name,
+                          "arguments": arguments, "outcome": outcome, "output": told if outcome == "ok" else None,
+                          "error": None if outcome == "ok" else detail or told,
+                          "approval_request_id": approval.get("approval_request_id")})
         if self.resources.tools is not None:
             self.resources.tools.count(name, outcome)
 

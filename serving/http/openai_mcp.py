@@ -16,14 +16,21 @@ these tools and the client's turns (``history``), and its ``audit`` steps; the p
 (retrieval, routing, a fixed prompt) do not run. It is built for the request and pins the tools' definitions as
 it starts, so drift is caught within a request; across requests each starts from the definitions listed then
 (for pinned definitions across requests, declare the tools in a pipeline file).
+
+On the Responses API the output shows what the tools did before the message, as OpenAI's does:
+``mcp_list_tools`` and ``mcp_call`` items (:func:`mcp_items`; streamed, each with its ``response.mcp_*`` event).
+Sent back as input they are accepted and not read by the model; chat completions show none (their API has
+no place for them).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
 
+from pipeline.context import RequestContext
 from pipeline.errors import SpecError
 from pipeline.loader import load_pipeline_text
 from pipeline.runner import Pipeline
@@ -84,6 +91,30 @@ def _approval(value: Any, allowed: list[str], where: str) -> Any:
             return {"tools": listed} if listed else "never"
     raise bad_request(f"{where}: expected \"always\", \"never\", {{\"always\": {{\"tool_names\": [...]}}}} or "
                       f"{{\"never\": {{\"tool_names\": [...]}}}}", "tools")
+
+
+def mcp_items(ctx: RequestContext) -> list[dict[str, Any]]:
+    """The Responses output items that show what the request's mcp tools did, before its message: an
+    ``mcp_list_tools`` per server (on a request that does not resume an approval: the resumed one listed them)
+    and an ``mcp_call`` per call, its ``output`` what the model was told of the result (after the policy's
+    rails), or its ``error``. Only the tools the request brought (:data:`AGENT_STEP`): a pipeline's own tools are
+    its business, kept in its audit record."""
+    rid, items = ctx.request_id[:24], []
+    if "approval_resume" not in ctx.facts:
+        items += [{"type": "mcp_list_tools", "id": f"mcpl_{rid}_{i}", "server_label": listed["server"],
+                   "tools": listed["tools"], "error": None}
+                  for i, listed in enumerate(ctx.facts.get("tools_listed", [])) if listed["step"] == AGENT_STEP]
+    for call in ctx.facts.get("tool_calls", []):
+        if call["step"] != AGENT_STEP:
+            continue
+        error = call["error"]
+        items.append({"type": "mcp_call", "id": call["id"], "server_label": call["server"], "name": call["name"],
+                      "arguments": json.dumps(call["arguments"], ensure_ascii=False), "output": call["output"],
+                      "error": None if error is None else {"type": "mcp_tool_execution_error",
+                                                           "content": [{"type": "text", "text": error}]},
+                      "status": "completed" if error is None else "failed",
+                      "approval_request_id": call["approval_request_id"]})
+    return items
 
 
 def agent_pipeline(services: Services, pipeline: Pipeline, specs: list[dict[str, Any]]) -> Pipeline:

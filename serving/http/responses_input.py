@@ -5,9 +5,10 @@ An item is a message (``role`` user, assistant, system or developer; ``content``
 ``input_text``/``output_text`` parts; ``type: "message"`` optional), a ``function_call`` (``call_id``,
 ``name``, ``arguments``) or a ``function_call_output`` (``call_id``, ``output``), an ``mcp_approval_request``
 sent back, or an ``mcp_approval_response`` (``approval_request_id``, ``approve``: the client's decision on a
-tool call a paused response awaits, serving/http/approvals.py). An output item sent back as it is (with its
-``id``, ``status``, ``annotations``) is accepted; anything else, an image or a file part among them, is a 400
-that names it. Approval items are not messages: the model never reads them.
+tool call a paused response awaits, serving/http/approvals.py), or an ``mcp_list_tools``/``mcp_call`` item of an
+earlier response sent back. An output item sent back as it is (with its ``id``, ``status``, ``annotations``) is
+accepted; anything else, an image or a file part among them, is a 400 that names it. Approval and mcp items
+are not messages: the model never reads them (it reads the answers they led to).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
               "function_call_output": {"type", "call_id", "output", "id", "status"},
               "mcp_approval_request": {"type", "id", "name", "arguments", "server_label"},
-              "mcp_approval_response": {"type", "approval_request_id", "approve", "id", "reason"}}
+              "mcp_approval_response": {"type", "approval_request_id", "approve", "id", "reason"},
+              "mcp_list_tools": {"type", "id", "server_label", "tools", "error"},
+              "mcp_call": {"type", "id", "server_label", "name", "arguments", "output", "error", "status",
+                           "approval_request_id"}}
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
 _ROLES = ("user", "assistant", "system", "developer")
 
@@ -44,7 +48,7 @@ def _item(item: Any, where: str) -> dict[str, Any]:
     keys = _ITEM_KEYS.get(kind) if isinstance(kind, str) else None
     if keys is None:
         raise bad_request(f"{where}.type: {kind!r} items are not supported by this server (message, function_call, "
-                          "function_call_output, mcp_approval_request and mcp_approval_response are)", "input")
+                          "function_call_output and the mcp_ items of an earlier response are)", "input")
     if unknown := sorted(set(item) - keys):
         raise bad_request(f"{where}: {', '.join(unknown)}: not supported by this server in a {kind} item", "input")
     if kind == "message":
@@ -57,6 +61,10 @@ def _item(item: Any, where: str) -> dict[str, Any]:
             raise bad_request(f"{where}: an mcp_approval_response needs approval_request_id (a string) and approve "
                               "(true or false)", "input")
         return {"type": kind, "approval_request_id": item["approval_request_id"], "approve": item["approve"]}
+    if kind in ("mcp_list_tools", "mcp_call"):  # what an earlier response's tools did, sent back: not read
+        if not isinstance(item.get("server_label"), str):
+            raise bad_request(f"{where}.server_label: expected a string", "input")
+        return dict(item)
     names = {"function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output"),
              "mcp_approval_request": ("id", "name", "arguments", "server_label")}[kind]
     for name in names:

@@ -225,16 +225,17 @@ class _Made:
 
 
 def _output(ctx: RequestContext, text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
-    """The output items of a reply, and the response's status."""
+    """The output items of a reply, and the response's status: what its mcp tools did, then its answer."""
+    shown = openai_mcp.mcp_items(ctx)
     if (awaiting := _approval_items(ctx)) is not None:
-        return awaiting, "completed"
+        return shown + awaiting, "completed"
     status = "incomplete" if finish_reason == "length" else "completed"
     call = call_of(ctx, text)
     if call is not None:
-        return [_call_item(ctx, call, "completed")], "completed"
+        return [*shown, _call_item(ctx, call, "completed")], "completed"
     if is_cut_call(ctx, finish_reason):  # half a call is neither a call nor content
-        return [], "incomplete"
-    return [_message_item(ctx, text, status)], status
+        return shown, "incomplete"
+    return [*shown, _message_item(ctx, text, status)], status
 
 
 def _approval_items(ctx: RequestContext) -> list[dict[str, Any]] | None:
@@ -298,6 +299,17 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
 
     held = HeldReply(ctx) if tools.is_offered(ctx.tools, ctx.tool_choice) else None
     message = _MessageEvents(f"msg_{ctx.request_id}", send)
+    shown: list[dict[str, Any]] | None = None  # the mcp items, sent before the first of the answer's
+
+    def show_tools() -> bytes:
+        """The mcp items' events, once: the calls are made before any text of the answer is sent."""
+        nonlocal shown
+        if shown is not None:
+            return b""
+        shown = openai_mcp.mcp_items(ctx)
+        message.index = len(shown)
+        return b"".join(_mcp_events(send, index, item) for index, item in enumerate(shown))
+
     try:
         started = made.body("in_progress", [], None)
         yield send("response.created", response=started)
@@ -306,26 +318,29 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
             if isinstance(event, TextDelta):
                 content = held.feed(event.text) if held is not None else event.text
                 if content:
-                    yield message.delta(content)
+                    yield show_tools() + message.delta(content)
             elif isinstance(event, Done):
                 finish = event.summary.finish_reason
                 status = "incomplete" if finish == "length" else "completed"
                 reply = held.end(finish) if held is not None and not held.passing else message.text
+                if head := show_tools():
+                    yield head
+                at = message.index
                 if (awaiting := _approval_items(ctx)) is not None:
                     output, status = awaiting, "completed"
-                    for index, item in enumerate(awaiting):
+                    for index, item in enumerate(awaiting, at):
                         yield send("response.output_item.added", output_index=index, item=item)
                         yield send("response.output_item.done", output_index=index, item=item)
                 elif isinstance(reply, tools.ToolCall):
                     item = _call_item(ctx, reply, "completed")
                     output, status = [item], "completed"
-                    yield send("response.output_item.added", output_index=0,
+                    yield send("response.output_item.added", output_index=at,
                                item={**item, "arguments": "", "status": "in_progress"})
-                    yield send("response.function_call_arguments.delta", item_id=item["id"], output_index=0,
+                    yield send("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
                                delta=reply.arguments)
-                    yield send("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                    yield send("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                name=reply.name, arguments=reply.arguments)
-                    yield send("response.output_item.done", output_index=0, item=item)
+                    yield send("response.output_item.done", output_index=at, item=item)
                 elif reply is None:  # a forced call cut short: no output
                     output, status = [], "incomplete"
                 else:
@@ -333,6 +348,7 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
                         yield message.delta(reply)
                     output = [_message_item(ctx, message.text, status)]
                     yield message.done(output[0])
+                output = (shown or []) + output
                 body = made.body(status, output, event)
                 try:
                     await _keep(services, made, body, output)
@@ -346,6 +362,19 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
         await events.aclose()  # type: ignore[attr-defined]
 
 
+def _mcp_events(send: Callable[..., bytes], index: int, item: dict[str, Any]) -> bytes:
+    """An ``mcp_list_tools`` or ``mcp_call`` item's events, as OpenAI streams them once the item is complete."""
+    where = {"item_id": item["id"], "output_index": index}
+    if item["type"] == "mcp_list_tools":
+        middle = send("response.mcp_list_tools.completed", **where)
+    else:
+        middle = (send("response.mcp_call_arguments.done", **where, arguments=item["arguments"])
+                  + send("response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed",
+                         **where))
+    return (send("response.output_item.added", output_index=index, item=item) + middle
+            + send("response.output_item.done", output_index=index, item=item))
+
+
 def _error(send: Callable[..., bytes], problem: Problem) -> bytes:
     return send("error", code=problem.kind, message=problem.detail or problem.title, param=None)
 
@@ -355,6 +384,8 @@ class _MessageEvents:
 
     def __init__(self, item_id: str, send: Callable[..., bytes]):
         self.item_id = item_id
+        #: Its place in the output (after the mcp items).
+        self.index = 0
         self.text = ""
         self._send = send
         self._opened = False
@@ -362,22 +393,22 @@ class _MessageEvents:
     def _open(self) -> bytes:
         self._opened = True
         item = {"type": "message", "id": self.item_id, "role": "assistant", "status": "in_progress", "content": []}
-        return (self._send("response.output_item.added", output_index=0, item=item)
-                + self._send("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
-                             part=_text_part("")))
+        return (self._send("response.output_item.added", output_index=self.index, item=item)
+                + self._send("response.content_part.added", item_id=self.item_id, output_index=self.index,
+                             content_index=0, part=_text_part("")))
 
     def delta(self, text: str) -> bytes:
         head = b"" if self._opened else self._open()
         self.text += text
-        return head + self._send("response.output_text.delta", item_id=self.item_id, output_index=0,
+        return head + self._send("response.output_text.delta", item_id=self.item_id, output_index=self.index,
                                  content_index=0, delta=text, logprobs=[])
 
     def done(self, item: dict[str, Any]) -> bytes:
         head = b"" if self._opened else self._open()
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = {"item_id": self.item_id, "output_index": self.index, "content_index": 0}
         return (head + self._send("response.output_text.done", **where, text=self.text, logprobs=[])
                 + self._send("response.content_part.done", **where, part=_text_part(self.text))
-                + self._send("response.output_item.done", output_index=0, item=item))
+                + self._send("response.output_item.done", output_index=self.index, item=item))
 
 
 def _owner(principal: Principal | None) -> str | None:

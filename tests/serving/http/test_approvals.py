@@ -196,10 +196,11 @@ def test_a_request_resumes_only_where_a_step_of_that_id_can_pause(served):
     openai = OpenAI(base_url=f"{client.base_url}/v1", api_key=caller, http_client=client)
     tools = [{"type": "mcp", "server_label": "orders", "allowed_tools": ["cancel_order"]}]
     first = openai.responses.create(model="orders", input="Cancel A-1002.", tools=tools)  # paused at mcp_tools
+    asked = first.output[-1].id
     auth = {"Authorization": f"Bearer {caller}"}
     conflict = client.post("/pipelines/orders", headers=auth, json={
-        "resume": first.id.removeprefix("resp_"), "approvals": [{"id": first.output[0].id, "approve": True}]})
+        "resume": first.id.removeprefix("resp_"), "approvals": [{"id": asked, "approve": True}]})
     assert conflict.status_code == 409 and "no longer has the agent step 'mcp_tools'" in conflict.json()["detail"]
     second = openai.responses.create(model="orders", previous_response_id=first.id, tools=tools, input=[
-        {"type": "mcp_approval_response", "approval_request_id": first.output[0].id, "approve": True}])
+        {"type": "mcp_approval_response", "approval_request_id": asked, "approve": True}])
     assert second.output_text == "Cancelled."  # the conflict left it paused

@@ -45,6 +45,35 @@ def test_responses_run_an_allowed_tool_of_a_configured_server(chat):
     assert "You are a helpful assistant." in engine.prompts[0]  # the pipeline's system prompt
     assert "shipped on 2026-03-02" in engine.prompts[1]
     assert decisions_of(client, auditor) == [("order_status", "ok", "")]
+    listed, made, message = response.output  # what the tools did, as OpenAI's items, before the message
+    assert (listed.type, listed.server_label, [t.name for t in listed.tools]) == (
+        "mcp_list_tools", "orders", ["order_status"])
+    assert listed.tools[0].input_schema["required"] == ["order_id"]
+    assert (made.type, made.name, made.server_label, json.loads(made.arguments), made.error, made.status) == (
+        "mcp_call", "order_status", "orders", {"order_id": "A-1001"}, None, "completed")
+    assert "shipped on 2026-03-02" in made.output and message.type == "message"
+    again = openai.responses.create(model="chat", previous_response_id=response.id, tools=[STATUS_ONLY],
+                                    input="Thanks!")  # the items stored with it are taken back, not read
+    assert again.output_text == "A-1001 shipped on 2026-03-02."  # the script's last reply, again
+
+
+def test_a_streamed_response_shows_its_mcp_items_before_the_answer(chat):
+    engine = ScriptedEngine(call("order_status", order="A-9999"), "No such order.")  # refused: no order_id
+    _, openai, _ = chat(engine)
+    events = list(openai.responses.create(model="chat", input="Where is A-9999?", tools=[STATUS_ONLY], stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:9] == ["response.output_item.added", "response.mcp_list_tools.completed",
+                          "response.output_item.done", "response.output_item.added",
+                          "response.mcp_call_arguments.done", "response.mcp_call.failed", "response.output_item.done"]
+    assert kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["mcp_list_tools", "mcp_call", "message"]
+    failed = final.output[1]
+    assert failed.status == "failed" and failed.output is None and "order_id" in failed.error.content[0]["text"]
+    assert final.output_text == "No such order."
+    text_event = next(e for e in events if e.type == "response.output_text.delta")
+    assert text_event.output_index == 2
 
 
 def test_chat_completions_run_them_too(chat):
@@ -61,11 +90,14 @@ def test_responses_pause_for_approval_by_default(chat):
     client, openai, auditor = chat(engine)
     tools = [{"type": "mcp", "server_label": "orders", "allowed_tools": ["order_status"]}]
     first = openai.responses.create(model="chat", input="Where is A-1001?", tools=tools)
-    [item] = first.output
+    listed, item = first.output
+    assert listed.type == "mcp_list_tools"
     assert item.type == "mcp_approval_request" and json.loads(item.arguments) == {"order_id": "A-1001"}
     second = openai.responses.create(model="chat", previous_response_id=first.id, tools=tools, input=[
         {"type": "mcp_approval_response", "approval_request_id": item.id, "approve": True}])
     assert second.output_text == "It shipped."
+    made, _ = second.output  # listed by the first response, not again
+    assert made.type == "mcp_call" and made.approval_request_id == item.id and made.status == "completed"
     assert [d[1:] for d in decisions_of(client, auditor)] == [("pending", "pending"), ("ok", "approved")]
 
 
