@@ -472,6 +472,11 @@ class ToolProvider(Protocol):
         """Count one call of *tool* by its outcome (ok, error, timeout, refused) in the server's metrics."""
         ...
 
+    async def pin(self, pipeline: str, spec_sha256: str, pins: Mapping[str, str]) -> Mapping[str, str]:
+        """Keep *pins* (``STEP/SERVER/TOOL`` -> the tool's schema SHA-256) with the pipeline version, where it keeps
+        none yet for a tool; the pins kept (the first listing's, across restarts). Without a database, *pins*."""
+        ...
+
 
 @dataclass(slots=True)
 class Resources:

@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 class Pipeline:
     """A loaded pipeline with its stages instantiated over live resources."""
 
-    def __init__(self, loaded: LoadedPipeline, resources: Resources | None = None):
+    def __init__(self, loaded: LoadedPipeline, resources: Resources | None = None, *, versioned: bool = True):
+        """*versioned*: a version the server keeps (its steps pin their tools with it); False for a pipeline
+        built for one request."""
         self.loaded = loaded
         self.spec = loaded.spec
         self.name = loaded.spec.name
@@ -68,6 +70,9 @@ class Pipeline:
             for plan in loaded.plans
         )
         self._by_id = {bound.plan.spec.id: bound for bound in self.stages}
+        if versioned:
+            for bound in self.stages:
+                bound.stage.version = (self.name, loaded.sha256)
         #: Requests running on this pipeline now: a version replaced by a reload is closed once it is 0.
         self.in_flight = 0
         self._idle: asyncio.Event | None = None

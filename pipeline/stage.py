@@ -100,6 +100,9 @@ class Stage:
         self.id = stage_id
         self.config = config
         self.resources = resources
+        #: The pipeline version it serves, (name, spec SHA-256), set as the version is instantiated (before any
+        #: request); ("", "") for a pipeline built for one request, whose tools are pinned for it alone.
+        self.version = ("", "")
 
     @classmethod
     def required_reads(cls, config: BaseModel) -> frozenset[str]:

@@ -36,8 +36,9 @@ count on). Whether a call needs approval is read from the step's tools as they a
 approved call whose tool's definition is no longer the one it was proposed under is refused.
 
 MCP tools are pinned: when the pipeline version is instantiated (at load and at each reload) the step lists
-its servers' tools and keeps the SHA-256 of each allowed tool's schema; a call to a tool whose server now
-offers a different schema is refused until a new version of the pipeline loads.
+its servers' tools and keeps the SHA-256 of each allowed tool's schema with the version (in the database,
+``tool_pins``: the first listing of a version holds across reloads, restarts and servers); a call to a tool
+whose server now offers a different schema is refused until a new version of the pipeline is deployed.
 """
 
 from __future__ import annotations
@@ -379,8 +380,13 @@ class AgentStage(Stage):
             raise BackendError(f"MCP server {spec.server!r} offers no tool {', '.join(map(repr, missing))} "
                                f"(it offers: {', '.join(sorted(listed)) or 'none'})")
         allow_sha = sha256_of(sorted(spec.allow))
+        keys = {name: f"{self.id}/{spec.server}/{name}" for name in spec.allow}
+        pipeline, spec_sha256 = self.version
+        pinned = {keys[name]: listed[name].sha256 for name in spec.allow}
+        if spec_sha256:  # a kept version: the definitions it first listed hold, across reloads and restarts
+            pinned = dict(await self.resources.tools.pin(pipeline, spec_sha256, pinned))
         return [BoundTool(name, "mcp", listed[name].description, dict(listed[name].parameters),
-                          listed[name].sha256, spec, spec.server, allow_sha) for name in spec.allow]
+                          pinned[keys[name]], spec, spec.server, allow_sha) for name in spec.allow]
 
     def _messages(self, ctx: RequestContext, config: AgentConfig, preamble: str) -> list[ChatMessage]:
         values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}

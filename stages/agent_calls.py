@@ -155,7 +155,7 @@ class ToolCaller:
         current = (await provider.list_mcp(tool.server)).get(tool.name)
         if current is None or current.sha256 != tool.schema_sha256:
             raise _Refused(f"the MCP server {tool.server!r} changed tool {tool.name!r} since this pipeline version "
-                           "loaded (schema drift); deploy a new version to accept it")
+                           "pinned it (schema drift); deploy a new version to accept it")
         return await provider.call_mcp(tool.server, tool.name, arguments)
 
     async def _run_pipeline(self, spec: PipelineTool, text: str) -> ToolReply:

@@ -6,12 +6,14 @@
     versions.by_sha256(sha)                     # the exact YAML that served an audit record (its spec_sha256)
     versions.list("support")                    # newest first
     versions.labelled("support", "3")           # those labelled 3: more than one, and a pin by label is ambiguous
+    ToolPins(engine).pin("support", sha, {"answer/orders/order_status": schema_sha})  # the first pins hold
 
 A version is identified by its spec hash: the SHA-256 of the YAML text, which audit records carry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -205,3 +207,57 @@ class PipelineShadows:
         with Session(self.engine) as session:
             return {row.name: Shadow(row.spec_sha256, row.percent)
                     for row in session.scalars(sa.select(PipelineShadowRow))}
+
+
+class ToolPinRow(Base):
+    """The definition of one MCP tool a pipeline version was first loaded with (what its calls are held to)."""
+
+    __tablename__ = "tool_pins"
+    __table_args__ = (sa.UniqueConstraint("name", "spec_sha256", "tool"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(sa.String(200))
+    spec_sha256: Mapped[str] = mapped_column(sa.String(64))
+    tool: Mapped[str] = mapped_column(sa.String(500))
+    """``STEP/SERVER/TOOL``: the agent step, the MCP server and the tool."""
+    schema_sha256: Mapped[str] = mapped_column(sa.String(64))
+    """SHA-256 of the tool's definition as the server listed it then."""
+    pinned_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ToolPins:
+    """The ``tool_pins`` table: an MCP tool's definition is pinned with the pipeline version that first listed it,
+    across reloads, restarts and servers, so that a server that changes it later is refused until a new version
+    of the pipeline is deployed."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+
+    def pin(self, name: str, spec_sha256: str, pins: Mapping[str, str]) -> dict[str, str]:
+        """Keep *pins* (``STEP/SERVER/TOOL`` -> schema SHA-256) with the version where none is kept yet for that
+        tool; the pins kept for those tools (the first ones: a later listing never replaces them)."""
+        with Session(self.engine) as session:
+            kept = self._kept(session, name, spec_sha256, pins)
+            fresh = [ToolPinRow(name=name, spec_sha256=spec_sha256, tool=tool, schema_sha256=sha256,
+                                pinned_at=utcnow()) for tool, sha256 in pins.items() if tool not in kept]
+            if not fresh:
+                return kept
+            session.add_all(fresh)
+            try:
+                session.commit()
+            except sa.exc.IntegrityError:  # another process pinned them first: its pins hold
+                session.rollback()
+                return self._kept(session, name, spec_sha256, pins)
+            return kept | {row.tool: row.schema_sha256 for row in fresh}
+
+    def of(self, name: str, spec_sha256: str) -> dict[str, str]:
+        """Every pin kept with the version."""
+        query = sa.select(ToolPinRow).where(ToolPinRow.name == name, ToolPinRow.spec_sha256 == spec_sha256)
+        with Session(self.engine) as session:
+            return {row.tool: row.schema_sha256 for row in session.scalars(query)}
+
+    @staticmethod
+    def _kept(session: Session, name: str, spec_sha256: str, pins: Mapping[str, str]) -> dict[str, str]:
+        query = sa.select(ToolPinRow).where(ToolPinRow.name == name, ToolPinRow.spec_sha256 == spec_sha256,
+                                            ToolPinRow.tool.in_(list(pins)))
+        return {row.tool: row.schema_sha256 for row in session.scalars(query)}

@@ -6,6 +6,7 @@ Built from ``inferline.yaml`` (``mcp_servers:``, ``tool_headers:``); counts ever
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from pipeline.protocols import ToolReply, ToolSchema
 from serving.backends.http_tools import HttpTools
 from serving.backends.mcp_client import McpConnection
 from serving.config.server import ServerSpec
+from store.pipeline_versions import ToolPins
 
 
 class ToolHub:
@@ -26,6 +28,8 @@ class ToolHub:
         self._http = HttpTools(server.tool_headers, root)
         self._mcp = {name: McpConnection(name, spec, root, lambda spec=spec: self._http.headers(spec.headers_from))
                      for name, spec in server.mcp_servers.items()}
+        #: Where pins are kept with their pipeline versions (set once the database is open).
+        self.pins: ToolPins | None = None
         self._calls = Counter("inferline_tool_calls", "Tool calls of agent steps, by tool and outcome (ok, error, "
                               "timeout, refused, pending, denied).", ["tool", "outcome"],
                               registry=registry if registry is not None else CollectorRegistry())
@@ -48,6 +52,11 @@ class ToolHub:
 
     def count(self, tool: str, outcome: str) -> None:
         self._calls.labels(tool, outcome).inc()
+
+    async def pin(self, pipeline: str, spec_sha256: str, pins: Mapping[str, str]) -> Mapping[str, str]:
+        if self.pins is None:
+            return pins
+        return await asyncio.to_thread(self.pins.pin, pipeline, spec_sha256, pins)
 
     async def aclose(self) -> None:
         for connection in self._mcp.values():

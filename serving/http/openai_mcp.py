@@ -137,4 +137,4 @@ def agent_pipeline(services: Services, pipeline: Pipeline, specs: list[dict[str,
                                     workspace.registry, resources.catalog)
     except SpecError as exc:
         raise bad_request(f"tools: {exc}", "tools") from None
-    return Pipeline(loaded, resources)
+    return Pipeline(loaded, resources, versioned=False)

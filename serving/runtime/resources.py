@@ -50,6 +50,7 @@ from serving.runtime.served_pipelines import ServedPipelines
 from serving.runtime.workspace import Workspace
 from store.audit import AuditStore
 from store.counters import RedisCounters, SqlCounters
+from store.pipeline_versions import ToolPins
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,12 @@ class Runtime:
         self.indexes = IndexRegistry(server, workspace.root)
         #: The sentence-embedding models of the ``embed`` stages, loaded on first use or by start_models.
         self.embedders = EmbedderPool(server, workspace.root)
+        #: The agent steps' tools; their pins are kept with the pipeline versions once the database is open.
+        self.tools = ToolHub(server, workspace.root, options.metrics_registry)
         self.resources = Resources(catalog_of(server), engines=self.engines, indexes=self.indexes,
                                    caches=StoreCaches(), embedders=self.embedders,
                                    rerankers=RerankerPool(server, workspace.root),
-                                   tools=ToolHub(server, workspace.root, options.metrics_registry))
+                                   tools=self.tools)
         #: The pipelines served, by name: the hot reload swaps versions in and out (serving/runtime/reloader.py).
         self.pipelines = ServedPipelines(Pipeline(item, self.resources) for item in loaded)
         #: The versions kept, pins, canary splits and shadows (kept in the database once open, when asked).
@@ -145,6 +148,7 @@ class Runtime:
         stack.callback(self.tracer_provider.shutdown)
         self.db = db = open_engine(self.workspace.database_url)
         stack.callback(db.dispose)
+        self.tools.pins = ToolPins(db)
         if options.record_versions:
             await self.deployments.open(db)
         # A serving process signs with the config's key or, failing that, its own (made on first start); it

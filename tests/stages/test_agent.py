@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import textwrap
+from unittest.mock import ANY
 
 import pytest
 
@@ -69,6 +70,8 @@ class MemoryTools:
         self.most_running = 0
         self.cancelled: list[str] = []
         self.release = asyncio.Event()
+        #: The pins kept, by (pipeline, spec SHA-256), as the database keeps them.
+        self.pinned: dict[tuple[str, str], dict[str, str]] = {}
 
     async def list_mcp(self, server):
         return {name: ToolSchema(name, "", schema, json.dumps(schema, sort_keys=True))
@@ -98,6 +101,12 @@ class MemoryTools:
 
     def count(self, tool, outcome):
         self.counted.append((tool, outcome))
+
+    async def pin(self, pipeline, spec_sha256, pins):
+        kept = self.pinned.setdefault((pipeline, spec_sha256), {})
+        for tool, sha256 in pins.items():
+            kept.setdefault(tool, sha256)
+        return {tool: kept[tool] for tool in pins}
 
 
 class Sink:
@@ -173,7 +182,7 @@ async def test_arguments_that_break_the_schema_are_refused(registry):
     assert tools.calls == [] and tool_records(ctx) == [("order_status", "denied", "refused")]
 
 
-async def test_a_changed_schema_is_refused_until_a_new_version_loads(registry):
+async def test_a_changed_schema_is_refused_until_a_new_version_is_deployed(registry):
     engine, tools = ScriptedEngine(call("order_status", order_id="A-1"), "Could not look."), MemoryTools()
     loaded = load_pipeline_text(textwrap.dedent(PIPELINE), "orders.yaml", registry, CATALOG)
     pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
@@ -184,10 +193,20 @@ async def test_a_changed_schema_is_refused_until_a_new_version_loads(registry):
     assert isinstance(final, Done)
     assert tools.calls == [] and tool_records(ctx) == [("order_status", "denied", "refused")]
     assert ("order_status", "refused") in tools.counted and "schema drift" in engine.prompts[1]
-    fresh = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=ScriptedEngine(
-        call("order_status", order_id="A-1"), "Shipped.")), audit=Sink(), tools=tools))
+    assert tools.pinned == {("orders", loaded.sha256): {"answer/orders/order_status": ANY, "answer/orders/slow": ANY,
+                                                        "answer/orders/poisoned": ANY}}
+
+    def served(loaded):  # the version instantiated again: a reload, a restart, another server
+        return Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=ScriptedEngine(
+            call("order_status", order_id="A-1"), "Shipped.")), audit=Sink(), tools=tools))
+
     ctx = RequestContext.from_text("orders", "Where is A-1?")
-    assert isinstance(await Runner().run(fresh, ctx), Done)
+    assert isinstance(await Runner().run(served(loaded), ctx), Done)
+    assert tool_records(ctx) == [("order_status", "denied", "refused")]  # the version's first pins hold
+    deployed = load_pipeline_text(textwrap.dedent(PIPELINE).replace("name: orders", "name: orders\nversion: '2'"),
+                                  "orders.yaml", registry, CATALOG)
+    ctx = RequestContext.from_text("orders", "Where is A-1?")
+    assert isinstance(await Runner().run(served(deployed), ctx), Done)
     assert tool_records(ctx) == [("order_status", "ok", "ok")]
 
 
@@ -399,7 +418,9 @@ async def test_an_approved_call_of_a_tool_changed_since_is_refused(registry):
     ctx = RequestContext.from_text("orders", "Where is A-1001?")
     await Runner().run(pipeline, ctx)
     tools.schemas["order_status"] = {**STATUS, "properties": {"order_id": {"type": "string"}, "all": {}}}
-    redeployed = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
+    version_2 = load_pipeline_text(textwrap.dedent(APPROVAL).replace("name: orders", "name: orders\nversion: '2'"),
+                                   "orders.yaml", registry, CATALOG)  # pins the changed tool
+    redeployed = Pipeline(version_2, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
     [request] = ctx.facts["approval_pending"]["requests"]
     resumed = RequestContext.from_text("orders", "Where is A-1001?")
     resumed.facts["approval_resume"] = {"state": ctx.facts["approval_pending"], "decisions": {request["id"]: True}}

@@ -24,8 +24,8 @@ from store.migrate import MIGRATIONS, create_schema, current_revision, downgrade
 
 TABLES = {"api_keys", "audit_records", "audit_stages", "audit_checkpoints", "audit_chain_head", "audit_access_log",
           "limit_counters", "pipeline_versions", "pipeline_traffic", "pipeline_shadows", "audit_data_keys", "responses",
-          "paused_requests"}
-HEAD = "0014"
+          "paused_requests", "tool_pins"}
+HEAD = "0015"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])

@@ -26,6 +26,9 @@ from serving.backends.tool_hub import ToolHub
 from serving.config.loader import catalog_of
 from serving.config.server import ServerSpec
 from stages import register_builtins
+from store.engine import make_engine
+from store.migrate import create_schema
+from store.pipeline_versions import ToolPins
 from tests.fakes import FakeEngines
 from tests.stages.test_agent import ScriptedEngine, Sink, call
 
@@ -189,14 +192,17 @@ stages:
 """
 
 
-async def test_the_agent_over_real_mcp_refuses_a_schema_changed_by_a_restarted_server(http_mcp):
+async def test_the_agent_over_real_mcp_refuses_a_schema_changed_by_a_restarted_server(http_mcp, tmp_path):
     port, process = http_mcp
     spec = server_spec(mcp_port=port)
     hub = ToolHub(spec, ROOT)
+    database = make_engine(f"sqlite:///{tmp_path / 'pins.db'}")
+    create_schema(database)
+    hub.pins = ToolPins(database)  # as a serving process keeps them
     registry = register_builtins(StageRegistry())
     loaded = load_pipeline_text(textwrap.dedent(AGENT), "orders.yaml", registry, catalog_of(spec))
 
-    async def ask(engine) -> RequestContext:
+    async def ask(engine, loaded=loaded) -> RequestContext:
         pipeline = Pipeline(loaded, Resources(catalog_of(spec), engines=FakeEngines(smol=engine), audit=Sink(),
                                               tools=hub))
         ctx = RequestContext.from_text("orders", "Where is A-1001?")
@@ -220,6 +226,15 @@ async def test_the_agent_over_real_mcp_refuses_a_schema_changed_by_a_restarted_s
             assert "schema drift" in engine.prompts[1]
             poisoned = await ask(ScriptedEngine(call("poisoned", order_id="A-1"), "No."))
             assert [r.tool["outcome"] for r in poisoned.stages if r.type == "tool"] == ["refused"]
+            # The version instantiated afresh (a reload, a restart of Inferline): its kept pins still hold...
+            again = await ask(ScriptedEngine(call("order_status", order_id="A-1001"), "Shipped."))
+            assert [r.tool["outcome"] for r in again.stages if r.type == "tool"] == ["refused"]
+            assert len(ToolPins(database).of("orders", loaded.sha256)) == 2
+            # ...until a new version is deployed, which pins the new definition.
+            version_2 = load_pipeline_text(textwrap.dedent(AGENT).replace("name: orders", "name: orders\nversion: '2'"),
+                                           "orders.yaml", registry, catalog_of(spec))
+            fresh = await ask(ScriptedEngine(call("order_status", order_id="A-1001"), "Shipped."), version_2)
+            assert [r.tool["outcome"] for r in fresh.stages if r.type == "tool"] == ["ok"]
         finally:
             stop(restarted)
     finally:

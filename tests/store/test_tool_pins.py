@@ -1,0 +1,26 @@
+"""MCP tool pins kept with pipeline versions (store/pipeline_versions.py ToolPins): the first pins of a version
+hold, per tool; another version, or another pipeline, pins its own; two writers racing keep one."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from store.pipeline_versions import ToolPins
+
+
+def test_the_first_pins_of_a_version_hold(engine):
+    pins = ToolPins(engine)
+    assert pins.pin("orders", "a" * 64, {"answer/orders/status": "1" * 64}) == {"answer/orders/status": "1" * 64}
+    later = pins.pin("orders", "a" * 64, {"answer/orders/status": "2" * 64, "answer/orders/cancel": "3" * 64})
+    assert later == {"answer/orders/status": "1" * 64, "answer/orders/cancel": "3" * 64}  # a new tool: pinned now
+    assert pins.pin("orders", "b" * 64, {"answer/orders/status": "2" * 64}) == {"answer/orders/status": "2" * 64}
+    assert pins.pin("billing", "a" * 64, {"answer/orders/status": "4" * 64}) == {"answer/orders/status": "4" * 64}
+    assert pins.of("orders", "a" * 64) == {"answer/orders/status": "1" * 64, "answer/orders/cancel": "3" * 64}
+
+
+def test_writers_racing_agree_on_one_pin(engine):
+    pins = ToolPins(engine)
+    with ThreadPoolExecutor(4) as pool:
+        kept = list(pool.map(lambda i: pins.pin("orders", "c" * 64, {"answer/orders/status": f"{i}" * 64}),
+                             range(4)))
+    assert len({tuple(k.items()) for k in kept}) == 1 and pins.of("orders", "c" * 64) == kept[0]
