@@ -8,8 +8,9 @@ behind its auth::
         tools = await mcp.list_tools()                      # the pipelines this key may call
         result = await mcp.call_tool("support", {"input": "How do I reset my password?"})
 
-- Every HTTP request to ``/mcp`` needs a key, as every route does: none or a bad one is a 401 problem,
-  recorded by the refusal recorder like any other route's. A session answers only the key that opened it.
+- Every HTTP request to ``/mcp`` needs a key, as every route does: none or a bad one is a 401 problem, and a
+  body over ``http.max_body_bytes`` a 413 problem, recorded by the refusal recorder like any other route's.
+  A session answers only the key that opened it.
 - ``tools/list``: the pipelines whose ``access.roles`` the key's role is in (an admin's: all), each with
   its description and its input schema (:func:`input_schema`: ``input``, ``tags`` and the sampling options
   the pipeline lets callers set, as ``POST /pipelines/{name}`` takes them); embeddings pipelines answer

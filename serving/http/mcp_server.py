@@ -32,6 +32,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from pipeline import __version__
 from serving.http.auth import Authenticator
+from serving.http.problems import Problem, title_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class McpSessions:
 
     def __init__(self, auth: Authenticator, max_body_bytes: int, list_tools: ListTools, call_tool: CallTool) -> None:
         self.auth = auth
+        self.max_body_bytes = max_body_bytes
         self.bus = InMemorySubscriptionBus()
         self.server = ToolServer(list_tools, call_tool, self.bus)
         # Without auth (loopback only) a web page could reach /mcp by rebinding a name of its own to
@@ -119,12 +121,47 @@ class McpSessions:
             await asyncio.Event().wait()
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One HTTP request to ``/mcp``: a 401 problem without a valid key, else the MCP transport's answer."""
+        """One HTTP request to ``/mcp``: a 401 problem without a valid key, a 413 problem for a body over
+        ``http.max_body_bytes`` (both recorded as every route's refusals are), else the MCP transport's answer."""
         principal = await self.auth.principal(Request(scope))
         if principal is not None:  # a session answers only the key that opened it
             scope["user"] = AuthenticatedUser(AccessToken(  # type: ignore[typeddict-unknown-key]
                 token=principal.key_id, client_id=principal.key_id, scopes=[principal.role]))
+        if scope.get("method") == "POST":
+            receive = await self._bounded(scope, receive)
         await self.manager.handle_request(scope, receive, send)  # type: ignore[arg-type]
+
+    async def _bounded(self, scope: Scope, receive: Receive) -> Receive:
+        """A POST's body read whole, within ``http.max_body_bytes`` (a JSON-RPC message is read whole by the
+        transport anyway), and handed on; a 413 problem past the limit, declared or sent."""
+        too_large = Problem(413, title_for(413), f"the body is over http.max_body_bytes ({self.max_body_bytes} "
+                            "bytes)", "body_too_large")
+        declared = Request(scope).headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size, message = [], 0, await receive()
+        while message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise too_large
+            if not message.get("more_body"):
+                break
+            message = await receive()
+        if message["type"] != "http.request":  # the client left: the transport sees it leave
+            first = message
+        else:
+            first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        handed = False
+
+        async def replay() -> Any:
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return first
+
+        return replay
 
     def tools_changed(self) -> None:
         """Tell the open sessions that the tools changed (returns at once; they are told by a task)."""

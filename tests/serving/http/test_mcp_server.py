@@ -274,3 +274,26 @@ def test_without_auth_a_loopback_client_needs_no_key(tmp_path, monkeypatch, fake
         assert rebound.status_code == 421
     finally:
         server.stop()
+
+
+async def test_a_body_sent_in_chunks_past_the_limit_is_a_413_and_one_under_it_is_handed_on_whole():
+    from serving.http.mcp_server import McpSessions
+    from serving.http.problems import Problem
+
+    def chunks(*parts: bytes):
+        messages = [{"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
+                    for i, part in enumerate(parts)] + [{"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0)
+        return receive
+
+    sessions = McpSessions.__new__(McpSessions)
+    sessions.max_body_bytes = 10
+    scope = {"type": "http", "method": "POST", "headers": [], "path": "/mcp"}  # no content-length: chunked
+    with pytest.raises(Problem) as caught:
+        await sessions._bounded(scope, chunks(b"123456", b"78901"))
+    assert caught.value.status == 413 and "http.max_body_bytes (10 bytes)" in caught.value.detail
+    receive = await sessions._bounded(scope, chunks(b"12345", b"6789"))
+    assert await receive() == {"type": "http.request", "body": b"123456789", "more_body": False}
+    assert await receive() == {"type": "http.disconnect"}

@@ -130,6 +130,8 @@ def test_an_auditors_403_on_a_caller_pipeline_leaves_one_record(server, path, bo
     ("/pipelines/chat", {"input": TOO_LARGE}, "chat"),
     ("/v1/chat/completions", {**OPENAI_BODY, "messages": [{"role": "user", "content": TOO_LARGE}]}, ""),
     ("/pipelines/no-such-pipeline", {"input": TOO_LARGE}, "no-such-pipeline"),
+    ("/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+              "params": {"name": "chat", "arguments": {"input": TOO_LARGE}}}, ""),
 ])
 def test_a_413_leaves_one_record_with_the_key_that_sent_it(server, path, body, pipeline):
     response = server.client.post(path, json=body, headers=server.auth("caller"))
