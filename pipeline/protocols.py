@@ -432,6 +432,11 @@ class PipelineCaller(Protocol):
         final event (``Done`` or ``Error``)."""
         ...
 
+    async def tool_schema(self, pipeline: str, version: str | None) -> Mapping[str, Any]:
+        """*pipeline*'s arguments as a tool (at *version*, as :meth:`call_nested` finds it): a JSON Schema with
+        ``input``, ``tags`` and the sampling options it lets callers set; BackendError when it is not served."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ToolReply:

@@ -44,6 +44,7 @@ whose server now offers a different schema is refused until a new version of the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Iterable
@@ -203,7 +204,7 @@ class AgentStage(Stage):
 
     async def run(self, ctx: RequestContext, scope: StageScope) -> AgentOutputs:
         config = cast(AgentConfig, self.config)
-        toolset = {tool.name: tool for tool in await self._pinned()}
+        toolset = {tool.name: await self._with_arguments(tool) for tool in await self._pinned()}
         _list_mcp_tools(ctx, self.id, toolset.values())
         offered = [tool.offered() for tool in toolset.values()]
         system = f"{functions.preamble(offered, 'auto')} {PARALLEL_NOTE}"
@@ -350,6 +351,19 @@ class AgentStage(Stage):
             blocked = await out.send("" if sending else text, final=True)
             finish = blocked or finish
         return text, finish
+
+    async def _with_arguments(self, tool: BoundTool) -> BoundTool:
+        """*tool*, a pipeline tool with its callee's arguments as they are now: ``input``, ``tags`` and the sampling
+        options the callee lets callers set (the callee not served now: ``input`` alone, and the call says so)."""
+        caller = self.resources.pipelines
+        if not isinstance(tool.spec, PipelineTool) or caller is None:
+            return tool
+        name, _, version = tool.spec.pipeline.partition("@")
+        try:
+            schema = await caller.tool_schema(name, version or None)
+        except BackendError:
+            return tool
+        return dataclasses.replace(tool, parameters=dict(schema))
 
     async def _pinned(self) -> list[BoundTool]:
         """The tools, MCP ones pinned; a pin that failed (a server down at load) is tried again."""

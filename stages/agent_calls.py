@@ -145,7 +145,7 @@ class ToolCaller:
     async def _run(self, tool: BoundTool, arguments: dict[str, Any]) -> ToolReply:
         provider = self.resources.tools
         if isinstance(tool.spec, PipelineTool):
-            return await self._run_pipeline(tool.spec, str(arguments["input"]))
+            return await self._run_pipeline(tool.spec, arguments)
         if provider is None:
             raise BackendError("this process runs no tools: an agent step runs under `inferline serve`")
         if isinstance(tool.spec, HttpTool):
@@ -158,14 +158,17 @@ class ToolCaller:
                            "pinned it (schema drift); deploy a new version to accept it")
         return await provider.call_mcp(tool.server, tool.name, arguments)
 
-    async def _run_pipeline(self, spec: PipelineTool, text: str) -> ToolReply:
+    async def _run_pipeline(self, spec: PipelineTool, arguments: dict[str, Any]) -> ToolReply:
+        """Run the callee on the call's arguments, as ``POST /pipelines/{name}`` runs its body: ``input`` the user
+        message, ``tags``, the rest sampling options (the schema offered allowed only those the callee takes)."""
         caller = self.resources.pipelines
         if caller is None:
             raise BackendError("this process runs no other pipelines: a pipeline tool runs under `inferline serve`")
         name, _, version = spec.pipeline.partition("@")
-        ctx = self.ctx
-        child = RequestContext(name, [ChatMessage("user", text)], principal=ctx.principal, operation=ctx.operation,
-                               client_addr=ctx.client_addr, parent_request=ctx.request_id)
+        ctx, params = self.ctx, dict(arguments)
+        text, tags = str(params.pop("input")), {str(k): str(v) for k, v in (params.pop("tags", None) or {}).items()}
+        child = RequestContext(name, [ChatMessage("user", text)], principal=ctx.principal, tags=tags, params=params,
+                               operation=ctx.operation, client_addr=ctx.client_addr, parent_request=ctx.request_id)
         await caller.call_nested(name, version or None, child)  # the callee's roles apply to this caller's key
         since = (child.received_at - ctx.received_at).total_seconds()
         ctx.stages += [dataclasses.replace(r, parent=f"{self.step_id}/{spec.name}" + (f"/{r.parent}" if r.parent

@@ -14,7 +14,7 @@ Three kinds::
       - kind: mcp                        # tools of an MCP server of inferline.yaml's mcp_servers:
         server: orders
         allow: [order_status]            # only these; no allow list: none of its tools
-      - kind: pipeline                   # another served pipeline, its input as the one argument
+      - kind: pipeline                   # another served pipeline: its input, tags and the options it takes
         name: ask_handbook
         pipeline: support
         description: "Answers product questions from the handbook."
@@ -88,7 +88,8 @@ class McpTools(NoConfig):
 
 
 class PipelineTool(NoConfig):
-    #: pipeline: another served pipeline, its input as the one argument (the caller's roles apply to it).
+    #: pipeline: another served pipeline, on the arguments its route takes (input, tags, the sampling options it
+    #: lets callers set); the caller's roles apply to it.
     kind: Literal["pipeline"]
     #: The name the model calls it by.
     name: str = Field(pattern=TOOL_NAME)
@@ -102,7 +103,7 @@ class PipelineTool(NoConfig):
 
 ToolSpec = Annotated[HttpTool | McpTools | PipelineTool, Field(discriminator="kind")]
 
-#: A pipeline tool's arguments: its input.
+#: A pipeline tool's arguments until its callee's are read (at each request: stages/agent.py): its input.
 PIPELINE_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                        "additionalProperties": False}
 

@@ -12,10 +12,10 @@ behind its auth::
   body over ``http.max_body_bytes`` a 413 problem, recorded by the refusal recorder like any other route's.
   A session answers only the key that opened it.
 - ``tools/list``: the pipelines whose ``access.roles`` the key's role is in (an admin's: all), each with
-  its description and its input schema (:func:`input_schema`: ``input``, ``tags`` and the sampling options
-  the pipeline lets callers set, as ``POST /pipelines/{name}`` takes them); embeddings pipelines answer
-  vectors, not text, and are not tools. A key that may call no pipeline gets an error that says so
-  (:data:`NO_TOOLS`), not an empty list.
+  its description and its input schema (serving/runtime/pipeline_tool.py: ``input``, ``tags`` and the
+  sampling options the pipeline lets callers set, as ``POST /pipelines/{name}`` takes them; an agent step's
+  ``pipeline`` tools offer the same); embeddings pipelines answer vectors, not text, and are not tools. A
+  key that may call no pipeline gets an error that says so (:data:`NO_TOOLS`), not an empty list.
 - ``tools/call`` runs the pipeline as ``POST /pipelines/{name}`` does, through the same functions
   (serving/http/pipeline_routes.py): the same auth and roles, the policy stage's limits and budgets,
   the audit stage's record, the app's metrics. The answer's text is the result's content, and the JSON
@@ -36,52 +36,22 @@ import mcp_types as types
 from litestar import Request, asgi
 from litestar.types import Receive, Scope, Send
 from mcp.shared.exceptions import MCPError
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
-from pipeline.context import ChatMessage, Principal
+from pipeline.context import Principal
 from pipeline.errors import InferlineError
 from pipeline.runner import Pipeline
 from serving.http.auth import Authenticator
 from serving.http.pipeline_routes import answered, start_request, summary_json
 from serving.http.problems import Problem, from_error
-from serving.http.schemas import GenerationParams
 from serving.http.state import AppState
+from serving.runtime.pipeline_tool import ToolArguments, input_schema
 
 logger = logging.getLogger(__name__)
 
 #: The JSON-RPC error code of ``tools/list`` for a key that may call no pipeline (-32000 to -32099 are
 #: the implementation's own).
 NO_TOOLS = -32003
-
-
-class ToolArguments(GenerationParams):
-    """A pipeline's arguments as a tool: ``POST /pipelines/{name}``'s body with ``input`` (one user
-    message: what a model calling a tool gives) and no ``stream`` (a tool's result comes whole)."""
-
-    input: str = Field(description="The user message the pipeline answers.")
-    tags: dict[str, str] = Field(default_factory=dict, description="Free-form tags, visible to `when:` and audit.")
-
-    def chat(self) -> list[ChatMessage]:
-        return [ChatMessage("user", self.input)]
-
-
-#: Every argument a pipeline tool may take; each tool's ``inputSchema`` keeps the sampling options its
-#: pipeline lets callers set (:func:`input_schema`).
-TOOL_ARGUMENTS: dict[str, Any] = ToolArguments.model_json_schema()
-_ALWAYS = ("input", "tags")
-
-
-def input_schema(pipeline: Pipeline) -> dict[str, Any]:
-    """Pipeline *pipeline*'s arguments: ``input``, ``tags``, and the sampling options its answering model step
-    lets callers set (``client_params``); a model offered the tool is offered no option the pipeline refuses."""
-    lists = [(bound.plan.spec.id, params) for bound in pipeline.stages
-             if isinstance(params := getattr(bound.plan.config, "client_params", None), list)]
-    # A workflow: its answering step's list (the others take no caller options); a chain: its generate stage's.
-    answering = [params for step, params in lists if step in pipeline.answer_steps]
-    accepted = {name for params in (answering or [params for _, params in lists]) for name in params}
-    properties = TOOL_ARGUMENTS["properties"]
-    return {**TOOL_ARGUMENTS, "properties": {name: schema for name, schema in properties.items()
-                                             if name in accepted or name in _ALWAYS}}
 
 
 async def list_tools(request: Request[Any, Any, Any]) -> list[types.Tool]:

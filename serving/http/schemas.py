@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from pipeline.context import ChatMessage
+from serving.runtime.pipeline_tool import GenerationParams
 
 
 class Message(BaseModel):
@@ -39,30 +40,6 @@ class ChatInput(BaseModel):
         if self.messages is None:
             return [ChatMessage("user", self.input or "")]
         return [ChatMessage(m.role, m.content) for m in self.messages]
-
-
-class GenerationParams(BaseModel):
-    """Sampling overrides a caller may send; each pipeline decides which it accepts."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    # vLLM's request extensions, which benchmark and evaluation tools send.
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    ignore_eos: bool | None = Field(None, description="Generate past the end-of-sequence token, up to max_tokens.")
-    min_tokens: int | None = Field(None, ge=0, le=1_000_000,
-                                   description="No end-of-sequence or stop token before this many output tokens.")
-    output: dict[str, Any] | None = Field(
-        None, description='Constrained decoding: {"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}.')
-
-    def overrides(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, include=set(GenerationParams.model_fields))
 
 
 class PipelineRequest(ChatInput, GenerationParams):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, PolicyDenied
 from pipeline.events import Done, Error, Event, TextDelta
 from pipeline.protocols import PipelineResult
 from pipeline.runner import Pipeline
+from serving.runtime.pipeline_tool import input_schema
 from store.pipeline_versions import version_matches
 
 #: How deep calls may nest: a judge may not call a judge (nor a pipeline itself, through its score stage).
@@ -77,6 +78,10 @@ class LocalPipelines:
         if final is None:
             raise BackendError(f"pipeline {pipeline!r} ended without an answer")
         return final
+
+    async def tool_schema(self, pipeline: str, version: str | None) -> dict[str, Any]:
+        """*pipeline*'s arguments as a tool (PipelineCaller.tool_schema)."""
+        return input_schema(await self._callee(pipeline, version))
 
     async def _callee(self, pipeline: str, version: str | None) -> Pipeline:
         served = self.pipelines.get(pipeline)

@@ -52,9 +52,11 @@ class ScriptedEngine(FakeEngine):
         super().__init__(replies[-1])
         self.replies = [r.encode() for r in replies]
         self.prompts: list[str] = []
+        self.samplings: list = []
 
     async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
         self.prompts.append(bytes(prompt_ids).decode())
+        self.samplings.append(sampling)
         reply = self.replies[min(len(self.prompts) - 1, len(self.replies) - 1)]
         return FakeStream(reply, len(prompt_ids), sampling.max_tokens)
 
@@ -319,6 +321,10 @@ class FaqCaller:
     def __init__(self, roles=("caller",)):
         self.roles = roles
         self.inputs: list[str] = []
+
+    async def tool_schema(self, pipeline, version):
+        return {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                "additionalProperties": False}
 
     async def call_nested(self, pipeline, version, ctx, on_text=None):
         from pipeline.context import StageRecord

@@ -16,7 +16,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from serving.http.mcp_routes import NO_TOOLS, TOOL_ARGUMENTS
+from serving.http.mcp_routes import NO_TOOLS
+from serving.runtime.pipeline_tool import TOOL_ARGUMENTS
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.engine import make_engine

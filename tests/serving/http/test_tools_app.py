@@ -136,3 +136,42 @@ def test_tool_values_are_encrypted_with_the_content_and_erased_with_it(tmp_path,
         shown = client.get(f"/audit/records/{record_id}", headers=auth).json()
         assert shown["content_erased"] is True and shown["decrypted"] is None
         assert main(["audit", "verify", "--config", str(config)]) == 0
+
+
+FAQ = """
+name: faq
+stages:
+  - {id: answer, type: llm, with: {model: smol, client_params: [temperature]}}
+"""
+HELPER = """
+name: helper
+stages:
+  - id: answer
+    type: agent
+    with:
+      model: smol
+      tools: [{kind: pipeline, name: ask_faq, pipeline: faq, description: "Answers from the FAQ."}]
+  - {id: log, type: audit, always: true, with: {content: full}}
+"""
+
+
+def test_a_pipeline_tool_takes_its_callees_arguments_as_post_pipelines_does(tmp_path, monkeypatch, orders):
+    config = _workspace(tmp_path, monkeypatch, orders, "{content: full}")
+    (tmp_path / "pipelines" / "faq.yaml").write_text(FAQ)
+    (tmp_path / "pipelines" / "helper.yaml").write_text(HELPER)
+    engine = ScriptedEngine(
+        json.dumps({"name": "ask_faq", "arguments": {"input": "Returns?", "top_k": 3}}),  # not an option of faq
+        json.dumps({"name": "ask_faq", "arguments": {"input": "Returns?", "temperature": 0.25,
+                                                     "tags": {"topic": "returns"}}}),
+        "Returns take 30 days.", "You have 30 days.")
+    keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))) as client:
+        response = client.post("/pipelines/helper", json={"input": "How long do I have to return?"},
+                               headers={"Authorization": f"Bearer {keys.create('app', 'caller')[1]}"})
+        assert response.status_code == 200, response.text
+        assert response.json()["output"] == "You have 30 days."
+    offered = json.loads(engine.prompts[0].split("You can call these functions:\n", 1)[1].split("\n", 1)[0])
+    assert set(offered["parameters"]["properties"]) == {"input", "tags", "temperature"}
+    assert "invalid arguments" in engine.prompts[1] and "top_k" in engine.prompts[1]
+    assert engine.samplings[2].temperature == 0.25  # the callee's model call, with the option the tool passed
+    assert "Returns take 30 days." in engine.prompts[3]
