@@ -284,7 +284,7 @@ class AgentStage(Stage):
                 caller.pend(toolset[call.name], call, round_)
         ctx.facts["approval_pending"] = {
             "step": self.id, "round": round_, "turns": turns, "reply": reply, "made": caller.made,
-            "calls": [call.as_json() for call in calls],
+            "calls": [call.as_json() for call in calls], "reuse": _reusable(ctx, self.id),
             "requests": [{"id": call.id, "name": call.name, "server_label": toolset[call.name].server or
                           toolset[call.name].kind, "arguments": call.arguments}
                          for call in calls if _needs_approval(toolset, call)]}
@@ -414,6 +414,15 @@ class AgentStage(Stage):
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
         charge(self.resources.catalog, model, usage, seconds, scope)
+
+
+def _reusable(ctx: RequestContext, step: str) -> dict[str, dict[str, Any]]:
+    """The outputs of the steps that ran before this one (in a pipeline that keeps them: one that audits), which
+    the resumed request reuses where the step and what it reads are unchanged (as a replay by step does)."""
+    return {record.key: {"definition_sha256": record.definition_sha256, "inputs_sha256": record.inputs_sha256,
+                         "output": record.output}
+            for record in ctx.stages if record.output is not None and record.status == "ok" and not record.parent
+            and record.id != step}
 
 
 def _list_mcp_tools(ctx: RequestContext, step: str, tools: Iterable[BoundTool]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from pipeline.context import ChatMessage, RequestContext
+from pipeline.context import ChatMessage, RequestContext, Reusable
 from pipeline.errors import BackendError
 from pipeline.runner import Pipeline
 from serving.http.problems import Problem, bad_request
@@ -91,5 +91,6 @@ async def resume(services: Services, pipeline: Pipeline, ctx: RequestContext, re
         await asyncio.to_thread(services.responses.pause, paused)
         raise problem
     ctx.facts["approval_resume"] = {"state": state, "decisions": decisions}
+    ctx.reuse = {key: Reusable(**kept) for key, kept in state.get("reuse", {}).items()}
     ctx.tags["resumes"] = request_id
     return [ChatMessage(m["role"], m["content"]) for m in state["input"]]

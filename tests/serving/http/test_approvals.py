@@ -204,3 +204,34 @@ def test_a_request_resumes_only_where_a_step_of_that_id_can_pause(served):
     second = openai.responses.create(model="orders", previous_response_id=first.id, tools=tools, input=[
         {"type": "mcp_approval_response", "approval_request_id": asked, "approve": True}])
     assert second.output_text == "Cancelled."  # the conflict left it paused
+
+
+DRAFTED = """
+name: drafted
+stages:
+  - {id: draft, type: llm, with: {system: "Restate the request."}}
+  - id: answer
+    type: agent
+    with:
+      user: "{{ steps.draft.output }}"
+      tools: [{kind: mcp, server: orders, allow: [cancel_order], require_approval: always}]
+  - {id: log, type: audit, always: true, with: {content: full}}
+"""
+
+
+def test_a_resumed_request_reuses_the_steps_before_the_pause(served, tmp_path):
+    (tmp_path / "pipelines" / "drafted.yaml").write_text(DRAFTED)
+    engine = ScriptedEngine("Cancel order A-1002.", call("cancel_order", order_id="A-1002"), "Cancelled.")
+    client, caller, auditor = served(engine)
+    auth = {"Authorization": f"Bearer {caller}"}
+    paused = client.post("/pipelines/drafted", json={"input": "pls cancel A-1002"}, headers=auth).json()
+    [pending] = paused["pending_approval"]
+    resumed = client.post("/pipelines/drafted", headers=auth, json={
+        "resume": paused["request_id"], "approvals": [{"id": pending["id"], "approve": True}]})
+    assert resumed.json()["output"] == "Cancelled."
+    assert len(engine.prompts) == 3  # the draft was made once: the resumed request reused it
+    records = client.get("/audit/records", headers={"Authorization": f"Bearer {auditor}"}).json()["records"]
+    latest = max(records, key=lambda r: r["seq"])
+    stages = client.get(f"/audit/records/{latest['id']}", headers={"Authorization": f"Bearer {auditor}"}).json()
+    draft = next(s for s in stages["stages"] if s["stage_id"] == "draft")
+    assert draft["step"]["reused"] is True
