@@ -424,12 +424,13 @@ class PipelineCaller(Protocol):
     async def call(self, pipeline: str, input: str, tags: Mapping[str, str]) -> PipelineResult: ...
 
     async def call_nested(self, pipeline: str, version: str | None, ctx: Any,
-                          on_text: Callable[[str], Awaitable[None]] | None = None) -> Any:
+                          on_text: Callable[[str], Awaitable[None]] | None = None,
+                          on_step: Callable[[Any], None] | None = None) -> Any:
         """Run *ctx* (a :class:`~pipeline.context.RequestContext` whose ``parent_request`` is the caller's)
         through *pipeline* (at *version*: its label or spec-hash prefix; None: the one serving) as a part of the
         caller's request: the callee's access roles apply to ``ctx.principal`` (PolicyDenied when they refuse it),
-        its audit step writes no record of its own, its answer's text goes to *on_text* as it comes; returns the
-        final event (``Done`` or ``Error``)."""
+        its audit step writes no record of its own, its answer's text goes to *on_text* as it comes, each of its
+        steps' ``StageStarted``/``StageFinished`` to *on_step*; returns the final event (``Done`` or ``Error``)."""
         ...
 
     async def tool_schema(self, pipeline: str, version: str | None) -> Mapping[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, get_type_hints
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.context import ChatMessage, RequestContext, TokenLogprob, field_type
+from pipeline.events import StageFinished, StageStarted
 from pipeline.protocols import Catalog, Resources
 from pipeline.template import Template
 from pipeline.types import ValueType
@@ -66,6 +67,11 @@ class StageScope(Protocol):
 
     def end_request(self) -> None:
         """This step answered the request: the steps after it are skipped (``always`` ones still run)."""
+        ...
+
+    def emit_step(self, event: StageStarted | StageFinished) -> None:
+        """A step run under this one (a sub-pipeline's) started or ended: sent on, its ``parent`` under this step's
+        id, to the request's event stream (the client's SSE ``stage`` events)."""
         ...
 
 

@@ -156,6 +156,10 @@ class Scope:
     def end_request(self) -> None:
         self.ended = True
 
+    def emit_step(self, event: StageStarted | StageFinished) -> None:
+        self._emit(dataclasses.replace(event, parent=f"{self._stage_id}/{event.parent}" if event.parent
+                                       else self._stage_id))
+
 
 @dataclass(slots=True)
 class _Answer:

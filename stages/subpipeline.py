@@ -108,7 +108,7 @@ class PipelineStep(Stage):
         child = RequestContext(config.name, [ChatMessage("user", rendered.pop("input"))], principal=ctx.principal,
                                tags={key.removeprefix("tags."): value for key, value in rendered.items()},
                                operation=ctx.operation, client_addr=ctx.client_addr, parent_request=ctx.request_id)
-        final = await caller.call_nested(config.name, config.version, child, scope.emit_text)
+        final = await caller.call_nested(config.name, config.version, child, scope.emit_text, scope.emit_step)
         self._fold(ctx, scope, child)
         error = getattr(final, "message", "")
         if child.status == "denied" and isinstance(child.error, PolicyDenied):

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, PolicyDenied
-from pipeline.events import Done, Error, Event, TextDelta
+from pipeline.events import Done, Error, Event, StageFinished, StageStarted, TextDelta
 from pipeline.protocols import PipelineResult
 from pipeline.runner import Pipeline
 from serving.runtime.pipeline_tool import input_schema
@@ -52,7 +52,8 @@ class LocalPipelines:
         self.pinned = pinned
 
     async def call_nested(self, pipeline: str, version: str | None, ctx: RequestContext,
-                          on_text: Callable[[str], Awaitable[None]] | None = None) -> Done | Error:
+                          on_text: Callable[[str], Awaitable[None]] | None = None,
+                          on_step: Callable[[StageStarted | StageFinished], None] | None = None) -> Done | Error:
         """A ``pipeline`` step's callee, run as a part of its caller's request (PipelineCaller.call_nested)."""
         target = await self._callee(pipeline, version)
         roles = target.spec.access.roles
@@ -71,6 +72,8 @@ class LocalPipelines:
             async for event in self.stream(target, ctx):
                 if isinstance(event, TextDelta) and on_text is not None:
                     await on_text(event.text)
+                elif isinstance(event, (StageStarted, StageFinished)) and on_step is not None:
+                    on_step(event)
                 elif isinstance(event, (Done, Error)):
                     final = event
         finally:

@@ -326,7 +326,7 @@ class FaqCaller:
         return {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                 "additionalProperties": False}
 
-    async def call_nested(self, pipeline, version, ctx, on_text=None):
+    async def call_nested(self, pipeline, version, ctx, on_text=None, on_step=None):
         from pipeline.context import StageRecord
 
         self.inputs.append(ctx.input)

@@ -41,7 +41,7 @@ class Caller:
                                Resources(CATALOG, engines=FakeEngines(smol=FakeEngine("inner says hi")), audit=sink))
         self.calls: list[tuple[str, str | None, RequestContext]] = []
 
-    async def call_nested(self, pipeline, version, ctx, on_text=None):
+    async def call_nested(self, pipeline, version, ctx, on_text=None, on_step=None):
         self.calls.append((pipeline, version, ctx))
         if ctx.principal is not None and ctx.principal.role not in self.callee.spec.access.roles:
             raise PolicyDenied(f"pipeline {pipeline!r} does not let role {ctx.principal.role!r} call it",

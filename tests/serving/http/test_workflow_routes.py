@@ -36,6 +36,13 @@ stages:
     with: {system: "You are tech support; answer in two sentences.", user: "{{ input }}", temperature: 0}
 """
 
+OUTER = """
+name: outer
+access: {roles: [caller]}
+stages:
+  - {id: call, type: pipeline, with: {pipeline: flow, input: "{{ input }}"}}
+"""
+
 
 class FirstAnswerInvalid(FakeEngine):
     """Answers "not json" to its first call (the classify step's retry runs it again), then the intent, then the
@@ -57,6 +64,7 @@ def flow_client(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     config = write_workspace(tmp_path, auth=False)
     (tmp_path / "pipelines" / "flow.yaml").write_text(FLOW)
+    (tmp_path / "pipelines" / "outer.yaml").write_text(OUTER)
     with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=FirstAnswerInvalid()))) \
             as client:
         yield client
@@ -87,6 +95,18 @@ def test_a_sub_pipeline_step_names_its_parent():
     finished = stage_event(StageFinished("answer", "llm", "ok", 0.25, 0.001, attempt=2, parent="call"))
     assert finished == {"id": "answer", "type": "llm", "status": "ok", "duration_ms": 250.0, "cost_usd": 0.001,
                         "attempt": 2, "parent": "call"}
+
+
+def test_a_sub_pipelines_steps_are_sent_live_under_their_step(flow_client):
+    response = flow_client.post("/pipelines/outer", json={"input": "my router is down", "stream": True})
+    assert response.status_code == 200, response.text
+    events = sse_events(response.text)
+    stages = [(d["id"], d["status"], d.get("parent", "")) for kind, d in events if kind == "stage"]
+    assert stages[0] == ("call", "started", "") and stages[-1] == ("call", "ok", "")
+    assert ("classify", "failed", "call") in stages and ("answer", "ok", "call") in stages  # live, as they ran
+    kinds = [(kind, d.get("id")) for kind, d in events]
+    assert kinds.index(("stage", "answer")) < kinds.index(("delta", None)) < kinds.index(("stage", "call"), 1)
+    assert "".join(d["text"] for kind, d in events if kind == "delta") == "Restart the router."
 
 
 def test_count_tokens_counts_the_answering_steps_prompt(flow_client):
