@@ -101,12 +101,23 @@ def chunk_document(doc: Document, tokenizer: Any, chunk_tokens: int, overlap: in
     while True:
         end = min(start + chunk_tokens, len(offsets))
         char_start, char_end = offsets[start][0], offsets[end - 1][1]
-        page = bisect.bisect_right(doc.pages, char_start) if doc.pages else None
+        page = _page_of(doc.pages, char_start, char_end) if doc.pages else None
         chunks.append(Chunk(first_id + len(chunks), doc.doc_id, doc.path, doc.title, char_start, char_end,
                             start, end, doc.text[char_start:char_end], page))
         if end == len(offsets):
             return chunks
         start += step
+
+
+def _page_of(pages: list[int], start: int, end: int) -> int:
+    """The page (from 1) that holds most of the characters in [start, end): a chunk that runs over a page break
+    cites the page where most of it is, the first one on a tie. *pages*: where each page starts."""
+    first, last = bisect.bisect_right(pages, start), bisect.bisect_right(pages, max(start, end - 1))
+    if first == last:
+        return first
+    spans = {page: min(end, pages[page] if page < len(pages) else end) - max(start, pages[page - 1])
+             for page in range(first, last + 1)}
+    return max(spans, key=lambda page: (spans[page], -page))
 
 
 def chunk_all(docs: Iterable[Document], embedder: Embedder, settings: IndexSettings, first_id: int) -> list[Chunk]:

@@ -135,3 +135,14 @@ def test_handbook_questions_find_their_page_first(tmp_path, embedder):
     first = [store.search(case["question"], 1)[0].source.removesuffix(".md") for case in cases]
     correct = sum(page == case["page"] for page, case in zip(first, cases, strict=True))
     assert correct >= 8, list(zip(first, [c["page"] for c in cases], strict=True))
+
+
+def test_a_chunk_over_a_page_break_cites_the_page_that_holds_most_of_it():
+    # Page 1: "a0 ... a5" (17 characters), page 2 from character 19: "b0 ... b1".
+    text = " ".join(f"a{i}" for i in range(6)) + "\n\n" + " ".join(f"b{i}" for i in range(6))
+    paged = Document("d", "d.pdf", "D", text, "0" * 64, {}, [0, text.index("b0")])
+    chunks = chunk_document(paged, WordTokenizer(), chunk_tokens=4, overlap=0)
+    assert [c.text.split()[0] for c in chunks] == ["a0", "a4", "b2"]
+    assert [c.page for c in chunks] == [1, 1, 2]  # "a4 a5\n\nb0 b1": 7 characters on page 1, 5 on page 2
+    late = chunk_document(paged, WordTokenizer(), chunk_tokens=5, overlap=0)
+    assert [(c.text, c.page) for c in late] == [("a0 a1 a2 a3 a4", 1), ("a5\n\nb0 b1 b2 b3", 2), ("b4 b5", 2)]
