@@ -175,3 +175,36 @@ def test_a_pipeline_tool_takes_its_callees_arguments_as_post_pipelines_does(tmp_
     assert "invalid arguments" in engine.prompts[1] and "top_k" in engine.prompts[1]
     assert engine.samplings[2].temperature == 0.25  # the callee's model call, with the option the tool passed
     assert "Returns take 30 days." in engine.prompts[3]
+
+
+STAND_IN_RAG = """
+name: rag
+stages:
+  - {id: answer, type: llm, with: {model: smol}}
+"""
+
+
+def test_the_concierge_example_asks_order_status_which_runs_its_own_tools(tmp_path, monkeypatch, orders):
+    config = _workspace(tmp_path, monkeypatch, orders, "{content: full}")
+    concierge = (ROOT / "pipelines" / "concierge.yaml").read_text().replace(
+        "log, type: audit, always: true}", "log, type: audit, always: true, with: {content: full}}")
+    (tmp_path / "pipelines" / "concierge.yaml").write_text(concierge)
+    (tmp_path / "pipelines" / "rag.yaml").write_text(STAND_IN_RAG)  # the handbook's: not asked here
+    engine = ScriptedEngine(call("order_desk", input="Where is A-1001?"), call("order_status", order_id="A-1001"),
+                            "A-1001 shipped with DHL.", "Your order A-1001 shipped with DHL.")
+    keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))) as client:
+        _, caller = keys.create("app", "caller")
+        _, auditor = keys.create("reviewer", "auditor")
+        response = client.post("/pipelines/concierge", json={"input": "Where is my order A-1001?"},
+                               headers={"Authorization": f"Bearer {caller}"})
+        assert response.status_code == 200, response.text
+        assert response.json()["output"] == "Your order A-1001 shipped with DHL."
+        assert "order_desk" in engine.prompts[0] and "handbook" in engine.prompts[0]
+        assert "shipped on 2026-03-02" in engine.prompts[2]  # order_status's own MCP tool ran
+        auth = {"Authorization": f"Bearer {auditor}"}
+        [record] = client.get("/audit/records", headers=auth).json()["records"]  # one record: the callee's nest
+        stages = client.get(f"/audit/records/{record['id']}", headers=auth).json()["stages"]
+        tools = {(s["stage_id"], s["step"]["tool"]["kind"], s["step"].get("parent")) for s in stages
+                 if s["type"] == "tool"}
+        assert tools == {("order_desk", "pipeline", "answer"), ("order_status", "mcp", "answer/order_desk/answer")}
