@@ -38,7 +38,9 @@ approved call whose tool's definition is no longer the one it was proposed under
 MCP tools are pinned: when the pipeline version is instantiated (at load and at each reload) the step lists
 its servers' tools and keeps the SHA-256 of each allowed tool's schema with the version (in the database,
 ``tool_pins``: the first listing of a version holds across reloads, restarts and servers); a call to a tool
-whose server now offers a different schema is refused until a new version of the pipeline is deployed.
+whose server now offers a different schema is refused until a new version of the pipeline is deployed, and a
+tool that differs from its pin when the version is instantiated again is not offered at all (its new
+description never reaches the model).
 """
 
 from __future__ import annotations
@@ -399,8 +401,14 @@ class AgentStage(Stage):
         pinned = {keys[name]: listed[name].sha256 for name in spec.allow}
         if spec_sha256:  # a kept version: the definitions it first listed hold, across reloads and restarts
             pinned = dict(await self.resources.tools.pin(pipeline, spec_sha256, pinned))
+        # A tool whose server now offers another definition than the pinned one is not offered: its new
+        # description would reach the model (where a poisoned tool puts its instructions); a call is refused.
+        if drifted := sorted(name for name in spec.allow if listed[name].sha256 != pinned[keys[name]]):
+            logger.warning("agent step %s: MCP server %r changed %s since this pipeline version pinned them: not "
+                           "offered until a new version is deployed", self.id, spec.server, ", ".join(drifted))
         return [BoundTool(name, "mcp", listed[name].description, dict(listed[name].parameters),
-                          pinned[keys[name]], spec, spec.server, allow_sha) for name in spec.allow]
+                          pinned[keys[name]], spec, spec.server, allow_sha) for name in spec.allow
+                if name not in drifted]
 
     def _messages(self, ctx: RequestContext, config: AgentConfig, preamble: str) -> list[ChatMessage]:
         values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}

@@ -165,7 +165,7 @@ class ToolCaller:
         if caller is None:
             raise BackendError("this process runs no other pipelines: a pipeline tool runs under `inferline serve`")
         name, _, version = spec.pipeline.partition("@")
-        ctx, params = self.ctx, dict(arguments)
+        ctx, params = self.ctx, {name: value for name, value in arguments.items() if value is not None}
         text, tags = str(params.pop("input")), {str(k): str(v) for k, v in (params.pop("tags", None) or {}).items()}
         child = RequestContext(name, [ChatMessage("user", text)], principal=ctx.principal, tags=tags, params=params,
                                operation=ctx.operation, client_addr=ctx.client_addr, parent_request=ctx.request_id)

@@ -250,12 +250,6 @@ class ToolPins:
                 return self._kept(session, name, spec_sha256, pins)
             return kept | {row.tool: row.schema_sha256 for row in fresh}
 
-    def of(self, name: str, spec_sha256: str) -> dict[str, str]:
-        """Every pin kept with the version."""
-        query = sa.select(ToolPinRow).where(ToolPinRow.name == name, ToolPinRow.spec_sha256 == spec_sha256)
-        with Session(self.engine) as session:
-            return {row.tool: row.schema_sha256 for row in session.scalars(query)}
-
     @staticmethod
     def _kept(session: Session, name: str, spec_sha256: str, pins: Mapping[str, str]) -> dict[str, str]:
         query = sa.select(ToolPinRow).where(ToolPinRow.name == name, ToolPinRow.spec_sha256 == spec_sha256,

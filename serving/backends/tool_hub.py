@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy.exc import SQLAlchemyError
 
 from pipeline.errors import BackendError
 from pipeline.protocols import ToolReply, ToolSchema
@@ -56,7 +57,11 @@ class ToolHub:
     async def pin(self, pipeline: str, spec_sha256: str, pins: Mapping[str, str]) -> Mapping[str, str]:
         if self.pins is None:
             return pins
-        return await asyncio.to_thread(self.pins.pin, pipeline, spec_sha256, pins)
+        try:
+            return await asyncio.to_thread(self.pins.pin, pipeline, spec_sha256, pins)
+        except SQLAlchemyError as exc:  # the version's pins cannot be read: its tools are not offered yet
+            raise BackendError(f"the pins of pipeline {pipeline!r}'s MCP tools cannot be read (the database: "
+                               f"{type(exc).__name__}); retry") from None
 
     async def aclose(self) -> None:
         for connection in self._mcp.values():

@@ -1,9 +1,10 @@
 """Requests paused for the client's approval of tool calls (an ``agent`` step's ``require_approval``), on the
 pipeline API and the Responses API (docs/tools.md, "Approval").
 
-A route that offers approval sets :func:`keeper` as the request's ``approval_keeper``: when the agent step
-pauses, it has its state kept (:meth:`store.responses.ResponseStore.pause`, for ``responses.retention_days``)
-before it ends, and :func:`pending_requests` shows the calls awaiting approval. The client's next request names
+A route that offers approval calls :func:`offer`, which sets :func:`keeper` as the request's
+``approval_keeper``: when the agent step pauses, it has its state kept (:meth:`store.responses.ResponseStore.pause`,
+for ``responses.retention_days``) before it ends, and :func:`pending_requests` shows the calls awaiting
+approval; a request that fails after its pause has the kept state discarded. The client's next request names
 the paused request and decides each call; :func:`resume` takes the kept state (once: a second resume of the
 same request finds nothing) and hands it to the agent step with the decisions. A call left undecided is
 denied. The resumed request's audit record holds each call's decision (``approval``: approved or denied).
@@ -29,6 +30,23 @@ from store.db import utcnow
 from store.responses import PausedRequest
 
 logger = logging.getLogger(__name__)
+
+
+def offer(services: Services, ctx: RequestContext) -> None:
+    """Let *ctx* pause for approval: its agent step has its state kept (:func:`keeper`), and a request that fails
+    after it paused (a later step, its audit record) has the kept state discarded, so that no approval of a
+    request the client was told failed can be resumed."""
+    ctx.facts["approval_keeper"] = keeper(services)
+
+    async def discard(ctx: RequestContext) -> None:
+        if "approval_pending" in ctx.facts and ctx.status != "ok":
+            owner = ctx.principal.key_id if ctx.principal is not None else None
+            try:
+                await asyncio.to_thread(services.responses.resume, ctx.request_id, owner)  # taken: gone
+            except SQLAlchemyError as exc:
+                logger.warning("paused request %s failed but its state was not discarded: %s", ctx.request_id, exc)
+
+    ctx.finalizers.append(discard)
 
 
 def keeper(services: Services) -> Callable[[RequestContext], Awaitable[None]]:

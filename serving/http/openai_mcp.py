@@ -105,7 +105,7 @@ def mcp_items(ctx: RequestContext) -> list[dict[str, Any]]:
                    "tools": listed["tools"], "error": None}
                   for i, listed in enumerate(ctx.facts.get("tools_listed", [])) if listed["step"] == AGENT_STEP]
     for call in ctx.facts.get("tool_calls", []):
-        if call["step"] != AGENT_STEP:
+        if call["step"] != AGENT_STEP or call["kind"] != "mcp":
             continue
         error = call["error"]
         items.append({"type": "mcp_call", "id": call["id"], "server_label": call["server"], "name": call["name"],

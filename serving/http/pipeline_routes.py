@@ -143,7 +143,7 @@ async def run_pipeline(name: FromPath[str], data: JSONBody[PipelineRequest], req
     if data.resume is not None:
         ctx.input_messages = await approvals.resume(services, pipeline, ctx, data.resume,
                                                     {a.id: a.approve for a in data.approvals or []}, "resume")
-    ctx.facts["approval_keeper"] = approvals.keeper(services)
+    approvals.offer(services, ctx)
     if data.stream or "text/event-stream" in request.headers.get("accept", ""):
         events = services.executor.stream(pipeline, ctx)
         head = await head_of_stream(events, pipeline)

@@ -106,7 +106,7 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request,
         await approvals.resume(services, pipeline, ctx, data.previous_response_id.removeprefix("resp_"), decisions,
                                "previous_response_id")
     if data.store:  # only a stored response can be answered (previous_response_id)
-        ctx.facts["approval_keeper"] = approvals.keeper(services)
+        approvals.offer(services, ctx)
     system = [ChatMessage("system", data.instructions)] if data.instructions else []
     ctx.input_messages = system + chat_turns(chat_messages(earlier + items))
     ctx.tools = check_functions([_chat_tool(t.model_dump()) for t in offered], ".parameters")
@@ -124,7 +124,7 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request,
         return event_stream(_events(await started(services.executor, pipeline, ctx), made, services),
                             response_headers(ctx))
     final = await answered(services.executor, pipeline, ctx)
-    output, status = _output(ctx, final.summary.output_text, final.summary.finish_reason)
+    output, status = _output(ctx, final.summary.output_text, final.summary.finish_reason, made.mcp_items())
     body = made.body(status, output, final)
     await _keep(services, made, body, output)
     return Response(body, headers=response_headers(ctx))
@@ -202,6 +202,10 @@ class _Made:
     text: ResponsesText
     tools: list[dict[str, Any]]
 
+    def mcp_items(self) -> list[dict[str, Any]]:
+        """What the request's own mcp tools did (none without them: a pipeline's own tools are its business)."""
+        return openai_mcp.mcp_items(self.ctx) if any(t.get("type") == "mcp" for t in self.tools) else []
+
     @property
     def id(self) -> str:
         return f"resp_{self.ctx.request_id}"
@@ -224,9 +228,10 @@ class _Made:
         }
 
 
-def _output(ctx: RequestContext, text: str, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
-    """The output items of a reply, and the response's status: what its mcp tools did, then its answer."""
-    shown = openai_mcp.mcp_items(ctx)
+def _output(ctx: RequestContext, text: str, finish_reason: str,
+            shown: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The output items of a reply, and the response's status: *shown* (what its mcp tools did), then its
+    answer."""
     if (awaiting := _approval_items(ctx)) is not None:
         return shown + awaiting, "completed"
     status = "incomplete" if finish_reason == "length" else "completed"
@@ -306,7 +311,7 @@ async def _events(events: AsyncIterator[Event], made: _Made, services: Services)
         nonlocal shown
         if shown is not None:
             return b""
-        shown = openai_mcp.mcp_items(ctx)
+        shown = made.mcp_items()
         message.index = len(shown)
         return b"".join(_mcp_events(send, index, item) for index, item in enumerate(shown))
 

@@ -8,6 +8,8 @@ import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from pipeline.context import RequestContext
 from pipeline.errors import BackendError, PolicyDenied
 from pipeline.events import Done, Error, Event, StageFinished, StageStarted, TextDelta
@@ -84,7 +86,11 @@ class LocalPipelines:
 
     async def tool_schema(self, pipeline: str, version: str | None) -> dict[str, Any]:
         """*pipeline*'s arguments as a tool (PipelineCaller.tool_schema)."""
-        return input_schema(await self._callee(pipeline, version))
+        try:
+            return input_schema(await self._callee(pipeline, version))
+        except SQLAlchemyError as exc:  # a kept version (NAME@VERSION) is read from the database
+            raise BackendError(f"pipeline {pipeline!r}@{version}: its versions cannot be read ({type(exc).__name__})"
+                               ) from None
 
     async def _callee(self, pipeline: str, version: str | None) -> Pipeline:
         served = self.pipelines.get(pipeline)

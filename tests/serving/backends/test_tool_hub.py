@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from pipeline.context import RequestContext
@@ -226,10 +227,15 @@ async def test_the_agent_over_real_mcp_refuses_a_schema_changed_by_a_restarted_s
             assert "schema drift" in engine.prompts[1]
             poisoned = await ask(ScriptedEngine(call("poisoned", order_id="A-1"), "No."))
             assert [r.tool["outcome"] for r in poisoned.stages if r.type == "tool"] == ["refused"]
-            # The version instantiated afresh (a reload, a restart of Inferline): its kept pins still hold...
-            again = await ask(ScriptedEngine(call("order_status", order_id="A-1001"), "Shipped."))
+            # The version instantiated afresh (a reload, a restart of Inferline): its kept pins still hold, and
+            # the drifted tool is not even offered (its new description never reaches the model)...
+            again = await ask(afresh := ScriptedEngine(call("order_status", order_id="A-1001"), "Shipped."))
             assert [r.tool["outcome"] for r in again.stages if r.type == "tool"] == ["refused"]
-            assert len(ToolPins(database).of("orders", loaded.sha256)) == 2
+            assert '"order_status"' not in afresh.prompts[0] and '"poisoned"' in afresh.prompts[0]
+            assert "no tool 'order_status' is offered" in afresh.prompts[1]
+            with database.connect() as conn:
+                assert conn.execute(sa.text("SELECT count(*) FROM tool_pins WHERE spec_sha256 = :s"),
+                                    {"s": loaded.sha256}).scalar() == 2
             # ...until a new version is deployed, which pins the new definition.
             version_2 = load_pipeline_text(textwrap.dedent(AGENT).replace("name: orders", "name: orders\nversion: '2'"),
                                            "orders.yaml", registry, catalog_of(spec))

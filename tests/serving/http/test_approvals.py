@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from litestar.testing import TestClient
 from openai import BadRequestError, NotFoundError, OpenAI
 
+from pipeline.errors import BackendError
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from store.engine import make_engine
@@ -235,3 +236,35 @@ def test_a_resumed_request_reuses_the_steps_before_the_pause(served, tmp_path):
     stages = client.get(f"/audit/records/{latest['id']}", headers={"Authorization": f"Bearer {auditor}"}).json()
     draft = next(s for s in stages["stages"] if s["stage_id"] == "draft")
     assert draft["step"]["reused"] is True
+
+
+FAILS_AFTER = """
+name: fails_after
+stages:
+  - id: answer
+    type: agent
+    with:
+      tools: [{kind: mcp, server: orders, allow: [cancel_order], require_approval: always}]
+  - {id: note, type: llm, always: true, with: {system: "Note it."}}
+  - {id: log, type: audit, always: true, with: {content: full}}
+"""
+
+
+class FailsSecond(ScriptedEngine):
+    """Proposes a call, then fails: the step after the pause fails the request."""
+
+    async def submit(self, prompt_ids, sampling, cache_salt="", *, hints=None):
+        if self.prompts:
+            raise BackendError("the model went away")
+        return await super().submit(prompt_ids, sampling, cache_salt, hints=hints)
+
+
+def test_a_request_that_fails_after_its_pause_leaves_nothing_to_resume(served, tmp_path):
+    (tmp_path / "pipelines" / "fails_after.yaml").write_text(FAILS_AFTER)
+    client, caller, _ = served(FailsSecond(call("cancel_order", order_id="A-1002")))
+    auth = {"Authorization": f"Bearer {caller}"}
+    failed = client.post("/pipelines/fails_after", json={"input": "Cancel A-1002."}, headers=auth)
+    assert failed.status_code == 503, failed.text
+    request_id = failed.headers["x-request-id"]
+    resumed = client.post("/pipelines/fails_after", headers=auth, json={"resume": request_id, "approvals": []})
+    assert resumed.status_code == 404 and "awaits approval" in resumed.json()["detail"]

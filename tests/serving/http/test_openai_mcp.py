@@ -118,3 +118,12 @@ def test_chat_completions_cannot_pause_for_approval(chat):
     with pytest.raises(BadRequestError, match="chat completions cannot pause for approval"):
         openai.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi"}],
                                        tools=[{**STATUS_ONLY, "require_approval": "always"}])
+
+
+def test_a_streamed_pause_sends_its_approval_request_after_the_mcp_items(chat):
+    _, openai, _ = chat(ScriptedEngine(call("order_status", order_id="A-1001"), "It shipped."))
+    tools = [{"type": "mcp", "server_label": "orders", "allowed_tools": ["order_status"]}]
+    events = list(openai.responses.create(model="chat", input="Where is A-1001?", tools=tools, stream=True))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "mcp_list_tools"), (1, "mcp_approval_request")]
+    assert [item.type for item in events[-1].response.output] == ["mcp_list_tools", "mcp_approval_request"]

@@ -161,6 +161,8 @@ def test_a_pipeline_tool_takes_its_callees_arguments_as_post_pipelines_does(tmp_
     (tmp_path / "pipelines" / "helper.yaml").write_text(HELPER)
     engine = ScriptedEngine(
         json.dumps({"name": "ask_faq", "arguments": {"input": "Returns?", "top_k": 3}}),  # not an option of faq
+        json.dumps({"name": "ask_faq", "arguments": {"input": "Returns?", "temperature": None}}),  # as left out
+        "Returns: 30 days.",
         json.dumps({"name": "ask_faq", "arguments": {"input": "Returns?", "temperature": 0.25,
                                                      "tags": {"topic": "returns"}}}),
         "Returns take 30 days.", "You have 30 days.")
@@ -173,8 +175,9 @@ def test_a_pipeline_tool_takes_its_callees_arguments_as_post_pipelines_does(tmp_
     offered = json.loads(engine.prompts[0].split("You can call these functions:\n", 1)[1].split("\n", 1)[0])
     assert set(offered["parameters"]["properties"]) == {"input", "tags", "temperature"}
     assert "invalid arguments" in engine.prompts[1] and "top_k" in engine.prompts[1]
-    assert engine.samplings[2].temperature == 0.25  # the callee's model call, with the option the tool passed
-    assert "Returns take 30 days." in engine.prompts[3]
+    assert "Returns: 30 days." in engine.prompts[3]  # a null option is one left out, as on the HTTP route
+    assert engine.samplings[4].temperature == 0.25  # the callee's model call, with the option the tool passed
+    assert "Returns take 30 days." in engine.prompts[5]
 
 
 STAND_IN_RAG = """
