@@ -23,7 +23,8 @@ one, the built-in injection check blocks), and asks again. A result the rails bl
 told so, never shown it. The answer streams as an ``llm`` step's does (a reply that may still be a call is
 held back until it cannot be). It gives ``steps.ID.output`` (the answer), ``finish_reason``, ``model``,
 ``rounds`` and ``tool_calls``. Every call is a record of its own in the trace and the audit record (type
-``tool``, under this step), and counted in ``inferline_tool_calls_total{tool, outcome}``.
+``tool``, under this step), sent live as the request's stage events (StageStarted/StageFinished, type ``tool``,
+parent this step), and counted in ``inferline_tool_calls_total{tool, outcome}``.
 
 A tool with ``require_approval`` (always, or ``{tools: [names]}``) pauses the request instead: when a round
 proposes a call that needs approval, no call of that round runs; the step ends the request (finish reason
@@ -215,7 +216,8 @@ class AgentStage(Stage):
         model, engine = await engine_for(self.resources, config.model or "")
         sampling = _sampling(config, ctx.params if scope.streams else {})
         scope.set_attribute(GEN_AI_REQUEST_MODEL, model)
-        caller = ToolCaller(self.id, self.resources, ctx, config.call_timeout_s, config.max_result_chars)
+        caller = ToolCaller(self.id, self.resources, ctx, config.call_timeout_s, config.max_result_chars,
+                            scope.emit_step)
         usage, started = Usage(), time.perf_counter()
         try:
             async with asyncio.timeout(config.timeout_s):

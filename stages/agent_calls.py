@@ -16,12 +16,14 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.context import ChatMessage, RequestContext, StageRecord
 from pipeline.errors import BackendError, InferlineError, PolicyDenied
+from pipeline.events import StageFinished, StageStarted
 from pipeline.protocols import Resources, ToolReply
 from stages.agent_tools import BoundTool, HttpTool, PipelineTool, argument_errors, sha256_of
 from stages.detectors import injection_score
@@ -88,8 +90,11 @@ class ToolCaller:
     """Runs the calls of one agent step's request and records each (see the module docstring)."""
 
     def __init__(self, step_id: str, resources: Resources, ctx: RequestContext, call_timeout_s: float,
-                 max_result_chars: int):
+                 max_result_chars: int, emit: Callable[[StageStarted | StageFinished], None] | None = None):
         self.step_id = step_id
+        #: Where each call's start and end go as they happen (the agent step's StageScope.emit_step: the
+        #: client's SSE ``stage`` events, type ``tool``, under the step).
+        self.emit = emit or (lambda event: None)
         self.resources = resources
         self.ctx = ctx
         self.call_timeout_s = call_timeout_s
@@ -102,6 +107,7 @@ class ToolCaller:
         """Run one proposed call (*approved*: as the client approved it); what the model is told of it."""
         self.made += 1
         started = time.perf_counter()
+        self.emit(StageStarted(name, "tool"))
         outcome, told, result, detail = "ok", "", "", ""
         try:
             if tool is None:
@@ -131,6 +137,7 @@ class ToolCaller:
     async def deny(self, tool: BoundTool | None, call: ProposedCall, round_: int) -> str:
         """Record a call the client denied (or left unanswered) when resuming; what the model is told of it."""
         self.made += 1
+        self.emit(StageStarted(call.name, "tool"))
         detail = "the user denied this call (it needed approval); it did not run"
         self._record(tool, call.name, call.arguments, "", "denied", detail, round_, time.perf_counter(),
                      {"approval": "denied", "approval_request_id": call.id})
@@ -139,6 +146,7 @@ class ToolCaller:
 
     def pend(self, tool: BoundTool, call: ProposedCall, round_: int) -> None:
         """Record a call the request paused on, waiting for the client's approval."""
+        self.emit(StageStarted(call.name, "tool"))
         self._record(tool, call.name, call.arguments, "", "pending", "waiting for the client's approval", round_,
                      time.perf_counter(), {"approval": "pending", "approval_request_id": call.id})
 
@@ -169,7 +177,9 @@ class ToolCaller:
         text, tags = str(params.pop("input")), {str(k): str(v) for k, v in (params.pop("tags", None) or {}).items()}
         child = RequestContext(name, [ChatMessage("user", text)], principal=ctx.principal, tags=tags, params=params,
                                operation=ctx.operation, client_addr=ctx.client_addr, parent_request=ctx.request_id)
-        await caller.call_nested(name, version or None, child)  # the callee's roles apply to this caller's key
+        await caller.call_nested(name, version or None, child,  # the callee's roles apply to this caller's key
+                                 on_step=lambda event: self.emit(dataclasses.replace(
+                                     event, parent=f"{spec.name}/{event.parent}" if event.parent else spec.name)))
         since = (child.received_at - ctx.received_at).total_seconds()
         ctx.stages += [dataclasses.replace(r, parent=f"{self.step_id}/{spec.name}" + (f"/{r.parent}" if r.parent
                                                                                        else ""),
@@ -205,6 +215,7 @@ class ToolCaller:
                        "outcome": outcome, "round": round_, "duration_ms": round(since * 1e3, 3), **approval}
         record.inputs, record.output = {"arguments": arguments}, {"result": result}
         self.ctx.stages.append(record)
+        self.emit(StageFinished(name, "tool", record.status, since, 0.0, detail, skip_reason=record.skip_reason))
         if outcome != "pending":  # a pending call is shown as its approval request
             calls = self.ctx.facts.setdefault("tool_calls", [])
             calls.append({"step": self.step_id, "id": f"mcp_{self.ctx.request_id[:24]}_{len(calls)}",

@@ -22,6 +22,7 @@ from store.engine import make_engine
 from store.keys import KeyStore
 from tests.fakes import FakeEngines
 from tests.serving.console.signin import sign_in
+from tests.serving.http.test_app import sse_events
 from tests.stages.test_agent import ScriptedEngine, call
 
 pytestmark = pytest.mark.integration
@@ -211,3 +212,24 @@ def test_the_concierge_example_asks_order_status_which_runs_its_own_tools(tmp_pa
         tools = {(s["stage_id"], s["step"]["tool"]["kind"], s["step"].get("parent")) for s in stages
                  if s["type"] == "tool"}
         assert tools == {("order_desk", "pipeline", "answer"), ("order_status", "mcp", "answer/order_desk/answer")}
+
+
+def test_a_streamed_request_sends_each_tool_call_as_it_runs(tmp_path, monkeypatch, orders):
+    config = _workspace(tmp_path, monkeypatch, orders, "{content: full}")
+    (tmp_path / "pipelines" / "concierge.yaml").write_text((ROOT / "pipelines" / "concierge.yaml").read_text())
+    (tmp_path / "pipelines" / "rag.yaml").write_text(STAND_IN_RAG)
+    engine = ScriptedEngine(call("order_desk", input="Where is A-1001?"), call("order_status", order_id="A-1001"),
+                            "A-1001 shipped with DHL.", "Your order A-1001 shipped with DHL.")
+    keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
+    with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))) as client:
+        response = client.post("/pipelines/concierge", json={"input": "Where is my order A-1001?", "stream": True},
+                               headers={"Authorization": f"Bearer {keys.create('app', 'caller')[1]}"})
+    assert response.status_code == 200, response.text
+    stages = [(d["id"], d["type"], d["status"], d.get("parent", "")) for kind, d in sse_events(response.text)
+              if kind == "stage"]
+    calls = [s for s in stages if s[1] == "tool"]
+    assert calls == [("order_desk", "tool", "started", "answer"),
+                     ("order_status", "tool", "started", "answer/order_desk/answer"),
+                     ("order_status", "tool", "ok", "answer/order_desk/answer"),
+                     ("order_desk", "tool", "ok", "answer")]
+    assert ("answer", "agent", "started", "answer/order_desk") in stages  # the callee's own steps, live
