@@ -132,6 +132,12 @@ class Pipeline:
             self._idle.set()
             self._idle = None
 
+    def start(self) -> None:
+        """Let stages that prepare before their first request start it (an ``agent`` step pins its MCP tools), in
+        a running loop: when the server starts serving a version it built before its loop ran."""
+        for bound in self.stages:
+            bound.stage.start()
+
     async def aclose(self) -> None:
         """Let stages that hold connections (a cache's Redis client) close them; at shutdown."""
         for bound in self.stages:

@@ -165,6 +165,10 @@ class Stage:
         it builds no prompt. The server counts a request's prompt tokens with it (Anthropic's count_tokens)."""
         return None
 
+    def start(self) -> None:
+        """The version is being served, in a running loop: start, in the background, what should be ready before
+        its first request (an ``agent`` step pins its tools). The default does nothing."""
+
     async def reuse(self, ctx: RequestContext, scope: StageScope, outputs: dict[str, Any]) -> None:
         """A replay reuses *outputs* (as an audit record kept them) instead of running the step: do what running
         it does besides giving them (the answering ``llm`` step sends its text). Only a step type with

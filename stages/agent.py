@@ -143,11 +143,12 @@ class AgentStage(Stage):
     def __init__(self, stage_id: str, config: BaseModel, resources: Resources):
         super().__init__(stage_id, config, resources)
         self._pins: asyncio.Task[list[BoundTool]] | None = None
-        try:  # a version pins its MCP tools as it loads; at once where a loop runs (serve, reload)
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        if resources.tools is not None:
+
+    def start(self) -> None:
+        """Pin the tools now, in the background, as the server starts serving the version (at its start, a
+        reload, a deploy); a failure is logged, and the first request tries again. Unstarted (a pipeline built
+        for one request), the first request pins them."""
+        if self._pins is None and self.resources.tools is not None:
             self._pins = asyncio.ensure_future(self._pin())
             self._pins.add_done_callback(self._pin_failed)
 

@@ -89,7 +89,10 @@ class Deployments:
         pipeline = self._pinned.get(found.spec_sha256)
         if pipeline is None:
             loaded = await asyncio.to_thread(self.workspace.load_pipeline_text, found.text, found.source)
-            pipeline = self._pinned.setdefault(found.spec_sha256, Pipeline(loaded, self.resources))
+            pipeline = self._pinned.get(found.spec_sha256)  # another request may have built it meanwhile
+            if pipeline is None:
+                pipeline = self._pinned[found.spec_sha256] = Pipeline(loaded, self.resources)
+                pipeline.start()
         return pipeline
 
     async def record_version(self, loaded: LoadedPipeline, deployed_by: str = "file") -> None:

@@ -240,6 +240,7 @@ class PipelineReloader:
         pipelines = self.runtime.pipelines
         name = loaded.spec.name
         fresh = Pipeline(loaded, self.runtime.resources)
+        fresh.start()
         before = self._served.get(path)
         old = pipelines.swap(fresh)  # one step: the next request finds the new version
         self._served[path] = name

@@ -181,6 +181,8 @@ class Runtime:
             await asyncio.to_thread(self.indexes.refresh, used)
         stack.push_async_callback(self.deployments.aclose)
         stack.push_async_callback(self._close_pipelines)
+        for pipeline in self.pipelines.values():  # now that their tools' pins can be kept
+            pipeline.start()
         stack.push_async_callback(self.pool.close)
         if isinstance(self.resources.tools, ToolHub):
             stack.push_async_callback(self.resources.tools.aclose)

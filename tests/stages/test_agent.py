@@ -188,7 +188,8 @@ async def test_a_changed_schema_is_refused_until_a_new_version_is_deployed(regis
     engine, tools = ScriptedEngine(call("order_status", order_id="A-1"), "Could not look."), MemoryTools()
     loaded = load_pipeline_text(textwrap.dedent(PIPELINE), "orders.yaml", registry, CATALOG)
     pipeline = Pipeline(loaded, Resources(CATALOG, engines=FakeEngines(smol=engine), audit=Sink(), tools=tools))
-    await asyncio.sleep(0)  # the version pins its tools as it loads
+    pipeline.start()  # the version pins its tools as the server starts serving it
+    await asyncio.sleep(0)
     tools.schemas["order_status"] = {**STATUS, "properties": {"order_id": {"type": "string"}, "all": {}}}
     ctx = RequestContext.from_text("orders", "Where is A-1?")
     final = await Runner().run(pipeline, ctx)

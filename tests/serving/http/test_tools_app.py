@@ -10,6 +10,7 @@ import json
 import os
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,17 @@ def _workspace(tmp_path, monkeypatch, orders, audit_with: str) -> Path:
     return config
 
 
+def pinned(database: Path, wait_s: float = 10.0) -> list[str]:
+    """The MCP tools pinned in *database*, once there are some (the server pins them in the background)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with sqlite3.connect(database) as db:
+            tools = sorted(row[0] for row in db.execute("SELECT tool FROM tool_pins"))
+        if tools or time.monotonic() > deadline:
+            return tools
+        time.sleep(0.05)
+
+
 def test_order_status_runs_its_tools_without_passing_the_callers_token(tmp_path, monkeypatch, orders):
     config = _workspace(tmp_path, monkeypatch, orders, "{content: full}")
     keys = KeyStore(make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}"))
@@ -80,6 +92,7 @@ def test_order_status_runs_its_tools_without_passing_the_callers_token(tmp_path,
     with TestClient(create_server(open_workspace(str(config)), engines=FakeEngines(smol=engine))) as client:
         _, caller = keys.create("app", "caller")
         _, auditor = keys.create("reviewer", "auditor")
+        assert pinned(tmp_path / "db.sqlite") == ["answer/orders/order_status"]  # as it started, before a request
         response = client.post("/pipelines/order_status", json={"input": "Where is A-1001?"},
                                headers={"Authorization": f"Bearer {caller}"})
         assert response.status_code == 200, response.text
