@@ -52,16 +52,15 @@ import logging
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, cast
 
 from pydantic import BaseModel, Field
 
-from pipeline.context import ChatMessage, RequestContext, Usage, chat_turns
+from pipeline.context import RequestContext, Usage, chat_turns
 from pipeline.errors import BackendError, StageError, StageTimeout
 from pipeline.protocols import Catalog, ChatEngine, Resources
 from pipeline.stage import CheckIssue, Stage, StageScope
-from pipeline.template import Template, compile_template
+from pipeline.template import Template
 from pipeline.tracing import GEN_AI_REQUEST_MODEL
 from stages import tools as functions
 from stages.agent_calls import ProposedCall, ToolCaller, proposed_calls
@@ -77,9 +76,8 @@ from stages.agent_tools import (
     spec_issues,
 )
 from stages.engines import engine_for
-from stages.generate import GenerateConfig, _sampling
-from stages.llm import charge, earlier_turns
-from stages.prompt import template_issues
+from stages.generate import _sampling
+from stages.llm import ChatStepConfig, charge
 from stages.stream import _Out, _text_of
 from stages.text import IncrementalDetokenizer
 
@@ -91,15 +89,7 @@ PARALLEL_NOTE = "To call several functions at once, reply with a JSON array of s
 APPROVAL_REQUIRED = "approval_required"
 
 
-class AgentConfig(GenerateConfig):
-    #: The model (default: the server's first).
-    model: str | None = None
-    #: The system message template.
-    system: str | None = None
-    #: The user message template.
-    user: str = "{{ input }}"
-    #: Put the client's earlier turns before the user message.
-    history: bool = False
+class AgentConfig(ChatStepConfig):
     #: The tools the model may call.
     tools: list[ToolSpec] = Field(min_length=1)
     #: Model calls at most (each may propose tool calls); still calling after them fails the step.
@@ -111,11 +101,6 @@ class AgentConfig(GenerateConfig):
     #: A tool result longer than this is cut before the model sees it.
     max_result_chars: int = Field(16000, ge=100, le=1_000_000)
     client_params: list[str] = Field(default_factory=lambda: ["max_tokens", "temperature", "top_p", "seed"])
-
-    @cached_property
-    def compiled(self) -> dict[str, Template]:
-        sources = {"user": self.user} if self.system is None else {"system": self.system, "user": self.user}
-        return {key: compile_template(text) for key, text in sources.items()}
 
 
 @dataclass(slots=True)
@@ -167,16 +152,10 @@ class AgentStage(Stage):
     @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
         config = cast(AgentConfig, config)
-        issues: list[CheckIssue] = [*template_issues(lambda: config.compiled),
-                                    *spec_issues(config.tools, catalog.mcp_servers, catalog.tool_headers)]
+        issues = [*config.issues(catalog), *spec_issues(config.tools, catalog.mcp_servers, catalog.tool_headers)]
         if config.output is not None:
             issues.append((("output",), "an agent's answer is free text: remove output: (a later llm step can "
                                         "constrain it)"))
-        if config.model is None and not catalog.models:
-            issues.append(((), "no model to call: inferline.yaml has no models; add one, or set model:"))
-        elif config.model is not None and config.model not in catalog.models:
-            issues.append((("model",), f"unknown model {config.model!r} (models in inferline.yaml: "
-                                       f"{', '.join(sorted(catalog.models)) or 'none'})"))
         if config.max_rounds > catalog.max_rounds:
             issues.append((("max_rounds",), f"at most {catalog.max_rounds} rounds (the server's "
                                             "workflows.max_rounds); write a smaller max_rounds"))
@@ -213,7 +192,7 @@ class AgentStage(Stage):
         offered = [tool.offered() for tool in toolset.values()]
         system = f"{functions.preamble(offered, 'auto')} {PARALLEL_NOTE}"
         resumed = self._resumed(ctx)
-        turns = list(resumed["turns"]) if resumed else chat_turns(self._messages(ctx, config, system))
+        turns = list(resumed["turns"]) if resumed else chat_turns(config.messages(ctx, system))
         model, engine = await engine_for(self.resources, config.model or "")
         sampling = _sampling(config, ctx.params if scope.streams else {})
         scope.set_attribute(GEN_AI_REQUEST_MODEL, model)
@@ -412,16 +391,6 @@ class AgentStage(Stage):
         return [BoundTool(name, "mcp", listed[name].description, dict(listed[name].parameters),
                           pinned[keys[name]], spec, spec.server, allow_sha) for name in spec.allow
                 if name not in drifted]
-
-    def _messages(self, ctx: RequestContext, config: AgentConfig, preamble: str) -> list[ChatMessage]:
-        values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}
-        system = config.compiled.get("system")
-        system_text = system.render(values).strip() if system is not None else ""
-        messages = [ChatMessage("system", f"{system_text}\n\n{preamble}" if system_text else preamble)]
-        if config.history:
-            messages += earlier_turns(ctx)
-        messages.append(ChatMessage("user", config.compiled["user"].render(values).strip()))
-        return messages
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
         charge(self.resources.catalog, model, usage, seconds, scope)

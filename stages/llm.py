@@ -53,7 +53,10 @@ from stages.stream import _Out, _text_of, check_output
 from stages.text import IncrementalDetokenizer, StopStrings
 
 
-class LlmConfig(GenerateConfig):
+class ChatStepConfig(GenerateConfig):
+    """What a step that builds its own chat prompt takes (``llm``, ``agent``): its model, its system and user
+    message templates, and whether the client's earlier turns go between them."""
+
     #: The model (default: the server's first).
     model: ModelRef | None = None
     #: The system message template; none when left out.
@@ -62,6 +65,35 @@ class LlmConfig(GenerateConfig):
     user: str = "{{ input }}"
     #: Put the client's earlier turns before the user message.
     history: bool = False
+
+    @cached_property
+    def compiled(self) -> dict[str, Template]:
+        sources = {"user": self.user} if self.system is None else {"system": self.system, "user": self.user}
+        return {key: compile_template(text) for key, text in sources.items()}
+
+    def messages(self, ctx: RequestContext, more_system: str = "") -> list[ChatMessage]:
+        """The prompt for *ctx*: the system message (rendered, then *more_system*; none when both are empty), the
+        earlier turns with ``history``, the user message."""
+        values = {name: ctx.field_value(name) for template in self.compiled.values() for name in template.names}
+        system = self.compiled.get("system")
+        system_text = system.render(values).strip() if system is not None else ""
+        if more_system:
+            system_text = f"{system_text}\n\n{more_system}" if system_text else more_system
+        messages = [ChatMessage("system", system_text)] if system_text else []
+        if self.history:
+            messages += earlier_turns(ctx)
+        messages.append(ChatMessage("user", self.compiled["user"].render(values).strip()))
+        return messages
+
+    def issues(self, catalog: Catalog) -> list[CheckIssue]:
+        """Its templates' load errors, and a missing model."""
+        issues = template_issues(lambda: self.compiled)
+        if self.model is None and not catalog.models:
+            issues.append(((), "no model to call: inferline.yaml has no models; add one, or set model:"))
+        return issues
+
+
+class LlmConfig(ChatStepConfig):
     #: Steps whose ``documents`` (a retrieve step's) join the prompt as numbered sources, in this order.
     documents: list[str] = Field(default_factory=list)
     #: The line above the documents in the system message.
@@ -75,10 +107,6 @@ class LlmConfig(GenerateConfig):
         default_factory=lambda: ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"])
 
-    @cached_property
-    def compiled(self) -> dict[str, Template]:
-        sources = {"user": self.user} if self.system is None else {"system": self.system, "user": self.user}
-        return {key: compile_template(text) for key, text in sources.items()}
 
 
 @dataclass(slots=True)
@@ -111,10 +139,7 @@ class LlmStage(Stage):
     @classmethod
     def check(cls, config: BaseModel, catalog: Catalog) -> list[CheckIssue]:
         config = cast(LlmConfig, config)
-        issues = template_issues(lambda: config.compiled)
-        if config.model is None and not catalog.models:
-            issues.append(((), "no model to call: inferline.yaml has no models; add one, or set model:"))
-        return issues + (output_issues(config.output, catalog) if config.output is not None else [])
+        return config.issues(catalog) + (output_issues(config.output, catalog) if config.output is not None else [])
 
     @classmethod
     def model_of(cls, config: BaseModel) -> str | None:
@@ -189,19 +214,7 @@ class LlmStage(Stage):
         return self._messages(ctx, cast(LlmConfig, self.config), [])
 
     def _messages(self, ctx: RequestContext, config: LlmConfig, documents: list[Document]) -> list[ChatMessage]:
-        values = {name: ctx.field_value(name) for template in config.compiled.values() for name in template.names}
-        messages: list[ChatMessage] = []
-        system = config.compiled.get("system")
-        system_text = system.render(values).strip() if system is not None else ""
-        if documents:
-            block = sources_block(config.sources_heading, documents)
-            system_text = f"{system_text}\n\n{block}" if system_text else block
-        if system_text:
-            messages.append(ChatMessage("system", system_text))
-        if config.history:
-            messages += earlier_turns(ctx)
-        messages.append(ChatMessage("user", config.compiled["user"].render(values).strip()))
-        return messages
+        return config.messages(ctx, sources_block(config.sources_heading, documents) if documents else "")
 
     def _account(self, model: str, usage: Usage, seconds: float, scope: StageScope) -> None:
         charge(self.resources.catalog, model, usage, seconds, scope)

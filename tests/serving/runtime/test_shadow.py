@@ -3,7 +3,6 @@ output is not the served run's, and only those (the in-process app over scripted
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from litestar.testing import TestClient
@@ -11,6 +10,7 @@ from litestar.testing import TestClient
 from serving.runtime.workspace import open_workspace
 from serving.server import create_server
 from tests.fakes import FakeEngine, FakeEngines, FakeStream
+from tests.serving.http.test_deploy_routes import _metric, _wait_for
 from tests.serving.workspaces import CHAT, write_workspace
 
 ROOT = Path(__file__).parents[3]
@@ -35,18 +35,6 @@ class ScriptedEngine(FakeEngine):
         stream = FakeStream(reply.encode(), len(prompt_ids), sampling.max_tokens)
         self.streams.append(stream)
         return stream
-
-
-def _metric(client: TestClient, line_start: str) -> float:
-    found = [line for line in client.get("/metrics").text.splitlines() if line.startswith(line_start)]
-    return float(found[0].rsplit(" ", 1)[1]) if found else 0.0
-
-
-def _wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def _app(tmp_path, monkeypatch):
